@@ -1,0 +1,81 @@
+"""One rank of a tiny HF Trainer + DeepSpeed ZeRO-3 run (the `checkpoint-N/` layout).
+
+argv: spec.json result.json. Saves at spec.save_at into spec.save_dir/checkpoint-N;
+with spec.load_dir set, resumes with `trainer.train(resume_from_checkpoint=load_dir)`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from mpitailor.tinytrain.model import batch, build_model
+from mpitailor.tinytrain.spec import TrainSpec
+from mpitailor.tinytrain.worker import skip_shm_build
+
+
+def patch_for_cpu(bf16: bool) -> None:
+    """Two things stop HF Trainer + DeepSpeed on a CPU-only box; undo just those."""
+    import accelerate.state
+    import transformers.training_args as ta
+    from accelerate.utils import DistributedType
+
+    orig = accelerate.state.PartialState.__init__
+
+    def init(self, cpu: bool = False, **kwargs):
+        # accelerate finds no backend without a GPU and falls back to a world of one.
+        if "LOCAL_RANK" in os.environ and not kwargs.get("backend"):
+            kwargs["backend"] = "gloo"
+        orig(self, cpu, **kwargs)
+        if self.distributed_type == DistributedType.NO and int(os.environ["WORLD_SIZE"]) > 1:
+            self.distributed_type = DistributedType.MULTI_CPU
+    accelerate.state.PartialState.__init__ = init
+    if bf16:
+        ta.is_torch_bf16_gpu_available = lambda: True
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, spec: TrainSpec, n: int) -> None:
+        self.rows = [batch(spec, i, 0)[0] for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = TrainSpec.from_json(Path(spec_path).read_text())
+    skip_shm_build()
+    patch_for_cpu(spec.dtype == "bf16")
+    import transformers
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "train_batch_size": "auto", "gradient_clipping": "auto",
+          "zero_optimization": {"stage": 3, "sub_group_size": spec.sub_group_size},
+          "bf16": {"enabled": "auto"}, "zero_allow_untested_optimizer": True,
+          "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9}
+    save_every = spec.save_at[0]
+    args = transformers.TrainingArguments(
+        output_dir=spec.save_dir, max_steps=spec.steps, save_steps=save_every,
+        save_strategy="steps", per_device_train_batch_size=spec.micro_batch,
+        learning_rate=spec.lr, weight_decay=0.01, warmup_steps=2, logging_steps=1,
+        bf16=spec.dtype == "bf16", deepspeed=ds, report_to=[], seed=spec.seed,
+        dataloader_num_workers=0, save_only_model=False, use_cpu=False)
+    model = build_model(spec)
+    data = TokenData(spec, spec.steps * spec.micro_batch * spec.world_size * 2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=spec.load_dir)
+    if trainer.args.process_index == 0:
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        Path(result_path).write_text(json.dumps(
+            {"losses": losses, "global_steps": trainer.state.global_step,
+             "world_size": trainer.args.world_size}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

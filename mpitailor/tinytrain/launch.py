@@ -1,0 +1,91 @@
+"""Start a tiny training run as W real processes (one per ZeRO rank) and wait for it."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mpitailor.tinytrain.spec import TrainSpec
+
+# Variables that would make a child believe it is part of an outer MPI job (pytest under
+# mpiexec): the training ranks find each other through RANK/WORLD_SIZE instead.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "SLURM_")
+
+
+class TrainFailed(RuntimeError):
+    """A training rank exited non-zero or the run timed out."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def launch(spec: TrainSpec, *, module: str = "mpitailor.tinytrain.worker",
+           timeout: float = 300.0) -> dict:
+    """Run `spec` on spec.world_size processes; return rank 0's result record.
+
+    Raises TrainFailed with the tail of the failing rank's log.
+    """
+    Path(spec.save_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mpitailor-train-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        result_path = Path(tmp) / "result.json"
+        spec.write(spec_path)
+        port = free_port()
+        procs, logs = [], []
+        for rank in range(spec.world_size):
+            log = open(Path(tmp) / f"rank{rank}.log", "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", module, str(spec_path), str(result_path)],
+                env=worker_env(rank, spec.world_size, port), stdout=log,
+                stderr=subprocess.STDOUT))
+        try:
+            _wait_all(procs, logs, timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in logs:
+                log.close()
+        return json.loads(result_path.read_text())
+
+
+def _wait_all(procs, logs, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            raise TrainFailed(f"training rank {bad[0]} exited {codes[bad[0]]}:\n"
+                              + _tail(logs[bad[0]]))
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            raise TrainFailed(f"training timed out after {timeout:.0f}s:\n" + _tail(logs[0]))
+        time.sleep(0.05)
+
+
+def _tail(log, chars: int = 4000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-chars:]

@@ -1,0 +1,37 @@
+"""Tiny random-init models and their data, identical on every rank for a given seed."""
+from __future__ import annotations
+
+import torch
+
+from mpitailor.tinytrain.spec import TrainSpec
+
+
+def build_model(spec: TrainSpec) -> torch.nn.Module:
+    import transformers
+
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden,
+                  intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
+                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                  max_position_embeddings=max(64, spec.seq_len),
+                  tie_word_embeddings=spec.tie)
+    if spec.arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(spec.seed)
+    model = cls(config)
+    for name, p in model.named_parameters():
+        if name in spec.frozen:
+            p.requires_grad_(False)
+    missing = set(spec.frozen) - {n for n, _ in model.named_parameters()}
+    if missing:
+        raise ValueError(f"frozen names not in the model: {sorted(missing)}")
+    return model
+
+
+def batch(spec: TrainSpec, step: int, rank: int) -> torch.Tensor:
+    """Token ids for one micro-batch: random but a pure function of (seed, step, rank)."""
+    g = torch.Generator().manual_seed(spec.data_seed * 1_000_003 + step * 131 + rank)
+    return torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq_len), generator=g)

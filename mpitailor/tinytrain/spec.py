@@ -1,0 +1,64 @@
+"""What a tiny training run does: a plain, JSON-serialisable record."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2")
+DTYPES = ("fp32", "bf16")
+GROUPINGS = ("one", "decay", "per_layer")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """One tiny DeepSpeed ZeRO-3 run: model, optimizer layout, steps, saves, resume."""
+
+    save_dir: str
+    world_size: int = 2
+    arch: str = "llama"
+    layers: int = 4
+    hidden: int = 64
+    intermediate: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 256
+    seq_len: int = 16
+    micro_batch: int = 2
+    tie: bool = False
+    dtype: str = "fp32"
+    grouping: str = "one"
+    sub_group_size: int = 1_000_000_000
+    frozen: tuple[str, ...] = ()
+    seed: int = 1234
+    lr: float = 1e-3
+    steps: int = 10
+    save_at: tuple[int, ...] = (5, 10)
+    load_dir: str | None = None
+    load_tag: str | None = None
+    data_seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"grouping must be one of {GROUPINGS}, got {self.grouping!r}")
+        if (self.load_dir is None) != (self.load_tag is None):
+            raise ValueError("load_dir and load_tag go together")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainSpec":
+        raw = json.loads(text)
+        raw["frozen"] = tuple(raw["frozen"])
+        raw["save_at"] = tuple(raw["save_at"])
+        return cls(**raw)
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.to_json())

@@ -1,0 +1,97 @@
+"""One rank of a tiny DeepSpeed ZeRO-3 run. Started by `launch`, never by hand.
+
+argv: spec.json result.json. Rank 0 writes the result: losses per step and saved tags.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from mpitailor.tinytrain.model import batch, build_model
+from mpitailor.tinytrain.spec import TrainSpec
+from mpitailor.training.groups import decay_param_groups, per_layer_param_groups
+
+
+def skip_shm_build() -> None:
+    """DeepSpeed JIT-compiles a CPU shared-memory all-reduce at init (~25 s of g++).
+    Training on gloo does not need it."""
+    import deepspeed.comm.torch  # noqa: F401  (registers the module)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def ds_config(spec: TrainSpec) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": 0.01,
+                                                  "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                                                     "warmup_max_lr": spec.lr,
+                                                     "warmup_num_steps": 4}},
+        "zero_optimization": {"stage": 3, "sub_group_size": spec.sub_group_size},
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(spec: TrainSpec, model: torch.nn.Module):
+    if spec.grouping == "per_layer":
+        return per_layer_param_groups(model, weight_decay=0.01)
+    if spec.grouping == "decay":
+        return decay_param_groups(model, weight_decay=0.01)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_engine(spec: TrainSpec):
+    import deepspeed
+
+    skip_shm_build()
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(spec)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(spec, model),
+                                      config=ds_config(spec))
+    return engine
+
+
+def train(spec: TrainSpec, engine, first_step: int, on_save=None) -> list[float]:
+    """Train from `first_step`+1 to spec.steps; save at spec.save_at. Returns losses."""
+    rank = engine.global_rank
+    losses = []
+    for step in range(first_step + 1, spec.steps + 1):
+        ids = batch(spec, step, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+        if step in spec.save_at:
+            (on_save or _save_full)(engine, spec, step)
+    return losses
+
+
+def _save_full(engine, spec: TrainSpec, step: int) -> None:
+    engine.save_checkpoint(spec.save_dir, tag=f"global_step{step}")
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = TrainSpec.from_json(Path(spec_path).read_text())
+    engine = build_engine(spec)
+    first = 0
+    if spec.load_dir is not None:
+        path, _ = engine.load_checkpoint(spec.load_dir, tag=spec.load_tag)
+        if path is None:
+            raise SystemExit(f"DeepSpeed loaded nothing from {spec.load_dir}/{spec.load_tag}")
+        first = engine.global_steps
+    losses = train(spec, engine, first)
+    if engine.global_rank == 0:
+        Path(result_path).write_text(json.dumps(
+            {"losses": losses, "first_step": first, "global_steps": engine.global_steps,
+             "world_size": engine.world_size}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

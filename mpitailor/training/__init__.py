@@ -1,0 +1,1 @@
+"""Training side: helpers used inside a DeepSpeed training run."""

@@ -1,0 +1,102 @@
+"""Find the rank files of a DeepSpeed ZeRO-3 checkpoint on disk.
+
+A checkpoint may be named by its tag dir (`save/global_step10`), by a save dir whose
+`latest` file names the tag, or by an HF Trainer `checkpoint-N/` (a save dir with extras).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpitailor.errors import CheckpointError
+
+MODEL_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
+OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+STAGE12_MODEL = "mp_rank_00_model_states.pt"
+
+
+def model_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def optim_file(rank: int, bf16: bool) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFiles:
+    """The tag dir of one ZeRO-3 checkpoint and what its file names say."""
+
+    tag_dir: Path
+    world_size: int
+    bf16_prefix: bool
+    save_dir: Path | None  # the dir holding `latest` (and HF extras), if named that way
+
+    @property
+    def tag(self) -> str:
+        return self.tag_dir.name
+
+    def model_path(self, rank: int) -> Path:
+        return self.tag_dir / model_file(rank)
+
+    def optim_path(self, rank: int) -> Path:
+        return self.tag_dir / optim_file(rank, self.bf16_prefix)
+
+
+def resolve(path: Path | str) -> CheckpointFiles:
+    """Recognise a tag dir, a save dir with `latest`, or an HF `checkpoint-N/`."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint; check the path")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; name a DeepSpeed save dir or tag dir")
+    if _has_rank_files(path) or (path / STAGE12_MODEL).exists():
+        return _scan_tag_dir(path, save_dir=None)
+    latest = path / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if not tag or "/" in tag or tag in (".", ".."):
+            raise CheckpointError(f"{latest}: does not name a tag dir (got {tag!r})")
+        if not (path / tag).is_dir():
+            raise CheckpointError(f"{latest}: names tag {tag!r} but {path / tag} is missing")
+        return _scan_tag_dir(path / tag, save_dir=path)
+    raise CheckpointError(
+        f"{path}: neither a DeepSpeed tag dir (zero_pp_rank_*_model_states.pt) nor a save dir "
+        f"with a `latest` file; name the tag dir, e.g. {path}/global_stepN")
+
+
+def _has_rank_files(path: Path) -> bool:
+    return any(MODEL_RE.fullmatch(p.name) for p in path.iterdir())
+
+
+def _scan_tag_dir(tag_dir: Path, save_dir: Path | None) -> CheckpointFiles:
+    names = [p.name for p in tag_dir.iterdir()]
+    model_ranks = sorted(int(m.group(1)) for n in names if (m := MODEL_RE.fullmatch(n)))
+    optim = [(bool(m.group(1)), int(m.group(2))) for n in names if (m := OPTIM_RE.fullmatch(n))]
+    if not model_ranks and STAGE12_MODEL in names:
+        raise CheckpointError(
+            f"{tag_dir}: a ZeRO stage 1/2 (or non-ZeRO) checkpoint; mpitailor supports ZeRO "
+            f"stage 3 only (stage 1/2 layouts are not supported)")
+    if not model_ranks:
+        raise CheckpointError(f"{tag_dir}: no zero_pp_rank_*_model_states.pt files")
+    world = max(model_ranks) + 1
+    missing = sorted(set(range(world)) - set(model_ranks))
+    if missing:
+        raise CheckpointError(f"{tag_dir}: missing {model_file(missing[0])} "
+                              f"(have ranks {model_ranks}); the checkpoint is incomplete")
+    prefixes = {bf16 for bf16, _ in optim}
+    if len(prefixes) > 1:
+        raise CheckpointError(f"{tag_dir}: both bf16_ and plain optim_states files; "
+                              f"remove the stale ones")
+    bf16 = prefixes.pop() if prefixes else False
+    optim_ranks = sorted(r for _, r in optim)
+    missing = sorted(set(range(world)) - set(optim_ranks))
+    if missing:
+        raise CheckpointError(f"{tag_dir}: missing {optim_file(missing[0], bf16)}; "
+                              f"the checkpoint is incomplete")
+    if optim_ranks != list(range(world)):
+        raise CheckpointError(f"{tag_dir}: optim_states for ranks {optim_ranks} but model "
+                              f"states for ranks 0..{world - 1}; files from different runs?")
+    return CheckpointFiles(tag_dir=tag_dir, world_size=world, bf16_prefix=bf16,
+                           save_dir=save_dir)

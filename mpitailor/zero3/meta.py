@@ -1,0 +1,103 @@
+"""What one ZeRO-3 checkpoint is: layout, counters, groups, dtype. Read from rank 0's files.
+
+The record is small, frozen and picklable, so rank 0 can read it once and broadcast it;
+each rank then checks its own rank files against it when it opens them (`shard.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mpitailor.errors import CheckpointError
+from mpitailor.zero3 import files as zfiles
+from mpitailor.zero3.files import CheckpointFiles
+from mpitailor.zero3.layout import Layout, compute_layout
+from mpitailor.zero3.safeload import load
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMeta:
+    files: CheckpointFiles
+    layout: Layout
+    dtype: str                                   # model (16-bit or fp32) dtype
+    global_steps: int
+    global_samples: int
+    param_groups: tuple[tuple[int, ...], ...]    # sub-group ids of each optimizer param group
+    subgroup_steps: tuple[float, ...]            # Adam `step` of each sub-group
+    frozen_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    shared_params: tuple[tuple[str, str], ...]   # alias -> tied parameter
+    ds_version: str
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def path(self) -> Path:
+        return self.files.tag_dir
+
+    def fingerprint(self) -> tuple:
+        """What two checkpoints must share to be merged position by position."""
+        return (self.layout, self.frozen_shapes, self.dtype, self.param_groups)
+
+
+def read_meta(path: Path | str) -> CheckpointMeta:
+    """Read a checkpoint's metadata from its rank-0 files (memory-mapped, tensors untouched)."""
+    files = zfiles.resolve(path)
+    model = load(files.model_path(0))
+    optim = load(files.optim_path(0))
+    _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
+    _require_keys(files.optim_path(0), optim, ("optimizer_state_dict",))
+    osd = optim["optimizer_state_dict"]
+    stage = int(osd.get("zero_stage", 3))
+    if stage != 3:
+        raise CheckpointError(f"{files.optim_path(0)}: a ZeRO stage {stage} checkpoint; "
+                              f"mpitailor supports ZeRO stage 3 only (not supported)")
+    world = int(model["dp_world_size"])
+    if world != files.world_size or int(osd.get("partition_count", world)) != world:
+        raise CheckpointError(
+            f"{files.tag_dir}: {files.world_size} rank files but dp_world_size={world} and "
+            f"partition_count={osd.get('partition_count')}; files from different runs?")
+    layout = compute_layout(model["param_shapes"], world)
+    inner = osd["optimizer_state_dict"]
+    n_sub = len(layout.subgroup_sizes)
+    flat = osd.get("fp32_flat_groups", [])
+    if len(flat) != n_sub or any(t.numel() != n for t, n in zip(flat, layout.subgroup_sizes)):
+        raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
+                              f"param_shapes of {files.model_path(0)}; files from different runs?")
+    return CheckpointMeta(
+        files=files, layout=layout, dtype=_model_dtype(model),
+        global_steps=int(model["global_steps"]),
+        global_samples=int(model.get("global_samples", 0)),
+        param_groups=tuple(tuple(int(i) for i in g["params"]) for g in inner["param_groups"]),
+        subgroup_steps=tuple(_step_value(inner["state"].get(i, {})) for i in range(n_sub)),
+        frozen_shapes=tuple((n, tuple(int(d) for d in s))
+                            for n, s in (model.get("frozen_param_shapes") or {}).items()),
+        shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
+        ds_version=str(model.get("ds_version", "")),
+    )
+
+
+def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a DeepSpeed checkpoint dict")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise CheckpointError(f"{path}: missing key {missing[0]!r}; not a DeepSpeed ZeRO-3 "
+                              f"checkpoint file")
+
+
+def _model_dtype(model: dict) -> str:
+    for t in model.get("module", {}).values():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return DTYPE_NAMES.get(t.dtype, str(t.dtype))
+    return "fp32"
+
+
+def _step_value(state: dict) -> float:
+    step = state.get("step", 0)
+    return float(step.item() if isinstance(step, torch.Tensor) else step)
