@@ -30,6 +30,7 @@ class TrainSpec:
     dtype: str = "fp32"
     grouping: str = "one"
     sub_group_size: int = 1_000_000_000
+    zero_stage: int = 3
     frozen: tuple[str, ...] = ()
     seed: int = 1234
     lr: float = 1e-3

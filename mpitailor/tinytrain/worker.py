@@ -31,7 +31,7 @@ def ds_config(spec: TrainSpec) -> dict:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
                                                      "warmup_max_lr": spec.lr,
                                                      "warmup_num_steps": 4}},
-        "zero_optimization": {"stage": 3, "sub_group_size": spec.sub_group_size},
+        "zero_optimization": {"stage": spec.zero_stage, "sub_group_size": spec.sub_group_size},
         "bf16": {"enabled": spec.dtype == "bf16"},
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,

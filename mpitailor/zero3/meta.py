@@ -14,6 +14,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.zero3 import files as zfiles
 from mpitailor.zero3.files import CheckpointFiles
 from mpitailor.zero3.layout import Layout, compute_layout
+from mpitailor.zero3.rawio import materialize_small
 from mpitailor.zero3.safeload import load
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -49,7 +50,7 @@ def read_meta(path: Path | str) -> CheckpointMeta:
     """Read a checkpoint's metadata from its rank-0 files (memory-mapped, tensors untouched)."""
     files = zfiles.resolve(path)
     model = load(files.model_path(0))
-    optim = load(files.optim_path(0))
+    optim = load(files.optim_path(0), index_only=True)  # structure only; steps read below
     _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
     _require_keys(files.optim_path(0), optim, ("optimizer_state_dict",))
     osd = optim["optimizer_state_dict"]
@@ -74,7 +75,7 @@ def read_meta(path: Path | str) -> CheckpointMeta:
         global_steps=int(model["global_steps"]),
         global_samples=int(model.get("global_samples", 0)),
         param_groups=tuple(tuple(int(i) for i in g["params"]) for g in inner["param_groups"]),
-        subgroup_steps=tuple(_step_value(inner["state"].get(i, {})) for i in range(n_sub)),
+        subgroup_steps=_read_steps(files.optim_path(0), inner["state"], n_sub),
         frozen_shapes=tuple((n, tuple(int(d) for d in s))
                             for n, s in (model.get("frozen_param_shapes") or {}).items()),
         shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
@@ -98,6 +99,8 @@ def _model_dtype(model: dict) -> str:
     return "fp32"
 
 
-def _step_value(state: dict) -> float:
-    step = state.get("step", 0)
-    return float(step.item() if isinstance(step, torch.Tensor) else step)
+def _read_steps(path: Path, state: dict, n_sub: int) -> tuple[float, ...]:
+    with open(path, "rb") as f:
+        state = materialize_small({i: state.get(i, {}).get("step", 0) for i in range(n_sub)},
+                                  f.fileno())
+    return tuple(float(s.item() if isinstance(s, torch.Tensor) else s) for s in state.values())

@@ -6,6 +6,7 @@ else is. Files are memory-mapped, so only the pages of the tensors a caller touc
 """
 from __future__ import annotations
 
+import logging
 import pickle
 import zipfile
 from pathlib import Path
@@ -17,9 +18,16 @@ from mpitailor.errors import CheckpointError
 
 
 def _deepspeed_globals() -> list:
-    # Imported lazily: the two modules are small and pull no accelerator code.
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
+    # Imported lazily. DeepSpeed's package init warns once that it picked the CPU
+    # accelerator; that says nothing about mpitailor's work, so keep it off the console.
+    ds_log = logging.getLogger("DeepSpeed")
+    mute = logging.Filter("nothing")  # passes no record named "DeepSpeed"
+    ds_log.addFilter(mute)
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+    finally:
+        ds_log.removeFilter(mute)
     return [ZeroStageEnum, LossScaler, DynamicLossScaler]
 
 
@@ -34,23 +42,36 @@ def _numpy_globals() -> list:
 ALLOWED = {"deepspeed": _deepspeed_globals, "numpy": _numpy_globals}
 
 
-def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",), mmap: bool = True) -> Any:
-    """Load a torch-serialised file safely; one-line CheckpointError on any failure."""
+def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",), mmap: bool = True,
+         index_only: bool = False) -> Any:
+    """Load a torch-serialised file safely; one-line CheckpointError on any failure.
+
+    index_only: parse the structure only; tensors come back on the meta device, tagged with
+    their byte offsets (see rawio.py), and no tensor data is read.
+    """
     path = Path(path)
     allowed = [g for name in allow for g in ALLOWED[name]()]
+    where = "meta" if index_only else "cpu"
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path, map_location=where, weights_only=True,
+                              mmap=mmap and not index_only)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except pickle.UnpicklingError as e:
-        detail = str(e).split("\n")[0] if "Unsupported global" not in str(e) else \
-            next(line.strip() for line in str(e).splitlines() if "Unsupported global" in line)
         raise CheckpointError(
             f"{path}: refused to load: it pickles an object outside mpitailor's allow-list "
-            f"({detail}); mpitailor never runs code from checkpoint files") from None
+            f"({_culprit(str(e))}); mpitailor never runs code from checkpoint files") from None
     except (RuntimeError, zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
         first = str(e).strip().split("\n")[0]
         raise CheckpointError(
             f"{path}: unreadable or truncated checkpoint file ({first}); "
             f"re-copy it from the original save") from None
+
+
+def _culprit(message: str) -> str:
+    """The line of torch's long refusal that names the global it blocked."""
+    for line in message.splitlines():
+        if "GLOBAL" in line or "Unsupported" in line:
+            return line.strip().rstrip(".")
+    return "unsupported global"

@@ -1,11 +1,18 @@
-"""One rank's files of a checkpoint, opened memory-mapped and checked against its metadata."""
+"""One rank's files of a checkpoint, opened for byte-range reads and checked against rank 0.
+
+The optimizer file is parsed without reading its big buffers (see rawio.py); the fp32
+master weights and both Adam moments are then read slice by slice with `read_into`. The
+model-states file is small (placeholders, shapes, counters) and is memory-mapped.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from mpitailor.errors import CheckpointError
+from mpitailor.zero3 import rawio
 from mpitailor.zero3.meta import CheckpointMeta
 from mpitailor.zero3.safeload import load
 
@@ -15,48 +22,95 @@ KINDS = ("fp32",) + MOMENTS
 
 @dataclass
 class RankShard:
-    """The memory-mapped contents of rank `rank`'s model and optimizer files.
-
-    `flat(kind, g)` is the rank's flat buffer of sub-group g for kind fp32, exp_avg or
-    exp_avg_sq; slicing it reads only the pages of that slice.
-    """
+    """Rank `rank`'s model states (loaded) and optimizer file (indexed, open for reads)."""
 
     meta: CheckpointMeta
     rank: int
     model: dict
-    optim: dict
+    optim: dict   # big tensors on the meta device; Adam steps and scalars real
+    fd: int
+    offsets: dict[tuple[str, int], int]  # (kind, sub-group) -> byte offset in the optim file
 
     @property
     def inner(self) -> dict:
         return self.optim["optimizer_state_dict"]["optimizer_state_dict"]
 
-    def flat(self, kind: str, g: int) -> torch.Tensor:
-        if kind == "fp32":
-            return self.optim["optimizer_state_dict"]["fp32_flat_groups"][g]
-        return self.inner["state"][g][kind]
+    def read_into(self, kind: str, g: int, start: int, out: torch.Tensor) -> None:
+        """Fill fp32 `out` with elements [start, start + out.numel()) of sub-group g's
+        flat buffer of kind fp32/exp_avg/exp_avg_sq."""
+        try:
+            rawio.read_into(self.fd, self.offsets[kind, g] + start * 4, out)
+        except (OSError, EOFError) as e:
+            raise CheckpointError(f"{self.meta.files.optim_path(self.rank)}: read failed "
+                                  f"({e}); the file is damaged or truncated") from None
+
+    def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
+        size = self.meta.layout.subgroup_sizes[g]
+        out = torch.empty(size - start if length is None else length, dtype=torch.float32)
+        self.read_into(kind, g, start, out)
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "RankShard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
     """Open rank `rank`'s files; raise CheckpointError if they disagree with rank 0's."""
     model_path, optim_path = meta.files.model_path(rank), meta.files.optim_path(rank)
-    model, optim = load(model_path), load(optim_path)
+    model = load(model_path)
     if rank != 0:
-        shapes = [{n: tuple(s) for n, s in g.items()} for g in model.get("param_shapes", [])]
-        expect = [{s.name: s.shape for s in meta.layout.subgroup_slots(g)}
-                  for g in range(len(meta.layout.subgroup_sizes))]
-        if shapes != expect or int(model.get("global_steps", -1)) != meta.global_steps:
-            raise CheckpointError(f"{model_path}: disagrees with rank 0's model states "
-                                  f"(param_shapes or global_steps); files from different runs?")
-    shard = RankShard(meta, rank, model, optim)
+        _check_model_agrees(meta, model, model_path)
+    optim = load(optim_path, index_only=True)
+    fd = os.open(optim_path, os.O_RDONLY)
     try:
-        for g, size in enumerate(meta.layout.subgroup_sizes):
+        offsets = _flat_offsets(meta, optim, os.fstat(fd).st_size, optim_path)
+        return RankShard(meta, rank, model, rawio.materialize_small(optim, fd), fd, offsets)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_model_agrees(meta: CheckpointMeta, model: dict, path) -> None:
+    shapes = [{n: tuple(s) for n, s in g.items()} for g in model.get("param_shapes", [])]
+    expect = [{s.name: s.shape for s in meta.layout.subgroup_slots(g)}
+              for g in range(len(meta.layout.subgroup_sizes))]
+    if shapes != expect or int(model.get("global_steps", -1)) != meta.global_steps:
+        raise CheckpointError(f"{path}: disagrees with rank 0's model states "
+                              f"(param_shapes or global_steps); files from different runs?")
+
+
+def flat_tensor(optim: dict, kind: str, g: int) -> torch.Tensor:
+    """Sub-group g's flat buffer of kind fp32/exp_avg/exp_avg_sq in a loaded optim dict."""
+    osd = optim["optimizer_state_dict"]
+    if kind == "fp32":
+        return osd["fp32_flat_groups"][g]
+    return osd["optimizer_state_dict"]["state"][g][kind]
+
+
+def _flat_offsets(meta: CheckpointMeta, optim: dict, size: int, path) -> dict:
+    """Byte offset of every flat buffer, checked against the layout and the file size."""
+    offsets = {}
+    try:
+        for g, n in enumerate(meta.layout.subgroup_sizes):
             for kind in KINDS:
-                t = shard.flat(kind, g)
-                if t.dtype != torch.float32 or t.numel() != size:
+                t = flat_tensor(optim, kind, g)
+                if t.dtype != torch.float32 or t.numel() != n:
                     raise CheckpointError(
-                        f"{optim_path}: sub-group {g} {kind} is {t.dtype} x {t.numel()}, "
-                        f"expected float32 x {size}; files from different runs?")
+                        f"{path}: sub-group {g} {kind} is {t.dtype} x {t.numel()}, expected "
+                        f"float32 x {n}; files from different runs?")
+                offsets[kind, g] = rawio.file_offset(t)
+                if offsets[kind, g] + n * 4 > size:
+                    raise CheckpointError(f"{path}: sub-group {g} {kind} lies past the end of "
+                                          f"the file; the file is truncated")
     except (KeyError, IndexError, TypeError, AttributeError):
-        raise CheckpointError(f"{optim_path}: optimizer state incomplete (sub-group "
-                              f"buffers missing); not a DeepSpeed ZeRO-3 optim file") from None
-    return shard
+        raise CheckpointError(f"{path}: optimizer state incomplete (sub-group buffers "
+                              f"missing); not a DeepSpeed ZeRO-3 optim file") from None
+    return offsets

@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# torch first and pinned: a CPU wheel (an unpinned torch would pull a multi-GB CUDA build).
+TORCH   ?= torch==2.13.0
+DS      ?= deepspeed==0.19.8
+MPIEXEC := $(BIN)/mpiexec
+# Every pytest run has a wall-clock bound, and every test its own (pytest-timeout).
+PYTEST  := $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=600
+
+.PHONY: install fixtures test test-serial test-mpi demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q $(DS) -e '.[test,plot]'
+	touch $(STAMP)
+
+fixtures: install
+	$(BIN)/python tests/ckpt_fixtures.py
+
+test: fixtures
+	timeout 2400 $(PYTEST) tests
+	timeout 900 $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m mpi tests
+	timeout 900 $(MPIEXEC) -n 3 $(PYTEST) --with-mpi -m mpi tests
+
+demo: install
+	$(BIN)/python -m mpitailor.demo
+
+clean:
+	rm -rf $(VENV) .cache demo-out

@@ -1,0 +1,5 @@
+import sys
+
+from mpitailor.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""Command line: `python -m mpitailor RECIPE.yml` merges; subcommands do the rest.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad input. Errors are one line on every rank;
+tracebacks only with -v.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from mpitailor.errors import MpitailorError
+
+log = logging.getLogger(__name__)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from mpitailor.inspect_ckpt import format_table, report
+    from mpitailor.zero3 import read_meta
+
+    rep = report(read_meta(args.checkpoint))
+    print(json.dumps(rep, indent=2) if args.json else format_table(rep))
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from mpitailor.merge import run_merge_cli
+    return run_merge_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mpitailor",
+        description="Assemble composite DeepSpeed ZeRO-3 checkpoints layer by layer, with MPI. "
+                    "`python -m mpitailor RECIPE.yml` is short for `merge RECIPE.yml`.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-vv: from every rank); tracebacks on errors")
+        sp.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+
+    m = sub.add_parser("merge", help="merge checkpoints as a recipe says (MPI-parallel)")
+    m.add_argument("recipe", help="YAML recipe (MergeKit slices or the short `layers:` form)")
+    m.add_argument("-o", "--output", help="output dir (overrides the recipe's `output`)")
+    m.add_argument("--dry-run", action="store_true",
+                   help="print the plan and the bytes each rank would read and write")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    common(m)
+    m.set_defaults(func=cmd_merge, uses_mpi=True)
+
+    i = sub.add_parser("inspect", help="describe a ZeRO-3 checkpoint layer by layer")
+    i.add_argument("checkpoint", help="tag dir, save dir with `latest`, or HF checkpoint-N/")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    common(i)
+    i.set_defaults(func=cmd_inspect, uses_mpi=False)
+    return p
+
+
+SUBCOMMANDS = ("merge", "inspect")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
+        argv.insert(0, "merge")
+    args = build_parser().parse_args(argv)
+    verbosity = -1 if args.quiet else args.verbose
+    comm = None
+    try:
+        if args.uses_mpi:
+            from mpitailor.comm import Comm
+            from mpitailor.log import setup_logging
+
+            comm = Comm.world()
+            setup_logging(comm.rank, comm.size, verbosity)
+            args.comm = comm
+        else:
+            from mpitailor.log import setup_logging
+            setup_logging(0, 1, verbosity)
+        return args.func(args)
+    except MpitailorError as e:
+        prefix = f"[rank {comm.rank}] " if comm is not None and comm.size > 1 else ""
+        if verbosity > 0:
+            log.exception("failed")
+        print(f"{prefix}mpitailor: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except Exception:
+        # Outside a guarded step peers may wait forever on a collective: kill them all.
+        log.critical("unexpected failure", exc_info=True)
+        if comm is not None:
+            comm.abort(1)
+        return 1

@@ -1,0 +1,120 @@
+"""The only module that touches mpi4py: guarded collectives that fail together.
+
+Every collective step runs on every rank inside `Comm.step`: results and errors are
+gathered, and if any rank failed, every rank raises the same error naming the failed
+ranks, so one rank's bad file never leaves the others waiting. Without mpi4py, or when
+started without a launcher, the world is one rank and every collective is trivial.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from mpitailor.errors import MergeFailed, MpitailorError, UserError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Launchers say how many processes they started; MPI must agree (see check_not_singleton).
+_LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+class Comm:
+    """COMM_WORLD, or a world of one when MPI is absent."""
+
+    def __init__(self, mpi_comm=None) -> None:
+        self._comm = mpi_comm
+        self.rank = mpi_comm.Get_rank() if mpi_comm is not None else 0
+        self.size = mpi_comm.Get_size() if mpi_comm is not None else 1
+
+    @classmethod
+    def world(cls) -> "Comm":
+        """COMM_WORLD (initialising MPI), checked against what the launcher said."""
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            comm = cls(None)
+        else:
+            comm = cls(MPI.COMM_WORLD)
+        check_not_singleton(comm.size, os.environ)
+        return comm
+
+    # -- collectives: call on every rank -------------------------------------------------
+    def step(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Collective: run fn on every rank; if any rank raised, raise on all ranks."""
+        try:
+            result, failure = fn(*args, **kwargs), None
+        except Exception as e:  # noqa: BLE001 - every failure must reach every rank
+            if not isinstance(e, MpitailorError):
+                log.debug("unexpected error", exc_info=True)
+            result, failure = None, _describe(e)
+        failures = self.allgather(failure)
+        _raise_first(failures)
+        return result
+
+    def root_step(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Collective: rank 0 runs fn; its result (or its error) reaches every rank."""
+        result, failure = None, None
+        if self.rank == 0:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                if not isinstance(e, MpitailorError):
+                    log.debug("unexpected error", exc_info=True)
+                failure = _describe(e)
+        result, failure = self.bcast((result, failure))
+        _raise_first([failure])
+        return result
+
+    def allgather(self, obj: T) -> list[T]:
+        """Collective: every rank's obj, in rank order."""
+        return [obj] if self._comm is None else self._comm.allgather(obj)
+
+    def bcast(self, obj: T) -> T:
+        """Collective: rank 0's obj."""
+        return obj if self._comm is None else self._comm.bcast(obj, root=0)
+
+    def barrier(self) -> None:
+        if self._comm is not None:
+            self._comm.Barrier()
+
+    def abort(self, code: int) -> None:
+        """Kill every rank: for errors outside a guarded step, where peers could hang."""
+        if self._comm is not None and self.size > 1:
+            self._comm.Abort(code)
+
+
+def check_not_singleton(mpi_size: int, env) -> None:
+    """Refuse to run as N independent worlds of one (a launcher/MPI mismatch)."""
+    if mpi_size != 1:
+        return
+    said = {v: env[v] for v in _LAUNCHER_SIZE_VARS if env.get(v, "1").isdigit()
+            and int(env.get(v, "1")) > 1}
+    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
+        said["SLURM_STEP_NUM_TASKS"] = env["SLURM_STEP_NUM_TASKS"]
+    if said:
+        var, n = next(iter(said.items()))
+        raise UserError(
+            f"{var}={n} says {n} processes were started, but MPI reports a world of 1: each "
+            f"process would write the same output alone; launch with the PMI your MPI uses "
+            f"(srun --mpi=pmi2 for MPICH, srun --mpi=pmix for Open MPI) or with its mpiexec")
+
+
+def _describe(e: Exception) -> tuple[str, str, int]:
+    if isinstance(e, MpitailorError):
+        return (type(e).__name__, str(e), e.exit_code)
+    return ("MergeFailed", f"{type(e).__name__}: {e}".split("\n")[0], 1)
+
+
+def _raise_first(failures: list) -> None:
+    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+    if not failed:
+        return
+    _, (_, message, code) = failed[0]
+    if len(failures) > 1:
+        ranks = ",".join(str(r) for r, _ in failed)
+        message = f"{message} [rank {ranks}]"
+    cls = UserError if code == 2 else MergeFailed
+    raise cls(message)

@@ -1,0 +1,71 @@
+"""`python -m mpitailor inspect CKPT`: what a ZeRO-3 checkpoint holds, layer by layer."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mpitailor.layers import classify, sort_keys
+from mpitailor.zero3 import CheckpointMeta
+
+BYTES_PER_ELEMENT = 4 * 3  # fp32 master + exp_avg + exp_avg_sq
+
+
+def report(meta: CheckpointMeta, classify_fn: Callable[[str], str] = classify) -> dict:
+    """A JSON-able summary; per-layer bytes are per rank (every rank holds the same)."""
+    layers: dict[str, dict] = {}
+    for slot in meta.layout.slots:
+        row = layers.setdefault(classify_fn(slot.name), _row())
+        row["params"] += 1
+        row["elements"] += slot.numel
+        row["bytes_per_rank"] += slot.length * BYTES_PER_ELEMENT
+        row["subgroups"].add(slot.subgroup)
+    for name, shape in meta.frozen_shapes:
+        row = layers.setdefault(classify_fn(name), _row())
+        row["frozen"] += 1
+        n = 1
+        for d in shape:
+            n *= d
+        row["elements"] += n
+    return {
+        "path": str(meta.path), "tag": meta.files.tag, "world_size": meta.world_size,
+        "dtype": meta.dtype, "global_steps": meta.global_steps,
+        "global_samples": meta.global_samples, "ds_version": meta.ds_version,
+        "param_groups": [list(g) for g in meta.param_groups],
+        "subgroups": len(meta.layout.subgroup_sizes),
+        "subgroup_steps": list(meta.subgroup_steps),
+        "tied": dict(meta.shared_params),
+        "optimizer_bytes_per_rank": sum(meta.layout.subgroup_sizes) * BYTES_PER_ELEMENT,
+        "layers": {k: {**layers[k], "subgroups": sorted(layers[k]["subgroups"])}
+                   for k in sort_keys(layers)},
+    }
+
+
+def _row() -> dict:
+    return {"params": 0, "frozen": 0, "elements": 0, "bytes_per_rank": 0, "subgroups": set()}
+
+
+def format_table(rep: dict) -> str:
+    lines = [
+        f"checkpoint   {rep['path']}",
+        f"world size   {rep['world_size']}   dtype {rep['dtype']}   step {rep['global_steps']}"
+        f"   samples {rep['global_samples']}   deepspeed {rep['ds_version']}",
+        f"optimizer    {len(rep['param_groups'])} param group(s), {rep['subgroups']} "
+        f"sub-group(s), {human(rep['optimizer_bytes_per_rank'])} per rank",
+    ]
+    if rep["tied"]:
+        lines.append("tied         " + ", ".join(f"{a} -> {b}" for a, b in rep["tied"].items()))
+    lines.append(f"{'layer':<12}{'params':>8}{'frozen':>8}{'elements':>12}"
+                 f"{'bytes/rank':>12}  sub-groups")
+    for key, row in rep["layers"].items():
+        subs = row["subgroups"]
+        span = f"{subs[0]}-{subs[-1]}" if len(subs) > 1 else (str(subs[0]) if subs else "-")
+        lines.append(f"{key:<12}{row['params']:>8}{row['frozen']:>8}{row['elements']:>12}"
+                     f"{human(row['bytes_per_rank']):>12}  {span}")
+    return "\n".join(lines)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

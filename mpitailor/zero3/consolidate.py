@@ -1,0 +1,43 @@
+"""Whole tensors from a checkpoint's rank slices (for `inspect`, exports and checks)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpitailor.zero3.layout import Slot
+from mpitailor.zero3.meta import CheckpointMeta
+from mpitailor.zero3.shard import KINDS, RankShard, open_shard
+
+
+def rank_part(shard: RankShard, slot: Slot, kind: str) -> torch.Tensor:
+    """The real (unpadded) elements of `slot` held by this shard's rank."""
+    return shard.read(kind, slot.subgroup, slot.offset, slot.valid(shard.rank))
+
+
+def full_tensor(shards: Sequence[RankShard], slot: Slot, kind: str) -> torch.Tensor:
+    """The whole parameter `slot` of kind fp32/exp_avg/exp_avg_sq, from all ranks' shards."""
+    return torch.cat([rank_part(s, slot, kind) for s in shards]).view(slot.shape)
+
+
+def frozen_tensor(shards: Sequence[RankShard], name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    numel = torch.Size(shape).numel()
+    parts = [s.model["frozen_param_fragments"][name].reshape(-1) for s in shards]
+    return torch.cat(parts)[:numel].view(shape)
+
+
+def consolidate(meta: CheckpointMeta, kinds: Sequence[str] = KINDS) -> dict[str, dict]:
+    """kind -> {name: whole tensor}; frozen parameters appear under `fp32` only."""
+    shards = [open_shard(meta, r) for r in range(meta.world_size)]
+    try:
+        out: dict[str, dict] = {k: {} for k in kinds}
+        for kind in kinds:
+            for slot in meta.layout.slots:
+                out[kind][slot.name] = full_tensor(shards, slot, kind)
+        if "fp32" in out:
+            for name, shape in meta.frozen_shapes:
+                out["fp32"][name] = frozen_tensor(shards, name, shape).float()
+        return out
+    finally:
+        for s in shards:
+            s.close()

@@ -1,0 +1,81 @@
+"""Real DeepSpeed ZeRO-3 checkpoints for the tests, built once and cached on disk.
+
+Every variant is a real multi-process DeepSpeed run (`mpitailor.tinytrain`) that saves at
+steps 5 and 10. The cache key is the run's spec plus FIXTURE_VERSION, so changing a spec
+rebuilds just that variant. `python tests/ckpt_fixtures.py` builds them all (the Makefile
+does this before the MPI tests, whose ranks must not race to build).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from mpitailor.tinytrain import TrainSpec, launch
+
+FIXTURE_VERSION = 1
+CACHE = Path(os.environ.get("MPITAILOR_FIXTURES",
+                            Path(__file__).resolve().parents[1] / ".cache" / "fixtures"))
+FROZEN = ("model.layers.1.mlp.up_proj.weight",)
+HF_MODULE = "mpitailor.tinytrain.hf_worker"
+
+# name -> (spec overrides, worker module)
+VARIANTS: dict[str, tuple[dict, str | None]] = {
+    "w2_fp32_one": (dict(world_size=2), None),
+    "w3_bf16_decay_tied_frozen": (dict(world_size=3, dtype="bf16", grouping="decay", tie=True,
+                                       frozen=FROZEN), None),
+    "w4_fp32_per_layer": (dict(world_size=4, grouping="per_layer"), None),
+    "w2_bf16_small_subgroups_tied_frozen": (dict(world_size=2, dtype="bf16", tie=True,
+                                                 sub_group_size=6000, frozen=FROZEN), None),
+    "w3_qwen2_fp32_decay": (dict(world_size=3, arch="qwen2", grouping="decay"), None),
+    "w2_bf16_per_layer": (dict(world_size=2, dtype="bf16", grouping="per_layer"), None),
+    "hf_w2_fp32": (dict(world_size=2), HF_MODULE),
+    "hf_w2_bf16": (dict(world_size=2, dtype="bf16"), HF_MODULE),
+    "w2_stage2": (dict(world_size=2, zero_stage=2, steps=2, save_at=(2,)), None),
+}
+ZERO3_VARIANTS = [n for n in VARIANTS if n != "w2_stage2"]
+
+
+def spec_for(name: str, save_dir: Path) -> TrainSpec:
+    overrides, _ = VARIANTS[name]
+    return replace(TrainSpec(save_dir=str(save_dir)), **overrides)
+
+
+def fixture_dir(name: str) -> Path:
+    key = hashlib.sha256(f"{FIXTURE_VERSION}{spec_for(name, Path('.')).to_json()}{VARIANTS[name][1]}"
+                         .encode()).hexdigest()[:12]
+    return CACHE / f"{name}-{key}"
+
+
+def build(name: str) -> Path:
+    """The save dir of variant `name`, trained now if not cached. Safe to interrupt."""
+    final = fixture_dir(name)
+    if (final / "DONE").exists():
+        return final
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    launch(spec_for(name, tmp), module=VARIANTS[name][1] or "mpitailor.tinytrain.worker")
+    (tmp / "DONE").write_text("ok\n")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def tag_dir(name: str, step: int) -> Path:
+    """The checkpoint of variant `name` saved at `step` (tag dir or HF checkpoint-N)."""
+    root = build(name)
+    return root / f"checkpoint-{step}" if VARIANTS[name][1] == HF_MODULE \
+        else root / f"global_step{step}"
+
+
+if __name__ == "__main__":
+    for n in sys.argv[1:] or VARIANTS:
+        t = time.time()
+        built = (fixture_dir(n) / "DONE").exists()
+        build(n)
+        print(f"fixture {n}: {'cached' if built else f'built in {time.time() - t:.1f}s'}",
+              flush=True)

@@ -1,0 +1,110 @@
+"""Damaged, foreign and hostile checkpoints give one clear line, never a crash or code run."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from ckpt_fixtures import tag_dir as fixture_tag_dir
+from mpitailor.errors import CheckpointError
+from mpitailor.zero3 import open_shard, read_meta, resolve
+from mpitailor.zero3.safeload import load
+
+
+class Payload:
+    """Pickles as a call to os.system: what a malicious checkpoint would carry."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("which", ["model", "optim"])
+def test_pickle_payload_is_refused_and_never_runs(ckpt_copy, tmp_path, which):
+    root = ckpt_copy("w2_fp32_one")
+    meta = read_meta(root / "global_step5")
+    marker = tmp_path / "payload-ran"
+    victim = meta.files.model_path(0) if which == "model" else meta.files.optim_path(0)
+    obj = load(victim, mmap=False)
+    obj["innocent_looking_key"] = Payload(marker)
+    torch.save(obj, victim)
+    # The payload is real: unsafe unpickling would run it (proved on a throwaway file).
+    probe = tmp_path / "probe.pt"
+    torch.save({"x": Payload(tmp_path / "probe-ran")}, probe)
+    torch.load(probe, weights_only=False)
+    assert (tmp_path / "probe-ran").exists()
+
+    with pytest.raises(CheckpointError) as e:
+        read_meta(root / "global_step5")
+    msg = one_line(e)
+    assert str(victim) in msg and "refused" in msg and "posix.system" in msg
+    assert not marker.exists()
+
+
+def test_missing_rank_file(ckpt_copy):
+    root = ckpt_copy("w3_bf16_decay_tied_frozen")
+    (root / "global_step5" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError) as e:
+        resolve(root / "global_step5")
+    assert "missing bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt" in one_line(e)
+
+
+def test_missing_model_states_rank(ckpt_copy):
+    root = ckpt_copy("w3_bf16_decay_tied_frozen")
+    (root / "global_step5" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError) as e:
+        resolve(root / "global_step5")
+    assert "missing zero_pp_rank_1_mp_rank_00_model_states.pt" in one_line(e)
+
+
+def test_truncated_file(ckpt_copy):
+    root = ckpt_copy("w2_fp32_one")
+    victim = root / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as e:
+        read_meta(root / "global_step10")
+    msg = one_line(e)
+    assert str(victim) in msg and "truncated" in msg
+
+
+def test_rank_files_from_another_run_disagree(ckpt_copy, ckpt):
+    root = ckpt_copy("w2_fp32_one")
+    foreign = fixture_tag_dir("w2_bf16_per_layer", 10) / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    shutil.copy(foreign, root / "global_step10" / foreign.name)
+    meta = read_meta(root / "global_step10")
+    with pytest.raises(CheckpointError) as e:
+        open_shard(meta, 1)
+    assert "disagrees with rank 0" in one_line(e)
+
+
+def test_stage2_is_not_supported(ckpt):
+    with pytest.raises(CheckpointError) as e:
+        read_meta(ckpt("w2_stage2", 2))
+    assert "stage 3 only" in one_line(e)
+
+
+def test_save_dir_with_latest_and_hf_checkpoint_are_recognised(ckpt):
+    save_dir = ckpt("w2_fp32_one", 10).parent
+    assert resolve(save_dir).tag == "global_step10"
+    hf = resolve(ckpt("hf_w2_fp32", 5))
+    assert (hf.tag, hf.world_size, hf.save_dir.name) == ("global_step5", 2, "checkpoint-5")
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError) as e:
+        resolve(tmp_path)
+    assert "neither a DeepSpeed tag dir" in one_line(e)
+    with pytest.raises(CheckpointError) as e:
+        resolve(tmp_path / "nope")
+    assert "no such checkpoint" in one_line(e)
