@@ -1,0 +1,51 @@
+"""Guarded collectives under a real mpiexec: one rank's error reaches every rank."""
+from __future__ import annotations
+
+import pytest
+
+from mpitailor.comm import Comm, check_not_singleton
+from mpitailor.errors import CheckpointError, MergeFailed, UserError
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_rank_failure_raises_on_every_rank():
+    comm = Comm.world()
+
+    def work():
+        if comm.rank == 1:
+            raise CheckpointError("bad.pt: truncated")
+        return comm.rank
+
+    with pytest.raises(UserError, match=r"^bad.pt: truncated \[rank 1\]$"):
+        comm.step(work)
+    assert comm.step(lambda: comm.rank * 10) == comm.rank * 10
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unexpected_error_becomes_merge_failed_everywhere():
+    comm = Comm.world()
+
+    def work():
+        if comm.rank == comm.size - 1:
+            raise OSError("disk on fire")
+        return 1
+
+    with pytest.raises(MergeFailed, match="OSError: disk on fire"):
+        comm.step(work)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_root_step_broadcasts_result_or_error():
+    comm = Comm.world()
+    assert comm.root_step(lambda: {"plan": comm.rank}) == {"plan": 0}
+    with pytest.raises(UserError, match="recipe.yml: unknown key"):
+        comm.root_step(lambda: (_ for _ in ()).throw(UserError("recipe.yml: unknown key")))
+
+
+def test_singleton_guard():
+    with pytest.raises(UserError, match="PMI_SIZE=4 says 4 processes.*--mpi=pmi2"):
+        check_not_singleton(1, {"PMI_SIZE": "4"})
+    with pytest.raises(UserError, match="SLURM_STEP_NUM_TASKS=2"):
+        check_not_singleton(1, {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+    check_not_singleton(1, {"SLURM_NTASKS": "4"})  # a batch script, not an srun step
+    check_not_singleton(4, {"PMI_SIZE": "4"})
