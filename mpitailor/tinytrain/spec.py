@@ -48,8 +48,8 @@ class TrainSpec:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.grouping not in GROUPINGS:
             raise ValueError(f"grouping must be one of {GROUPINGS}, got {self.grouping!r}")
-        if (self.load_dir is None) != (self.load_tag is None):
-            raise ValueError("load_dir and load_tag go together")
+        if self.load_tag is not None and self.load_dir is None:
+            raise ValueError("load_tag needs load_dir")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -1,0 +1,120 @@
+"""Staging, locking and atomic publication of a merged checkpoint. Rank 0 only.
+
+Output is written into a hidden staging dir beside the target, fsynced, and published by
+one rename: readers see the old state or the whole new checkpoint, never a part of it. A
+lock file beside the target keeps two merges from writing the same output; a staging dir
+left by a killed merge is reclaimed by the next one that gets the lock.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from mpitailor.errors import MergeFailed, UserError
+
+log = logging.getLogger(__name__)
+
+
+class Staging:
+    def __init__(self, output: Path) -> None:
+        self.output = output
+        self.dir = output.parent / f".{output.name}.mpitailor-staging"
+        self.lock_path = output.parent / f".{output.name}.mpitailor-lock"
+        self._lock_fd = -1
+
+    def acquire(self) -> Path:
+        """Take the lock and create an empty staging dir; reclaim a stale one."""
+        if os.path.lexists(self.output):
+            raise UserError(f"{self.output}: output already exists; remove it or choose "
+                            f"another output path (mpitailor never overwrites)")
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"{self.output}: another mpitailor merge is writing this output "
+                            f"(lock {self.lock_path} is held); wait for it or pick "
+                            f"another output") from None
+        if os.fstat(fd).st_ino != os.stat(self.lock_path).st_ino:  # lost an unlink race
+            os.close(fd)
+            raise UserError(f"{self.output}: another mpitailor merge just finished writing "
+                            f"this output; check it before merging again")
+        self._lock_fd = fd
+        if os.path.lexists(self.dir):
+            log.warning("reclaiming %s left by an interrupted merge", self.dir)
+            _remove(self.dir)
+        self.dir.mkdir()
+        return self.dir
+
+    def publish(self) -> None:
+        """fsync the staged tree, then rename it to the output in one step."""
+        fsync_tree(self.dir)
+        if os.path.lexists(self.output):
+            raise MergeFailed(f"{self.output}: appeared while merging; staged result kept "
+                              f"in {self.dir}")
+        os.rename(self.dir, self.output)
+        fsync_dir(self.output.parent)
+
+    def abandon(self) -> None:
+        if os.path.lexists(self.dir):
+            _remove(self.dir)
+
+    def release(self) -> None:
+        if self._lock_fd >= 0:
+            try:
+                os.unlink(self.lock_path)
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, _ in os.walk(root):
+        fsync_dir(Path(dirpath))
+
+
+def write_synced(path: Path, data: bytes) -> dict:
+    """Write bytes, fsync, return the manifest record."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def copy_synced(src: Path, dst: Path) -> dict:
+    """Copy a file, fsync, return the manifest record (hashed while copying)."""
+    h, n = hashlib.sha256(), 0
+    with open(src, "rb") as fi, open(dst, "xb") as fo:
+        while chunk := fi.read(1 << 22):
+            h.update(chunk)
+            fo.write(chunk)
+            n += len(chunk)
+        fo.flush()
+        os.fsync(fo.fileno())
+    return {"bytes": n, "sha256": h.hexdigest()}

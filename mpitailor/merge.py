@@ -1,0 +1,149 @@
+"""Merge orchestration: recipe -> plan -> every rank writes its partitions -> commit.
+
+Collective throughout: every function here that takes a `comm` is called on every rank.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpitailor import __version__
+from mpitailor.comm import Comm
+from mpitailor.commit import Staging, write_synced
+from mpitailor.extras import MANIFEST, copy_extras, weight_files
+from mpitailor.plan import MergePlan, make_plan, owned_partitions
+from mpitailor.plan_report import format_plan
+from mpitailor.recipe import Recipe, load_recipe
+from mpitailor.zero3 import CheckpointMeta, read_meta
+from mpitailor.zero3.writer import write_partition
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MergeResult:
+    output: Path
+    bytes_written: int
+    seconds: float
+    ranks: int
+
+
+def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta]:
+    """Collective: each source's metadata is read by one rank (round-robin), then shared."""
+    def mine() -> dict[str, CheckpointMeta]:
+        return {name: read_meta(path) for i, (name, path) in enumerate(recipe.sources)
+                if i % comm.size == comm.rank}
+    metas: dict[str, CheckpointMeta] = {}
+    for part in comm.allgather(comm.step(mine)):
+        metas.update(part)
+    return {name: metas[name] for name, _ in recipe.sources}
+
+
+def plan_merge(comm: Comm, recipe_path: str,
+               output: str | None = None) -> tuple[Recipe, MergePlan]:
+    """Collective: load and validate the recipe, read the sources, compute the plan."""
+    recipe = comm.root_step(load_recipe, recipe_path, output)
+    metas = read_sources(comm, recipe)
+    return recipe, comm.root_step(make_plan, recipe, metas)
+
+
+def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True) -> MergeResult:
+    """Collective: write the merged checkpoint and publish it atomically."""
+    t0 = time.perf_counter()
+    staging = Staging(plan.output)
+    root = comm.root_step(staging.acquire)
+    tag = plan.base_meta.files.tag
+    try:
+        if comm.rank == 0:
+            (root / tag).mkdir()
+        comm.barrier()
+        records = comm.step(_write_owned, comm, plan, root / tag, progress)
+        files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
+                 part.items()}
+        written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
+                                 time.perf_counter() - t0)
+    except BaseException:
+        if comm.rank == 0:
+            staging.abandon()
+        raise
+    finally:
+        if comm.rank == 0:
+            staging.release()
+    return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size)
+
+
+def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool) -> dict:
+    mine = owned_partitions(plan.world_size, comm.rank, comm.size)
+    records: dict[str, dict] = {}
+    bar = _progress_bar(len(mine), progress and comm.rank == 0)
+    for r in mine:
+        records.update(write_partition(plan, r, tag_dir))
+        bar.update(1)
+    bar.close()
+    return records
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="partition", desc="rank 0 partitions", disable=not enabled
+                or None, leave=False)
+
+
+def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ranks: int,
+            seconds: float) -> int:
+    """Rank 0: extras, `latest`, manifest (last), then publish."""
+    root = staging.dir
+    base = plan.base_meta
+    files.update(copy_extras(base, root))
+    skipped = weight_files(base)
+    if skipped:
+        log.warning("not carrying over %s: 16-bit weights of the base source only",
+                    ", ".join(p.name for p in skipped))
+    files["latest"] = write_synced(root / "latest", base.files.tag.encode())
+    manifest = build_manifest(plan, files, recipe_text, ranks, seconds)
+    write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
+    staging.publish()
+    return sum(r["bytes"] for r in files.values())
+
+
+def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
+                   seconds: float) -> dict:
+    return {
+        "mpitailor_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "recipe": recipe_text,
+        "tag": plan.base_meta.files.tag,
+        "world_size": plan.world_size,
+        "base": plan.base,
+        "sources": {name: {"path": str(m.path), "global_steps": m.global_steps}
+                    for name, m in plan.sources},
+        "layers": {key: {"source": src, "global_steps": plan.meta(src).global_steps}
+                   for key, src in plan.layer_source},
+        "subgroups": [{"step": sg.step, "step_source": sg.step_source, "rule": sg.step_rule,
+                       "sources": sorted({r.source for r in sg.runs})}
+                      for sg in plan.subgroups],
+        "mpi_ranks": ranks,
+        "files": dict(sorted(files.items())),
+    }
+
+
+def run_merge_cli(args: argparse.Namespace) -> int:
+    comm: Comm = args.comm
+    recipe, plan = plan_merge(comm, args.recipe, args.output)
+    if args.dry_run:
+        if comm.rank == 0:
+            print(format_plan(plan, comm.size))
+        return 0
+    result = merge(comm, plan, recipe.text, progress=not args.no_progress)
+    if comm.rank == 0:
+        gb = result.bytes_written / 1e9
+        print(f"mpitailor: merged {len(plan.layer_source)} layers from {len(plan.sources)} "
+              f"source(s) into {result.output}: {gb:.3f} GB written by {result.ranks} rank(s) "
+              f"in {result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s)",
+              flush=True)
+    return 0

@@ -1,0 +1,33 @@
+"""`--dry-run`: the plan in words and bytes (layer -> source; reads and writes per rank)."""
+from __future__ import annotations
+
+from mpitailor.inspect_ckpt import human
+from mpitailor.plan import MergePlan, owned_partitions
+
+
+def format_plan(plan: MergePlan, mpi_size: int) -> str:
+    base = plan.base_meta
+    lines = [f"output       {plan.output}",
+             f"tag          {base.files.tag}   world size {plan.world_size}   "
+             f"base {plan.base} (step {base.global_steps})",
+             "sources"]
+    lines += [f"  {name:<10} step {m.global_steps:<8} {m.path}" for name, m in plan.sources]
+    lines.append(f"{'layer':<12}{'source':<12}step")
+    lines += [f"{key:<12}{src:<12}{plan.meta(src).global_steps}"
+              for key, src in plan.layer_source]
+    mixed = [g for g, sg in enumerate(plan.subgroups) if sg.step_rule != "single source"]
+    lines.append(f"sub-groups   {len(plan.subgroups)}, {len(mixed)} mixing sources"
+                 + (f" (Adam step by rule '{plan.subgroups[mixed[0]].step_rule}')"
+                    if mixed else " (every Adam step exact)"))
+    per_part = plan.bytes_per_partition()
+    write_part = sum(per_part.values())
+    lines.append("per output partition: reads " + ", ".join(
+        f"{n} {human(b)}" for n, b in per_part.items()) + f"; writes {human(write_part)}"
+        " (+ small model-states file)")
+    lines.append(f"{'mpi rank':<10}{'partitions':<16}{'reads':>12}{'writes':>12}")
+    for r in range(mpi_size):
+        mine = owned_partitions(plan.world_size, r, mpi_size)
+        span = ",".join(map(str, mine)) if mine else "(idle)"
+        lines.append(f"{r:<10}{span:<16}{human(write_part * len(mine)):>12}"
+                     f"{human(write_part * len(mine)):>12}")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""Build and write one output ZeRO-3 partition (optim + model-states files) from a plan.
+
+The output rank's flat buffers (fp32 master, exp_avg, exp_avg_sq of every sub-group) are
+allocated once and filled by byte-range reads from the chosen sources' rank files; every
+other field (param groups, loss scaler, counters, config) comes from the base source.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from mpitailor.plan import MergePlan
+from mpitailor.zero3.files import model_file, optim_file
+from mpitailor.zero3.shard import KINDS, RankShard, open_shard
+
+
+def build_partition(plan: MergePlan, rank: int) -> tuple[dict, dict]:
+    """(optim dict, model-states dict) of output partition `rank`."""
+    shards = {name: open_shard(meta, rank) for name, meta in plan.sources}
+    try:
+        flats = _copy_flats(plan, shards)
+        return _optim_dict(plan, shards[plan.base], flats), _model_dict(plan, shards)
+    finally:
+        for s in shards.values():
+            s.close()
+
+
+def _copy_flats(plan: MergePlan, shards: dict[str, RankShard]) -> dict[str, list[torch.Tensor]]:
+    sizes = plan.base_meta.layout.subgroup_sizes
+    flats = {k: [torch.empty(n, dtype=torch.float32) for n in sizes] for k in KINDS}
+    for g, sg in enumerate(plan.subgroups):
+        for run in sg.runs:
+            for kind in KINDS:
+                dst = flats[kind][g][run.start: run.start + run.length]
+                shards[run.source].read_into(kind, g, run.start, dst)
+    return flats
+
+
+def _optim_dict(plan: MergePlan, base: RankShard, flats: dict[str, list[torch.Tensor]]) -> dict:
+    osd = dict(base.optim["optimizer_state_dict"])
+    inner = dict(osd["optimizer_state_dict"])
+    state = {}
+    for g, sg in enumerate(plan.subgroups):
+        old = inner["state"][g]["step"]
+        step = torch.tensor(sg.step, dtype=old.dtype) if isinstance(old, torch.Tensor) \
+            else type(old)(sg.step)
+        state[g] = {"step": step, "exp_avg": flats["exp_avg"][g],
+                    "exp_avg_sq": flats["exp_avg_sq"][g]}
+    inner["state"] = state
+    osd["optimizer_state_dict"] = inner
+    osd["fp32_flat_groups"] = flats["fp32"]
+    return {**base.optim, "optimizer_state_dict": osd}
+
+
+def _model_dict(plan: MergePlan, shards: dict[str, RankShard]) -> dict:
+    base = shards[plan.base].model
+    model = dict(base)
+    if plan.frozen_source:
+        model["frozen_param_fragments"] = type(base["frozen_param_fragments"])(
+            (name, shards[src].model["frozen_param_fragments"][name])
+            for name, src in plan.frozen_source)
+    buffers = set(base.get("buffer_names") or ())
+    if buffers:
+        key_source = dict(plan.layer_source)
+        classify = plan.classifier()
+        module = type(base["module"])()
+        for name, t in base["module"].items():
+            src = key_source.get(classify(name), plan.base) if name in buffers else plan.base
+            module[name] = shards[src].model["module"][name]
+        model["module"] = module
+    return model
+
+
+def write_partition(plan: MergePlan, rank: int, tag_dir: Path) -> dict[str, dict]:
+    """Write output partition `rank` into `tag_dir`, fsynced: {file name: manifest record}."""
+    optim, model = build_partition(plan, rank)
+    bf16 = plan.base_meta.files.bf16_prefix
+    return {optim_file(rank, bf16): save_synced(optim, tag_dir / optim_file(rank, bf16)),
+            model_file(rank): save_synced(model, tag_dir / model_file(rank))}
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what torch.save streams through it (no re-read)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.n += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_synced(obj, path: Path) -> dict:
+    """torch.save to a new file, fsync; return {"bytes", "sha256"}."""
+    _refuse_meta(obj, path)
+    with open(path, "xb") as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": w.n, "sha256": w.sha.hexdigest()}
+
+
+def _refuse_meta(obj, path: Path) -> None:
+    """A meta tensor here would be a bug: a buffer left unread. Never write it."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "meta":
+            raise RuntimeError(f"{path}: internal error: unread tensor in output")
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _refuse_meta(v, path)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _refuse_meta(v, path)

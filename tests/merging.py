@@ -1,0 +1,41 @@
+"""Running merges from tests: in-process (the library API) or as the real CLI under mpiexec."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mpitailor.comm import Comm
+from mpitailor.merge import merge, plan_merge
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+# Variables of an outer MPI job (pytest itself under mpiexec) must not reach a child job.
+_OUTER = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_")
+
+
+def recipe_env(new: Path, old: Path, out: Path) -> dict[str, str]:
+    return {"NEW": str(new), "OLD": str(old), "OUT": str(out)}
+
+
+def merge_in_process(recipe: str | Path, env: dict[str, str], monkeypatch, comm=None):
+    """Serial merge through the library API (a world of one unless comm is given)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    comm = comm or Comm(None)
+    path = recipe if Path(recipe).is_absolute() else RECIPES / recipe
+    _, plan = plan_merge(comm, str(path))
+    return merge(comm, plan, progress=False)
+
+
+def run_cli(args: list[str], env: dict[str, str], ranks: int = 1, timeout: float = 180):
+    """`mpiexec -n ranks python -m mpitailor ARGS` (plain python for 1 rank)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    full.update(env)
+    cmd = [sys.executable, "-m", "mpitailor", *args]
+    if ranks > 1:
+        cmd = [str(MPIEXEC), "-n", str(ranks), *cmd]
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)

@@ -1,0 +1,80 @@
+"""Layer-wise merges of real DeepSpeed checkpoints: every slice from the right source."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_fixtures import ZERO3_VARIANTS, build
+from conftest import tree_digest
+from merge_check import check_merge, filter_first_last, parity
+from merging import merge_in_process, recipe_env
+
+from mpitailor.zero3.safeload import load
+
+RECIPES = {"parity.yml": parity, "filter.yml": filter_first_last}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("name", ZERO3_VARIANTS)
+def test_merge_takes_every_slice_from_its_source(ckpt, tmp_path, monkeypatch, name, recipe):
+    new, old = ckpt(name, 10), ckpt(name, 5)
+    before = tree_digest(build(name))
+    out = tmp_path / "merged"
+    result = merge_in_process(recipe, recipe_env(new, old, out), monkeypatch)
+    assert result.output == out and (out / "latest").read_text() == "global_step10"
+    check_merge(out, RECIPES[recipe](new, old), base=new)
+    assert tree_digest(build(name)) == before  # sources untouched
+    assert not list(tmp_path.glob(".*"))       # no staging or lock left behind
+
+
+def test_mergekit_slices_recipe(ckpt, tmp_path, monkeypatch):
+    new, old = ckpt("w3_bf16_decay_tied_frozen", 10), ckpt("w3_bf16_decay_tied_frozen", 5)
+    out = tmp_path / "merged"
+    merge_in_process("mergekit-slices.yml", recipe_env(new, old, out), monkeypatch)
+    expected = {"layers.0": old, "layers.1": old, "layers.2": new, "layers.3": new,
+                "embed": old, "norm": new, "lm_head": new}
+    check_merge(out, expected, base=new)
+
+
+def test_identity_reproduces_the_checkpoint(ckpt, tmp_path, monkeypatch):
+    new, old = ckpt("w2_bf16_small_subgroups_tied_frozen", 10), \
+        ckpt("w2_bf16_small_subgroups_tied_frozen", 5)
+    recipe = tmp_path / "identity.yml"
+    recipe.write_text("sources: {new: '${NEW}', old: '${OLD}'}\nlayers: {rest: old}\n"
+                      "embed: old\nnorm: old\nlm_head: old\nbase: old\noutput: ${OUT}\n")
+    out = tmp_path / "merged"
+    merge_in_process(recipe, recipe_env(new, old, out), monkeypatch)
+    check_merge(out, {k: old for k in ("embed", "norm", "lm_head", "layers.0", "layers.1",
+                                       "layers.2", "layers.3")}, base=old)
+    # Every object of every file, not only the parameter slices, padding included.
+    for f in old.iterdir():
+        assert_same(load(f), load(out / "global_step5" / f.name), f.name)
+
+
+def test_hf_checkpoint_extras_are_carried(ckpt, tmp_path, monkeypatch):
+    new, old = ckpt("hf_w2_bf16", 10), ckpt("hf_w2_bf16", 5)
+    out = tmp_path / "merged"
+    merge_in_process("parity.yml", recipe_env(new, old, out), monkeypatch)
+    names = {p.name for p in out.iterdir()}
+    assert {"trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "config.json",
+            "training_args.bin", "latest", "global_step10",
+            "mpitailor_manifest.json"} <= names
+    assert (out / "trainer_state.json").read_bytes() == (new / "trainer_state.json").read_bytes()
+
+
+def assert_same(a, b, where: str) -> None:
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        # Bitwise (padding is garbage and may be NaN): compare the raw bytes.
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or repr(a) == repr(b), where
