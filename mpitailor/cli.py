@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from mpitailor.errors import MpitailorError
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dry-run", action="store_true",
                    help="print the plan and the bytes each rank would read and write")
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m.add_argument("--stats", metavar="FILE",
+                   help="write per-rank timings, bytes read/written and peak RSS as JSON")
     common(m)
     m.set_defaults(func=cmd_merge, uses_mpi=True)
 
@@ -84,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         prefix = f"[rank {comm.rank}] " if comm is not None and comm.size > 1 else ""
         if verbosity > 0:
             log.exception("failed")
-        print(f"{prefix}mpitailor: error: {e}", file=sys.stderr, flush=True)
+        # One write per line: lines of several ranks interleave under a launcher otherwise.
+        sys.stderr.flush()
+        os.write(2, f"{prefix}mpitailor: error: {e}\n".encode())
         return e.exit_code
     except Exception:
         # Outside a guarded step peers may wait forever on a collective: kill them all.

@@ -115,6 +115,6 @@ def _raise_first(failures: list) -> None:
     _, (_, message, code) = failed[0]
     if len(failures) > 1:
         ranks = ",".join(str(r) for r, _ in failed)
-        message = f"{message} [rank {ranks}]"
+        message = f"{message} (on rank {ranks})"
     cls = UserError if code == 2 else MergeFailed
     raise cls(message)

@@ -16,6 +16,7 @@ from mpitailor import __version__
 from mpitailor.comm import Comm
 from mpitailor.commit import Staging, write_synced
 from mpitailor.extras import MANIFEST, copy_extras, weight_files
+from mpitailor.iostats import snapshot
 from mpitailor.plan import MergePlan, make_plan, owned_partitions
 from mpitailor.plan_report import format_plan
 from mpitailor.recipe import Recipe, load_recipe
@@ -31,6 +32,7 @@ class MergeResult:
     bytes_written: int
     seconds: float
     ranks: int
+    rank_stats: tuple[dict, ...]  # per MPI rank: partitions, bytes written, I/O, peak RSS
 
 
 def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta]:
@@ -62,7 +64,12 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
         if comm.rank == 0:
             (root / tag).mkdir()
         comm.barrier()
+        before = snapshot()
         records = comm.step(_write_owned, comm, plan, root / tag, progress)
+        stats = comm.allgather({"partitions": owned_partitions(plan.world_size, comm.rank,
+                                                               comm.size),
+                                "bytes_written": sum(r["bytes"] for r in records.values()),
+                                **snapshot().since(before)})
         files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
                  part.items()}
         written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
@@ -74,7 +81,7 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
     finally:
         if comm.rank == 0:
             staging.release()
-    return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size)
+    return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats))
 
 
 def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool) -> dict:
@@ -140,6 +147,10 @@ def run_merge_cli(args: argparse.Namespace) -> int:
             print(format_plan(plan, comm.size))
         return 0
     result = merge(comm, plan, recipe.text, progress=not args.no_progress)
+    if comm.rank == 0 and args.stats:
+        Path(args.stats).write_text(json.dumps(
+            {"output": str(result.output), "seconds": result.seconds,
+             "bytes_written": result.bytes_written, "ranks": list(result.rank_stats)}, indent=2))
     if comm.rank == 0:
         gb = result.bytes_written / 1e9
         print(f"mpitailor: merged {len(plan.layer_source)} layers from {len(plan.sources)} "

@@ -63,3 +63,21 @@ def parity(new: Path, old: Path, n_layers: int = 4) -> dict[str, Path]:
 def filter_first_last(new: Path, old: Path, n_layers: int = 4) -> dict[str, Path]:
     layers = {f"layers.{i}": new if i in (0, n_layers - 1) else old for i in range(n_layers)}
     return {**layers, "embed": new, "norm": old, "lm_head": new, "other": new}
+
+
+def assert_same(a, b, where: str) -> None:
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        # Bitwise (padding is garbage and may be NaN): compare the raw bytes.
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or repr(a) == repr(b), where

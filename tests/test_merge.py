@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ckpt_fixtures import ZERO3_VARIANTS, build
 from conftest import tree_digest
-from merge_check import check_merge, filter_first_last, parity
+from merge_check import assert_same, check_merge, filter_first_last, parity
 from merging import merge_in_process, recipe_env
 
 from mpitailor.zero3.safeload import load
@@ -61,20 +60,3 @@ def test_hf_checkpoint_extras_are_carried(ckpt, tmp_path, monkeypatch):
             "mpitailor_manifest.json"} <= names
     assert (out / "trainer_state.json").read_bytes() == (new / "trainer_state.json").read_bytes()
 
-
-def assert_same(a, b, where: str) -> None:
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        # Bitwise (padding is garbage and may be NaN): compare the raw bytes.
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b or repr(a) == repr(b), where

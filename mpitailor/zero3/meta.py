@@ -14,7 +14,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.zero3 import files as zfiles
 from mpitailor.zero3.files import CheckpointFiles
 from mpitailor.zero3.layout import Layout, compute_layout
-from mpitailor.zero3.rawio import materialize_small
+from mpitailor.zero3.rawio import materialize
 from mpitailor.zero3.safeload import load
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -101,6 +101,6 @@ def _model_dtype(model: dict) -> str:
 
 def _read_steps(path: Path, state: dict, n_sub: int) -> tuple[float, ...]:
     with open(path, "rb") as f:
-        state = materialize_small({i: state.get(i, {}).get("step", 0) for i in range(n_sub)},
-                                  f.fileno())
+        state = materialize({i: state.get(i, {}).get("step", 0) for i in range(n_sub)},
+                            f.fileno())
     return tuple(float(s.item() if isinstance(s, torch.Tensor) else s) for s in state.values())

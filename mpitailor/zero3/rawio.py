@@ -11,9 +11,6 @@ import os
 
 import torch
 
-SMALL_TENSOR_BYTES = 1 << 20
-
-
 def file_offset(t: torch.Tensor) -> int:
     """Byte offset in its file of a tensor loaded with map_location='meta'."""
     return t.untyped_storage()._checkpoint_offset + t.storage_offset() * t.element_size()
@@ -37,14 +34,15 @@ def read_slice(fd: int, t: torch.Tensor, start: int, length: int) -> torch.Tenso
     return out
 
 
-def materialize_small(obj, fd: int, limit: int = SMALL_TENSOR_BYTES):
-    """Replace meta tensors under `limit` bytes (Adam steps, scalars) by their real values."""
+def materialize(obj, fd: int, skip: frozenset[int] = frozenset()):
+    """Replace meta tensors by their values read from `fd`, except those whose id() is in
+    `skip` (the big flat buffers, read later slice by slice)."""
     if isinstance(obj, torch.Tensor):
-        if obj.device.type == "meta" and obj.numel() * obj.element_size() <= limit:
+        if obj.device.type == "meta" and id(obj) not in skip:
             return read_slice(fd, obj.reshape(-1), 0, obj.numel()).view(obj.shape)
         return obj
     if isinstance(obj, dict):
-        return type(obj)((k, materialize_small(v, fd, limit)) for k, v in obj.items())
+        return type(obj)((k, materialize(v, fd, skip)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(materialize_small(v, fd, limit) for v in obj)
+        return type(obj)(materialize(v, fd, skip) for v in obj)
     return obj

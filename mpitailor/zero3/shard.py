@@ -27,7 +27,7 @@ class RankShard:
     meta: CheckpointMeta
     rank: int
     model: dict
-    optim: dict   # big tensors on the meta device; Adam steps and scalars real
+    optim: dict   # flat buffers on the meta device; everything else (Adam steps) real
     fd: int
     offsets: dict[tuple[str, int], int]  # (kind, sub-group) -> byte offset in the optim file
 
@@ -72,7 +72,8 @@ def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
     fd = os.open(optim_path, os.O_RDONLY)
     try:
         offsets = _flat_offsets(meta, optim, os.fstat(fd).st_size, optim_path)
-        return RankShard(meta, rank, model, rawio.materialize_small(optim, fd), fd, offsets)
+        flats = frozenset(id(flat_tensor(optim, kind, g)) for kind, g in offsets)
+        return RankShard(meta, rank, model, rawio.materialize(optim, fd, flats), fd, offsets)
     except BaseException:
         os.close(fd)
         raise

@@ -1,0 +1,36 @@
+"""What this process has read, written and held: /proc/self/io and getrusage (Linux)."""
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class IOSnapshot:
+    rchar: int        # bytes asked of read()/pread() (page cache or not)
+    wchar: int
+    read_bytes: int   # bytes the storage layer fetched (0 when served from page cache)
+    write_bytes: int
+    peak_rss: int     # bytes, process lifetime peak
+
+    def since(self, earlier: "IOSnapshot") -> dict:
+        return {"read_calls_bytes": self.rchar - earlier.rchar,
+                "write_calls_bytes": self.wchar - earlier.wchar,
+                "storage_read_bytes": self.read_bytes - earlier.read_bytes,
+                "storage_write_bytes": self.write_bytes - earlier.write_bytes,
+                "peak_rss_bytes": self.peak_rss, "peak_rss_growth_bytes":
+                    self.peak_rss - earlier.peak_rss}
+
+
+def snapshot() -> IOSnapshot:
+    fields = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, v = line.split(":")
+                fields[k] = int(v)
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return IOSnapshot(fields.get("rchar", 0), fields.get("wchar", 0),
+                      fields.get("read_bytes", 0), fields.get("write_bytes", 0), rss)

@@ -1,0 +1,55 @@
+"""Under mpiexec -n 2 and -n 3 (the Makefile runs both): the same output as a serial merge,
+file for file and tensor for tensor, so 1, 2 and 3 ranks agree."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from merge_check import assert_same, check_merge, parity
+from merging import merge_in_process, recipe_env
+
+from mpitailor.comm import Comm
+from mpitailor.zero3.safeload import load
+
+
+def on_root(comm: Comm, fn) -> None:
+    """Run fn on rank 0 only; its assertion failure fails every rank (no hang)."""
+    err = None
+    if comm.rank == 0:
+        try:
+            fn()
+        except AssertionError as e:
+            err = f"rank 0: {e!r}"
+    errors = comm.allgather(err)
+    assert errors[0] is None, errors[0]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["w3_bf16_decay_tied_frozen", "w4_fp32_per_layer",
+                                  "hf_w2_bf16"])
+def test_same_output_for_any_number_of_ranks(ckpt, monkeypatch, name):
+    comm = Comm.world()
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix="mpitailor-mpi-") if comm.rank == 0
+                           else None))
+    new, old = ckpt(name, 10), ckpt(name, 5)
+    try:
+        result = merge_in_process("parity.yml", recipe_env(new, old, root / "mpi"),
+                                  monkeypatch, comm=comm)
+        assert result.ranks == comm.size
+
+        def compare():
+            merge_in_process("parity.yml", recipe_env(new, old, root / "serial"), monkeypatch)
+            check_merge(root / "mpi", parity(new, old), base=new)
+            tag = (root / "serial" / "latest").read_text()
+            files = sorted(p.name for p in (root / "serial" / tag).iterdir())
+            assert files == sorted(p.name for p in (root / "mpi" / tag).iterdir())
+            for f in files:
+                assert_same(load(root / "serial" / tag / f), load(root / "mpi" / tag / f), f)
+        on_root(comm, compare)
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
