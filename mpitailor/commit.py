@@ -27,8 +27,9 @@ class Staging:
         self.lock_path = output.parent / f".{output.name}.mpitailor-lock"
         self._lock_fd = -1
 
-    def acquire(self) -> Path:
-        """Take the lock and create an empty staging dir; reclaim a stale one."""
+    def acquire(self, tag: str) -> Path:
+        """Take the lock and create the staging dir with an empty `tag` dir in it; reclaim a
+        stale one. Returns the staging dir."""
         if os.path.lexists(self.output):
             raise UserError(f"{self.output}: output already exists; remove it or choose "
                             f"another output path (mpitailor never overwrites)")
@@ -50,19 +51,21 @@ class Staging:
             log.warning("reclaiming %s left by an interrupted merge", self.dir)
             _remove(self.dir)
         self.dir.mkdir()
+        (self.dir / tag).mkdir()
         return self.dir
 
     def publish(self) -> None:
         """fsync the staged tree, then rename it to the output in one step."""
         fsync_tree(self.dir)
         if os.path.lexists(self.output):
-            raise MergeFailed(f"{self.output}: appeared while merging; staged result kept "
-                              f"in {self.dir}")
+            raise MergeFailed(f"{self.output}: appeared while merging (written by something "
+                              f"other than mpitailor?); nothing published")
         os.rename(self.dir, self.output)
         fsync_dir(self.output.parent)
 
     def abandon(self) -> None:
-        if os.path.lexists(self.dir):
+        """Remove our staging dir (never one we do not hold the lock for)."""
+        if self._lock_fd >= 0 and os.path.lexists(self.dir):
             _remove(self.dir)
 
     def release(self) -> None:
@@ -117,4 +120,15 @@ def copy_synced(src: Path, dst: Path) -> dict:
             n += len(chunk)
         fo.flush()
         os.fsync(fo.fileno())
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def fsync_and_record(path: Path) -> dict:
+    """fsync a file written by someone else (a library); return its manifest record."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            n += len(chunk)
     return {"bytes": n, "sha256": h.hexdigest()}

@@ -4,7 +4,7 @@ From the base source's save dir (an HF `checkpoint-N/` or a DeepSpeed save dir):
 state, rng states, scheduler, training args, config, generation config, tokenizer files,
 `zero_to_fp32.py`. Torch files among them are safe-loaded first, so one carrying a pickle
 payload is refused rather than passed on. 16-bit weight files are not copied: they hold the
-base's weights, not the merged ones (see export/hf16.py for the rebuilt copy).
+base's weights, not the merged ones: the merge rebuilds them (export/hf_weights.py).
 """
 from __future__ import annotations
 
@@ -25,9 +25,20 @@ WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)([-.].*)?\.(safete
 TORCH_SUFFIXES = (".pt", ".pth")
 
 
+def extras_dir(base: CheckpointMeta) -> Path | None:
+    """The save dir around the base's tag dir, when it belongs to that very tag."""
+    if base.files.save_dir is not None:
+        return base.files.save_dir
+    parent = base.files.tag_dir.parent
+    latest = parent / "latest"
+    if latest.is_file() and latest.read_text().strip() == base.files.tag:
+        return parent
+    return None
+
+
 def extra_files(base: CheckpointMeta) -> list[Path]:
     """The files to carry over from the base source's save dir, in name order."""
-    save_dir = base.files.save_dir
+    save_dir = extras_dir(base)
     if save_dir is None:
         return []
     out = []
@@ -42,7 +53,8 @@ def extra_files(base: CheckpointMeta) -> list[Path]:
 
 
 def weight_files(base: CheckpointMeta) -> list[Path]:
-    save_dir = base.files.save_dir
+    """16-bit weight files beside the base's tag dir (to be rebuilt from merged weights)."""
+    save_dir = extras_dir(base)
     if save_dir is None:
         return []
     return sorted(p for p in save_dir.iterdir() if WEIGHT_FILE.fullmatch(p.name))

@@ -15,6 +15,7 @@ from pathlib import Path
 from mpitailor import __version__
 from mpitailor.comm import Comm
 from mpitailor.commit import Staging, write_synced
+from mpitailor.export.hf_weights import weights_dtype, write_hf_weights
 from mpitailor.extras import MANIFEST, copy_extras, weight_files
 from mpitailor.iostats import snapshot
 from mpitailor.plan import MergePlan, make_plan, owned_partitions
@@ -58,12 +59,9 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
     """Collective: write the merged checkpoint and publish it atomically."""
     t0 = time.perf_counter()
     staging = Staging(plan.output)
-    root = comm.root_step(staging.acquire)
     tag = plan.base_meta.files.tag
     try:
-        if comm.rank == 0:
-            (root / tag).mkdir()
-        comm.barrier()
+        root = comm.root_step(staging.acquire, tag)
         before = snapshot()
         records = comm.step(_write_owned, comm, plan, root / tag, progress)
         stats = comm.allgather({"partitions": owned_partitions(plan.world_size, comm.rank,
@@ -72,6 +70,7 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
                                 **snapshot().since(before)})
         files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
                  part.items()}
+        files.update(_rebuild_hf_weights(comm, plan, root / tag))
         written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
                                  time.perf_counter() - t0)
     except BaseException:
@@ -95,6 +94,19 @@ def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool) -> 
     return records
 
 
+def _rebuild_hf_weights(comm: Comm, plan: MergePlan, staged_tag: Path) -> dict:
+    """Collective: when the base carries 16-bit HF weights, write them from the merged fp32
+    master weights (so weights and optimizer agree), in the same dtype."""
+    def probe():
+        found = weight_files(plan.base_meta)
+        return None if not found else (weights_dtype(found[0]), read_meta(staged_tag))
+    found = comm.root_step(probe)
+    if found is None:
+        return {}
+    dtype, staged = found
+    return write_hf_weights(comm, staged, staged_tag.parent, dtype)
+
+
 def _progress_bar(total: int, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, unit="partition", desc="rank 0 partitions", disable=not enabled
@@ -107,10 +119,6 @@ def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ra
     root = staging.dir
     base = plan.base_meta
     files.update(copy_extras(base, root))
-    skipped = weight_files(base)
-    if skipped:
-        log.warning("not carrying over %s: 16-bit weights of the base source only",
-                    ", ".join(p.name for p in skipped))
     files["latest"] = write_synced(root / "latest", base.files.tag.encode())
     manifest = build_manifest(plan, files, recipe_text, ranks, seconds)
     write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())

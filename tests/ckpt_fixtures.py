@@ -35,6 +35,8 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "w2_bf16_per_layer": (dict(world_size=2, dtype="bf16", grouping="per_layer"), None),
     "hf_w2_fp32": (dict(world_size=2), HF_MODULE),
     "hf_w2_bf16": (dict(world_size=2, dtype="bf16"), HF_MODULE),
+    "hf_w3_bf16_weights_tied": (dict(world_size=3, dtype="bf16", tie=True, save_16bit=True),
+                                HF_MODULE),
     "w2_stage2": (dict(world_size=2, zero_stage=2, steps=2, save_at=(2,)), None),
     # Big enough (~12 MB of optimizer state per rank) that per-file metadata is noise.
     "w2_fp32_wide": (dict(world_size=2, hidden=256, intermediate=512, vocab=2048,
@@ -77,7 +79,17 @@ def tag_dir(name: str, step: int) -> Path:
         else root / f"global_step{step}"
 
 
+def remove_stale() -> None:
+    """Drop cached runs whose spec changed (their hash no longer names a variant)."""
+    current = {fixture_dir(n).name for n in VARIANTS}
+    for p in CACHE.glob("*") if CACHE.exists() else []:
+        if p.is_dir() and p.name not in current:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 if __name__ == "__main__":
+    if not sys.argv[1:]:
+        remove_stale()
     for n in sys.argv[1:] or VARIANTS:
         t = time.time()
         built = (fixture_dir(n) / "DONE").exists()

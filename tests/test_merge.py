@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ckpt_fixtures import ZERO3_VARIANTS, build
 from conftest import tree_digest
@@ -60,3 +61,24 @@ def test_hf_checkpoint_extras_are_carried(ckpt, tmp_path, monkeypatch):
             "mpitailor_manifest.json"} <= names
     assert (out / "trainer_state.json").read_bytes() == (new / "trainer_state.json").read_bytes()
 
+
+
+def test_16bit_hf_weights_are_rebuilt_from_the_merged_master(ckpt, tmp_path, monkeypatch):
+    """DeepSpeed's own gathered 16-bit weights of each source are the oracle: every tensor of
+    the merged model.safetensors equals the one saved by the source its layer came from."""
+    from safetensors.torch import load_file
+
+    from mpitailor.layers import classify
+    name = "hf_w3_bf16_weights_tied"
+    new, old = ckpt(name, 10), ckpt(name, 5)
+    out = tmp_path / "merged"
+    merge_in_process("parity.yml", recipe_env(new, old, out), monkeypatch)
+    got = load_file(out / "model.safetensors")
+    want = {p: load_file(p / "model.safetensors") for p in (new, old)}
+    assert set(got) == set(want[new])
+    expected = parity(new, old)
+    for key, t in got.items():
+        ref = want[expected[classify(key)]][key]
+        assert t.dtype == ref.dtype == torch.bfloat16 and torch.equal(t, ref), key
+    assert not torch.equal(got["model.layers.1.mlp.up_proj.weight"],
+                           want[new]["model.layers.1.mlp.up_proj.weight"])

@@ -2,17 +2,27 @@
 file for file and tensor for tensor, so 1, 2 and 3 ranks agree."""
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from merge_check import assert_same, check_merge, parity
 from merging import merge_in_process, recipe_env
 
 from mpitailor.comm import Comm
 from mpitailor.zero3.safeload import load
+
+
+def hf_weights(ckpt_dir: Path) -> dict:
+    """All tensors of model.safetensors, or of every shard its index names."""
+    index = ckpt_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
+        if index.exists() else ["model.safetensors"]
+    return dict(sorted((k, v) for f in files for k, v in load_file(ckpt_dir / f).items()))
 
 
 def on_root(comm: Comm, fn) -> None:
@@ -29,7 +39,7 @@ def on_root(comm: Comm, fn) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", ["w3_bf16_decay_tied_frozen", "w4_fp32_per_layer",
-                                  "hf_w2_bf16"])
+                                  "hf_w3_bf16_weights_tied"])
 def test_same_output_for_any_number_of_ranks(ckpt, monkeypatch, name):
     comm = Comm.world()
     root = Path(comm.bcast(tempfile.mkdtemp(prefix="mpitailor-mpi-") if comm.rank == 0
@@ -48,6 +58,8 @@ def test_same_output_for_any_number_of_ranks(ckpt, monkeypatch, name):
             assert files == sorted(p.name for p in (root / "mpi" / tag).iterdir())
             for f in files:
                 assert_same(load(root / "serial" / tag / f), load(root / "mpi" / tag / f), f)
+            if (root / "serial" / "model.safetensors").exists():  # rebuilt 16-bit weights
+                assert_same(hf_weights(root / "serial"), hf_weights(root / "mpi"), "weights")
         on_root(comm, compare)
     finally:
         comm.barrier()

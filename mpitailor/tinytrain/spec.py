@@ -31,6 +31,7 @@ class TrainSpec:
     grouping: str = "one"
     sub_group_size: int = 1_000_000_000
     zero_stage: int = 3
+    save_16bit: bool = False  # HF Trainer: also save gathered 16-bit model.safetensors
     frozen: tuple[str, ...] = ()
     seed: int = 1234
     lr: float = 1e-3

@@ -1,0 +1,1 @@
+"""Outputs beyond the native ZeRO-3 checkpoint: consolidated HF weights."""

@@ -1,0 +1,95 @@
+"""Consolidated HF weights (safetensors) from a ZeRO-3 checkpoint, written by all ranks.
+
+Parameters are split, in model order, into one contiguous chunk per MPI rank of about equal
+bytes; each rank reads its parameters' slices from every partition file (byte ranges only),
+casts them to the target dtype and writes its own safetensors file. Rank 0 writes the index
+when there is more than one file. Tied aliases are left out, as `save_pretrained` does.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mpitailor.comm import Comm
+from mpitailor.commit import fsync_and_record, write_synced
+from mpitailor.zero3 import CheckpointMeta, open_shard
+from mpitailor.zero3.consolidate import frozen_tensor, full_tensor
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def chunk_names(meta: CheckpointMeta, parts: int) -> list[list[str]]:
+    """Parameter names (trainable and frozen, model order) in `parts` contiguous chunks."""
+    sizes = [(s.name, s.numel) for s in meta.layout.slots] + \
+        [(n, int(torch.Size(shape).numel())) for n, shape in meta.frozen_shapes]
+    total = sum(n for _, n in sizes) or 1
+    chunks: list[list[str]] = [[] for _ in range(parts)]
+    done = 0
+    for name, n in sizes:
+        chunks[min(parts - 1, done * parts // total)].append(name)
+        done += n
+    return [c for c in chunks if c]
+
+
+def file_name(i: int, n: int) -> str:
+    return SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, dtype: str) -> dict:
+    """Collective: write consolidated weights of `meta` into dest; {file: manifest record}."""
+    chunks = chunk_names(meta, comm.size)
+    dt = DTYPES[dtype]
+
+    def write_mine() -> dict[str, dict]:
+        if comm.rank >= len(chunks):
+            return {}
+        name = file_name(comm.rank, len(chunks))
+        return {name: _write_chunk(meta, chunks[comm.rank], dest / name, dt)}
+
+    records = {k: v for part in comm.allgather(comm.step(write_mine)) for k, v in part.items()}
+    if len(chunks) > 1:
+        def write_index() -> dict[str, dict]:
+            weight_map = {n: file_name(i, len(chunks)) for i, c in enumerate(chunks) for n in c}
+            total = sum(r["tensor_bytes"] for r in records.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            return {INDEX: write_synced(dest / INDEX, json.dumps(index, indent=2).encode())}
+        records.update(comm.root_step(write_index))
+    return records
+
+
+def _write_chunk(meta: CheckpointMeta, names: list[str], path: Path, dtype) -> dict:
+    slots = meta.layout.by_name()
+    frozen = dict(meta.frozen_shapes)
+    shards = [open_shard(meta, r) for r in range(meta.world_size)]
+    try:
+        tensors = {}
+        for n in names:
+            t = full_tensor(shards, slots[n], "fp32") if n in slots else \
+                frozen_tensor(shards, n, frozen[n])
+            tensors[n] = t.to(dtype).contiguous()
+    finally:
+        for s in shards:
+            s.close()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    rec = fsync_and_record(path)
+    rec["tensor_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    return rec
+
+
+SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+
+def weights_dtype(path: Path) -> str:
+    """dtype ('bf16', 'fp16', 'fp32') of an existing safetensors file, or of an index's first."""
+    from safetensors import safe_open
+    if path.name.endswith(".index.json"):
+        path = path.parent / next(iter(json.loads(path.read_text())["weight_map"].values()))
+    with safe_open(str(path), "pt") as f:
+        key = next(iter(f.keys()))
+        return SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype(), "fp32")
