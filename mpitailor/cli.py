@@ -30,6 +30,37 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return run_merge_cli(args)
 
 
+def cmd_recover(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpitailor.merge import plan_recipe, run_planned
+    from mpitailor.recipe import parse_recipe
+    from mpitailor.recovery import recovery_recipe
+
+    save_dir = Path(args.save_dir).resolve()
+    out = Path(args.output).resolve() if args.output else None
+    if args.emit_recipe:
+        print(recovery_recipe(save_dir, out), end="")
+        return 0
+    comm = args.comm
+    if out is None:
+        from mpitailor.errors import UserError
+        raise UserError("recover: give -o OUTPUT (or --emit-recipe to only print the recipe)")
+    recipe = comm.root_step(lambda: parse_recipe(recovery_recipe(save_dir, out),
+                                                 origin=f"recover {save_dir}",
+                                                 base_dir=save_dir))
+    return run_planned(comm, *plan_recipe(comm, recipe), args)
+
+
+def cmd_stats_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpitailor.training.plot import plot_stats
+    plot_stats(Path(args.stats_file), Path(args.output))
+    print(f"mpitailor: wrote {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mpitailor",
@@ -53,6 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
     common(m)
     m.set_defaults(func=cmd_merge, uses_mpi=True)
 
+    r = sub.add_parser("recover", help="merge the newest copy of every layer in a save dir")
+    r.add_argument("save_dir", help="dir of full and partial checkpoints (global_stepN/, "
+                                    "checkpoint-N/)")
+    r.add_argument("-o", "--output", help="output dir of the composite checkpoint")
+    r.add_argument("--emit-recipe", action="store_true", help="print the recipe, merge nothing")
+    r.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--stats", metavar="FILE", help="per-rank I/O and memory as JSON")
+    common(r)
+    r.set_defaults(func=cmd_recover, uses_mpi=True)
+
+    st = sub.add_parser("stats", help="update statistics of layer-wise saving")
+    st_sub = st.add_subparsers(dest="stats_command", required=True)
+    sp = st_sub.add_parser("plot", help="heatmaps of per-layer updates and saves (PNG)")
+    sp.add_argument("stats_file", help="HDF5 file written by LayerwiseCheckpointer(stats=...)")
+    sp.add_argument("-o", "--output", default="stats.png", help="PNG to write")
+    common(sp)
+    sp.set_defaults(func=cmd_stats_plot, uses_mpi=False)
+
     i = sub.add_parser("inspect", help="describe a ZeRO-3 checkpoint layer by layer")
     i.add_argument("checkpoint", help="tag dir, save dir with `latest`, or HF checkpoint-N/")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -61,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SUBCOMMANDS = ("merge", "inspect")
+SUBCOMMANDS = ("merge", "recover", "inspect", "stats")
 
 
 def main(argv: list[str] | None = None) -> int:

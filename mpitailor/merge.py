@@ -50,7 +50,11 @@ def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta]:
 def plan_merge(comm: Comm, recipe_path: str,
                output: str | None = None) -> tuple[Recipe, MergePlan]:
     """Collective: load and validate the recipe, read the sources, compute the plan."""
-    recipe = comm.root_step(load_recipe, recipe_path, output)
+    return plan_recipe(comm, comm.root_step(load_recipe, recipe_path, output))
+
+
+def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
+    """Collective: read the recipe's sources and compute the plan."""
     metas = read_sources(comm, recipe)
     return recipe, comm.root_step(make_plan, recipe, metas)
 
@@ -149,7 +153,11 @@ def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
 
 def run_merge_cli(args: argparse.Namespace) -> int:
     comm: Comm = args.comm
-    recipe, plan = plan_merge(comm, args.recipe, args.output)
+    return run_planned(comm, *plan_merge(comm, args.recipe, args.output), args)
+
+
+def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Namespace) -> int:
+    """Collective: dry-run report or merge + summary, as the CLI options say."""
     if args.dry_run:
         if comm.rank == 0:
             print(format_plan(plan, comm.size))

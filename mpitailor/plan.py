@@ -89,6 +89,7 @@ def make_plan(recipe: Recipe, metas: dict[str, CheckpointMeta]) -> MergePlan:
     for k in sort_keys(keys.values()):
         if k in AUX_KEYS or k == OTHER:
             key_source[k] = aux.get(k, base)
+    _check_held(recipe, {k: key_source[k] for k in set(keys.values())}, metas)
     output = _check_output(recipe, metas)
     param_source = {n: key_source[keys[n]] for n in all_names}
     ref = metas[names[0]].layout
@@ -122,6 +123,18 @@ def _check_agree(recipe: Recipe, names: list[str], metas: dict[str, CheckpointMe
     if recipe.dtype is not None and DTYPE_ALIASES.get(recipe.dtype) != first.dtype:
         raise UserError(f"{recipe.origin}: dtype: {recipe.dtype!r} but the sources are "
                         f"{first.dtype}; remove `dtype` or set it to {first.dtype}")
+
+
+def _check_held(recipe: Recipe, key_source: dict[str, str],
+                metas: dict[str, CheckpointMeta]) -> None:
+    """A partial checkpoint can supply only the layers it saved."""
+    for key in sort_keys(key_source):
+        src = key_source[key]
+        held = metas[src].held_layers
+        if held is not None and key not in held:
+            raise UserError(f"{recipe.origin}: {key} is taken from {src}, a partial checkpoint "
+                            f"that did not save it (it holds {', '.join(sort_keys(held))}); "
+                            f"take {key} from a checkpoint that has it")
 
 
 def _count_layers(recipe: Recipe, keys: dict[str, str]) -> int:

@@ -8,6 +8,7 @@ does this before the MPI tests, whose ranks must not race to build).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -42,17 +43,32 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "w2_fp32_wide": (dict(world_size=2, hidden=256, intermediate=512, vocab=2048,
                           steps=6, save_at=(3, 6)), None),
 }
+# Layer-wise saving runs (full save at step 2, policy-chosen partial saves at 4, 6, 8), and a
+# twin of the first that saves everything, to compare partial slices with full saves.
+LAYERWISE = dict(world_size=2, grouping="per_layer", steps=8, save_at=(2, 4, 6, 8))
+SAVING_VARIANTS: dict[str, tuple[dict, str | None]] = {
+    "w2_parity": (dict(LAYERWISE, policy={"name": "parity"}, stats="stats.h5"), None),
+    "w2_parity_twin_full": (dict(LAYERWISE), None),
+    "w2_adaptive": (dict(LAYERWISE, policy={"name": "adaptive", "top_fraction": 0.5,
+                                            "max_staleness": 2}, stats="stats.h5"), None),
+    "hf_w2_parity": (dict(world_size=2, steps=8, save_at=(2, 4, 6, 8),
+                          policy={"name": "parity"}), HF_MODULE),
+}
 ZERO3_VARIANTS = [n for n in VARIANTS if n not in ("w2_stage2", "w2_fp32_wide")]
+VARIANTS.update(SAVING_VARIANTS)
 
 
 def spec_for(name: str, save_dir: Path) -> TrainSpec:
-    overrides, _ = VARIANTS[name]
+    overrides = dict(VARIANTS[name][0])
+    if overrides.get("stats"):  # the stats log lives in the save dir
+        overrides["stats"] = str(Path(save_dir) / overrides["stats"])
     return replace(TrainSpec(save_dir=str(save_dir)), **overrides)
 
 
 def fixture_dir(name: str) -> Path:
-    key = hashlib.sha256(f"{FIXTURE_VERSION}{spec_for(name, Path('.')).to_json()}{VARIANTS[name][1]}"
-                         .encode()).hexdigest()[:12]
+    spec = spec_for(name, Path("."))
+    text = json.dumps(spec.changes(), sort_keys=True, default=list)
+    key = hashlib.sha256(f"{FIXTURE_VERSION}{text}{VARIANTS[name][1]}".encode()).hexdigest()[:12]
     return CACHE / f"{name}-{key}"
 
 

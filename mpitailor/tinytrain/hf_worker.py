@@ -14,7 +14,7 @@ import torch
 
 from mpitailor.tinytrain.model import batch, build_model
 from mpitailor.tinytrain.spec import TrainSpec
-from mpitailor.tinytrain.worker import skip_shm_build
+from mpitailor.tinytrain.worker import shutdown, skip_shm_build
 
 
 def patch_for_cpu(bf16: bool) -> None:
@@ -69,13 +69,21 @@ def main(spec_path: str, result_path: str) -> None:
         dataloader_num_workers=0, save_only_model=False, use_cpu=False)
     model = build_model(spec)
     data = TokenData(spec, spec.steps * spec.micro_batch * spec.world_size * 2)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    if spec.policy is not None:
+        from mpitailor.training.hf import LayerwiseTrainer
+        from mpitailor.training.policies import make_policy
+        options = dict(spec.policy)
+        trainer = LayerwiseTrainer(policy=make_policy(options.pop("name"), **options),
+                                   stats=spec.stats, model=model, args=args, train_dataset=data)
+    else:
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     trainer.train(resume_from_checkpoint=spec.load_dir)
     if trainer.args.process_index == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         Path(result_path).write_text(json.dumps(
             {"losses": losses, "global_steps": trainer.state.global_step,
              "world_size": trainer.args.world_size}))
+    shutdown()
 
 
 if __name__ == "__main__":

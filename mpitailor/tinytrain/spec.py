@@ -32,6 +32,8 @@ class TrainSpec:
     sub_group_size: int = 1_000_000_000
     zero_stage: int = 3
     save_16bit: bool = False  # HF Trainer: also save gathered 16-bit model.safetensors
+    policy: dict | None = None  # layer-wise saving: {"name": "parity", **options}
+    stats: str | None = None    # HDF5 update-statistics log of the policy's saves
     frozen: tuple[str, ...] = ()
     seed: int = 1234
     lr: float = 1e-3
@@ -52,6 +54,12 @@ class TrainSpec:
         if self.load_tag is not None and self.load_dir is None:
             raise ValueError("load_tag needs load_dir")
 
+    def changes(self) -> dict:
+        """The fields that differ from the defaults (a stable cache key as fields are added)."""
+        base = TrainSpec(save_dir=self.save_dir)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)}
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
@@ -60,6 +68,8 @@ class TrainSpec:
         raw = json.loads(text)
         raw["frozen"] = tuple(raw["frozen"])
         raw["save_at"] = tuple(raw["save_at"])
+        if isinstance(raw.get("policy"), dict) and "always" in raw["policy"]:
+            raw["policy"]["always"] = tuple(raw["policy"]["always"])
         return cls(**raw)
 
     def write(self, path: Path) -> None:

@@ -86,11 +86,29 @@ def main(spec_path: str, result_path: str) -> None:
         if path is None:
             raise SystemExit(f"DeepSpeed loaded nothing from {spec.load_dir}/{spec.load_tag}")
         first = engine.global_steps
-    losses = train(spec, engine, first)
+    on_save = None
+    if spec.policy is not None:
+        from mpitailor.training.checkpointer import LayerwiseCheckpointer
+        from mpitailor.training.policies import make_policy
+        options = dict(spec.policy)
+        ckpt = LayerwiseCheckpointer(engine, spec.save_dir, make_policy(options.pop("name"),
+                                                                        **options),
+                                     stats=spec.stats)
+        on_save = lambda engine, spec, step: ckpt.save(tag=f"global_step{step}")  # noqa: E731
+    losses = train(spec, engine, first, on_save)
     if engine.global_rank == 0:
         Path(result_path).write_text(json.dumps(
             {"losses": losses, "first_step": first, "global_steps": engine.global_steps,
              "world_size": engine.world_size}))
+    shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group together: exiting with gloo threads alive can abort()."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

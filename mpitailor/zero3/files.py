@@ -5,6 +5,7 @@ A checkpoint may be named by its tag dir (`save/global_step10`), by a save dir w
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,10 @@ from mpitailor.errors import CheckpointError
 MODEL_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 STAGE12_MODEL = "mp_rank_00_model_states.pt"
+# A partial checkpoint (mpitailor.training.save_layers): some layers' slices per rank, plus
+# DeepSpeed's own model states and the optimizer's non-tensor state. The manifest is its
+# commit marker, written last.
+PARTIAL_MANIFEST = "mpitailor_partial.json"
 
 
 def model_file(rank: int) -> str:
@@ -24,6 +29,12 @@ def optim_file(rank: int, bf16: bool) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
+def partial_files(rank: int) -> dict[str, str]:
+    """File names of one rank's part of a partial checkpoint."""
+    return {"model": f"rank_{rank}_model_states.pt", "optim": f"rank_{rank}_optim_meta.pt",
+            "layers": f"rank_{rank}_layers.safetensors", "rng": f"rng_state_{rank}.pth"}
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointFiles:
     """The tag dir of one ZeRO-3 checkpoint and what its file names say."""
@@ -32,16 +43,22 @@ class CheckpointFiles:
     world_size: int
     bf16_prefix: bool
     save_dir: Path | None  # the dir holding `latest` (and HF extras), if named that way
+    partial: bool = False  # an mpitailor partial checkpoint rather than a DeepSpeed one
 
     @property
     def tag(self) -> str:
         return self.tag_dir.name
 
     def model_path(self, rank: int) -> Path:
-        return self.tag_dir / model_file(rank)
+        return self.tag_dir / (partial_files(rank)["model"] if self.partial else model_file(rank))
 
     def optim_path(self, rank: int) -> Path:
-        return self.tag_dir / optim_file(rank, self.bf16_prefix)
+        """DeepSpeed's optim states; for a partial checkpoint, its non-tensor part."""
+        return self.tag_dir / (partial_files(rank)["optim"] if self.partial
+                               else optim_file(rank, self.bf16_prefix))
+
+    def layers_path(self, rank: int) -> Path:
+        return self.tag_dir / partial_files(rank)["layers"]
 
 
 def resolve(path: Path | str) -> CheckpointFiles:
@@ -51,6 +68,8 @@ def resolve(path: Path | str) -> CheckpointFiles:
         raise CheckpointError(f"{path}: no such checkpoint; check the path")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; name a DeepSpeed save dir or tag dir")
+    if (path / PARTIAL_MANIFEST).exists():
+        return _partial(path, save_dir=None)
     if _has_rank_files(path) or (path / STAGE12_MODEL).exists():
         return _scan_tag_dir(path, save_dir=None)
     latest = path / "latest"
@@ -60,10 +79,28 @@ def resolve(path: Path | str) -> CheckpointFiles:
             raise CheckpointError(f"{latest}: does not name a tag dir (got {tag!r})")
         if not (path / tag).is_dir():
             raise CheckpointError(f"{latest}: names tag {tag!r} but {path / tag} is missing")
+        if (path / tag / PARTIAL_MANIFEST).exists():
+            return _partial(path / tag, save_dir=path)
         return _scan_tag_dir(path / tag, save_dir=path)
     raise CheckpointError(
         f"{path}: neither a DeepSpeed tag dir (zero_pp_rank_*_model_states.pt) nor a save dir "
         f"with a `latest` file; name the tag dir, e.g. {path}/global_stepN")
+
+
+def _partial(tag_dir: Path, save_dir: Path | None) -> CheckpointFiles:
+    try:
+        manifest = json.loads((tag_dir / PARTIAL_MANIFEST).read_text())
+        world, dtype = int(manifest["world_size"]), manifest["dtype"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{tag_dir / PARTIAL_MANIFEST}: unreadable partial-checkpoint "
+                              f"manifest ({e}); the partial save did not complete") from None
+    missing = [n for r in range(world) for n in partial_files(r).values()
+               if not (tag_dir / n).exists()]
+    if missing:
+        raise CheckpointError(f"{tag_dir}: missing {missing[0]}; the partial checkpoint is "
+                              f"incomplete")
+    return CheckpointFiles(tag_dir=tag_dir, world_size=world, bf16_prefix=dtype == "bf16",
+                           save_dir=save_dir, partial=True)
 
 
 def _has_rank_files(path: Path) -> bool:

@@ -5,6 +5,7 @@ each rank then checks its own rank files against it when it opens them (`shard.p
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class CheckpointMeta:
     frozen_shapes: tuple[tuple[str, tuple[int, ...]], ...]
     shared_params: tuple[tuple[str, str], ...]   # alias -> tied parameter
     ds_version: str
+    held_layers: frozenset[str] | None = None    # partial checkpoints: the layer keys saved
 
     @property
     def world_size(self) -> int:
@@ -41,16 +43,14 @@ class CheckpointMeta:
     def path(self) -> Path:
         return self.files.tag_dir
 
-    def fingerprint(self) -> tuple:
-        """What two checkpoints must share to be merged position by position."""
-        return (self.layout, self.frozen_shapes, self.dtype, self.param_groups)
 
 
 def read_meta(path: Path | str) -> CheckpointMeta:
     """Read a checkpoint's metadata from its rank-0 files (memory-mapped, tensors untouched)."""
     files = zfiles.resolve(path)
     model = load(files.model_path(0))
-    optim = load(files.optim_path(0), index_only=True)  # structure only; steps read below
+    # Structure only (steps read below); a partial checkpoint's optim file has no buffers.
+    optim = load(files.optim_path(0), index_only=not files.partial)
     _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
     _require_keys(files.optim_path(0), optim, ("optimizer_state_dict",))
     osd = optim["optimizer_state_dict"]
@@ -67,7 +67,8 @@ def read_meta(path: Path | str) -> CheckpointMeta:
     inner = osd["optimizer_state_dict"]
     n_sub = len(layout.subgroup_sizes)
     flat = osd.get("fp32_flat_groups", [])
-    if len(flat) != n_sub or any(t.numel() != n for t, n in zip(flat, layout.subgroup_sizes)):
+    if not files.partial and (len(flat) != n_sub or any(
+            t.numel() != n for t, n in zip(flat, layout.subgroup_sizes))):
         raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
                               f"param_shapes of {files.model_path(0)}; files from different runs?")
     return CheckpointMeta(
@@ -80,7 +81,13 @@ def read_meta(path: Path | str) -> CheckpointMeta:
                             for n, s in (model.get("frozen_param_shapes") or {}).items()),
         shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
         ds_version=str(model.get("ds_version", "")),
+        held_layers=_held_layers(files) if files.partial else None,
     )
+
+
+def _held_layers(files: CheckpointFiles) -> frozenset[str]:
+    manifest = json.loads((files.tag_dir / zfiles.PARTIAL_MANIFEST).read_text())
+    return frozenset(manifest["layers"])
 
 
 def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
@@ -100,6 +107,8 @@ def _model_dtype(model: dict) -> str:
 
 
 def _read_steps(path: Path, state: dict, n_sub: int) -> tuple[float, ...]:
+    if n_sub == 0:
+        return ()
     with open(path, "rb") as f:
         state = materialize({i: state.get(i, {}).get("step", 0) for i in range(n_sub)},
                             f.fileno())

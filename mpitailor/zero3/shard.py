@@ -63,7 +63,12 @@ class RankShard:
 
 
 def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
-    """Open rank `rank`'s files; raise CheckpointError if they disagree with rank 0's."""
+    """Open rank `rank`'s files; raise CheckpointError if they disagree with rank 0's.
+
+    Partial checkpoints get a `PartialShard`, which reads the same way."""
+    if meta.files.partial:
+        from mpitailor.zero3.partial_shard import open_partial_shard
+        return open_partial_shard(meta, rank)
     model_path, optim_path = meta.files.model_path(rank), meta.files.optim_path(rank)
     model = load(model_path)
     if rank != 0:

@@ -1,0 +1,65 @@
+"""Selective layer-wise checkpointing for a plain DeepSpeed training loop.
+
+    ckpt = LayerwiseCheckpointer(engine, "ckpts", Parity(full_every=8), stats="stats.h5")
+    for step in ...:
+        ...
+        if step % 100 == 0:
+            ckpt.save()        # full or partial, as the policy says; collective
+
+Recover with `python -m mpitailor recover ckpts -o merged` and resume with
+`engine.load_checkpoint("merged")`. A new checkpointer (after a resume) starts a new chain
+with a full save. Collective: every method is called on every rank.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from mpitailor.layers import classify as default_classify
+from mpitailor.training.partial_save import save_layers
+from mpitailor.training.policies import Decision, Policy
+from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
+
+
+class LayerwiseCheckpointer:
+    def __init__(self, engine, save_dir: str | os.PathLike, policy: Policy,
+                 stats: str | os.PathLike | None = None,
+                 classify: Callable[[str], str] = default_classify) -> None:
+        self.engine, self.save_dir, self.policy = engine, save_dir, policy
+        self.keys = model_layer_keys(engine, classify)
+        policy.validate(self.keys)
+        self.tracker = UpdateTracker(engine, classify) if (policy.needs_stats or stats) else None
+        self.classify = classify
+        self.log = StatsLog(stats, self.keys) if stats and engine.global_rank == 0 else None
+        self.save_index = 0
+        self.staleness = {k: 0 for k in self.keys}
+        self.last: dict | None = None
+
+    def decide(self) -> Decision:
+        """Collective (measures updates when tracking): what the next save writes."""
+        self.last = self.tracker.measure() if self.tracker else None
+        rel = {k: v["relative_update"] for k, v in self.last.items()} if self.last else None
+        return self.policy.decide(self.save_index, self.keys, rel, self.staleness)
+
+    def record(self, decision: Decision) -> None:
+        """After a save: staleness, snapshots and the stats log."""
+        for k in self.keys:
+            self.staleness[k] = 0 if k in decision.layers else self.staleness[k] + 1
+        if self.tracker:
+            self.tracker.mark_saved(decision.layers)
+        if self.log:
+            self.log.append(self.engine.global_steps, decision.full, set(decision.layers),
+                            self.last)
+        self.save_index += 1
+
+    def save(self, tag: str | None = None, client_state: dict | None = None) -> Decision:
+        """Collective: a full DeepSpeed save or a partial one, as the policy decides."""
+        tag = tag or f"global_step{self.engine.global_steps}"
+        decision = self.decide()
+        if decision.full:
+            self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state or {})
+        else:
+            save_layers(self.engine, self.save_dir, tag, decision.layers, client_state,
+                        self.classify)
+        self.record(decision)
+        return decision

@@ -1,0 +1,189 @@
+"""`save_layers`: a partial checkpoint of some layers from a live DeepSpeed ZeRO-3 engine.
+
+Every rank writes only the chosen layers' slices of its fp32 master weights and both Adam
+moments (safetensors), plus what a resume needs and which is small: DeepSpeed's own
+model-states dict (counters, lr scheduler, shapes, client state), the optimizer's non-tensor
+state (param groups, loss scaler, every sub-group's Adam `step`) and the rng states. The
+checkpoint is staged in a hidden dir and published by rank 0 with one rename once every rank
+has written and fsynced its files; its manifest is the last file written.
+
+Collective over the engine's data-parallel group: call on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from mpitailor.commit import fsync_and_record, fsync_dir, fsync_tree
+from mpitailor.layers import classify as default_classify
+from mpitailor.zero3.files import PARTIAL_MANIFEST, partial_files
+from mpitailor.zero3.layout import compute_layout
+from mpitailor.zero3.shard import KINDS
+
+FORMAT = "mpitailor-partial"
+VERSION = 1
+
+
+class PartialSaveFailed(RuntimeError):
+    """Some rank could not write its part; nothing was published."""
+
+
+def model_states(engine, client_state: dict | None = None) -> dict:
+    """The dict DeepSpeed itself writes as zero_pp_rank_*_model_states.pt (small)."""
+    state = engine._common_checkpoint_state(engine.module_state_dict(), True, True)
+    state.update(client_state or {})
+    return state
+
+
+def layer_slices(engine, param_shapes, layers: set[str],
+                 classify: Callable[[str], str] = default_classify) -> dict[str, torch.Tensor]:
+    """`{kind}/{name}` -> this rank's slice (padding included) for the chosen layers."""
+    osd = engine.optimizer.state_dict()
+    flats = osd["fp32_flat_groups"]
+    state = osd["optimizer_state_dict"]["state"]
+    out = {}
+    for slot in compute_layout(param_shapes, engine.dp_world_size).slots:
+        if classify(slot.name) not in layers:
+            continue
+        for kind in KINDS:
+            flat = flats[slot.subgroup] if kind == "fp32" else state[slot.subgroup][kind]
+            # clone: safetensors refuses views into one storage, and the engine keeps training
+            out[f"{kind}/{slot.name}"] = flat[slot.offset: slot.offset + slot.length].clone()
+    return out
+
+
+def optimizer_meta(engine) -> dict:
+    """The optimizer states file of DeepSpeed minus its flat buffers and moments."""
+    osd = dict(engine.optimizer.state_dict())
+    osd.pop("fp32_flat_groups")
+    inner = dict(osd["optimizer_state_dict"])
+    inner["state"] = {g: {"step": s["step"]} for g, s in inner["state"].items()}
+    osd["optimizer_state_dict"] = inner
+    import deepspeed
+    return {"optimizer_state_dict": osd, "ds_config": engine.config,
+            "ds_version": deepspeed.__version__}
+
+
+def rng_state() -> dict:
+    """Same keys as HF Trainer's rng_state_{rank}.pth."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "cpu": torch.random.get_rng_state()}
+
+
+def save_layers(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
+                client_state: dict | None = None,
+                classify: Callable[[str], str] = default_classify) -> Path:
+    """Collective: publish `save_dir/tag` holding `layers` (layer keys, e.g. 'layers.3',
+    'embed'). Returns the published path. Raises PartialSaveFailed on every rank if any
+    rank failed; then nothing is published."""
+    opt = engine.optimizer
+    # As in engine.save_checkpoint: partition even the persistent (small) parameters so the
+    # module's state dict holds placeholders, and gather them back afterwards (collective).
+    if hasattr(opt, "checkpoint_event_prologue"):
+        opt.checkpoint_event_prologue()
+    try:
+        return _save_layers(engine, Path(save_dir), tag, set(layers), client_state, classify)
+    finally:
+        if hasattr(opt, "checkpoint_event_epilogue"):
+            opt.checkpoint_event_epilogue()
+
+
+def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_state, classify):
+    final = save_dir / tag
+    staging = save_dir / f".{tag}.mpitailor-staging"
+    rank, world = engine.global_rank, engine.dp_world_size
+    error = None
+    if rank == 0:
+        error = _prepare(final, staging)
+    _agree(error)
+    try:
+        states = model_states(engine, client_state)
+        records = _write_rank(staging, rank, states,
+                              layer_slices(engine, states["param_shapes"], layers, classify),
+                              optimizer_meta(engine))
+    except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
+        records, error = {}, f"rank {rank}: {type(e).__name__}: {e}"
+    _agree(error, cleanup=staging if rank == 0 else None)
+    all_records = _gather(records)
+    error = None
+    if rank == 0:
+        try:
+            manifest = {"format": FORMAT, "version": VERSION, "tag": tag,
+                        "global_steps": engine.global_steps, "world_size": world,
+                        "dtype": "bf16" if engine.bfloat16_enabled() else
+                        "fp16" if engine.fp16_enabled() else "fp32",
+                        "layers": sorted(layers),
+                        "layout_sha256": _layout_hash(states["param_shapes"]),
+                        "files": {k: v for part in all_records for k, v in part.items()}}
+            _write_json(staging / PARTIAL_MANIFEST, manifest)
+            fsync_tree(staging)
+            os.rename(staging, final)
+            fsync_dir(final.parent)
+        except Exception as e:  # noqa: BLE001
+            error = f"rank 0: {type(e).__name__}: {e}"
+    _agree(error, cleanup=staging if rank == 0 else None)
+    return final
+
+
+def _prepare(final: Path, staging: Path) -> str | None:
+    try:
+        if os.path.lexists(final):
+            return f"{final} already exists"
+        if os.path.lexists(staging):  # left by a save that was killed
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    except OSError as e:
+        return f"rank 0: {e}"
+    return None
+
+
+def _write_rank(staging: Path, rank: int, states: dict, slices: dict, optim: dict) -> dict:
+    names = partial_files(rank)
+    records = {}
+    for key, obj in (("model", states), ("optim", optim), ("rng", rng_state())):
+        path = staging / names[key]
+        torch.save(obj, path)
+        records[names[key]] = fsync_and_record(path)
+    path = staging / names["layers"]
+    save_file(slices, str(path), metadata={"format": FORMAT})
+    records[names["layers"]] = fsync_and_record(path)
+    return records
+
+
+def _layout_hash(param_shapes) -> str:
+    text = json.dumps([[(n, list(s)) for n, s in g.items()] for g in param_shapes])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "x") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(error: str | None, cleanup: Path | None = None) -> None:
+    """Collective: if any rank reported an error, clean up and raise it on every rank."""
+    errors = [e for e in _gather(error) if e]
+    if errors:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise PartialSaveFailed(f"partial checkpoint not saved: {errors[0]}")

@@ -1,0 +1,126 @@
+"""Selective layer-wise saving on real DeepSpeed runs, and `recover` under mpiexec."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import replace
+
+import h5py
+import pytest
+import torch
+
+from ckpt_fixtures import HF_MODULE, VARIANTS, build, spec_for
+from conftest import tree_digest
+from merge_check import check_merge
+from merging import run_cli
+
+from mpitailor.tinytrain import launch
+from mpitailor.zero3 import open_shard, read_meta
+
+AUX = ("embed", "norm", "lm_head")
+
+
+def parity_sources(root, prefix="global_step"):
+    """Parity with saves at 2 (full), 4 (odd + aux), 6 (even + aux), 8 (odd + aux): the
+    newest copy of layers 0 and 2 is step 6's, of every other key step 8's."""
+    s6, s8 = root / f"{prefix}6", root / f"{prefix}8"
+    return {"layers.0": s6, "layers.2": s6, "layers.1": s8, "layers.3": s8,
+            **{k: s8 for k in AUX}}
+
+
+@pytest.mark.parametrize("name,prefix", [("w2_parity", "global_step"),
+                                         ("hf_w2_parity", "checkpoint-")])
+def test_recover_takes_the_newest_copy_of_every_layer_and_resumes(tmp_path, name, prefix):
+    root = build(name)
+    before = tree_digest(root)
+    out = tmp_path / "recovered"
+    r = run_cli(["recover", str(root), "-o", str(out)], {}, ranks=2)
+    assert r.returncode == 0, r.stderr
+    expected = parity_sources(root, prefix)
+    check_merge(out, expected, base=root / f"{prefix}8")  # incl. counters and scheduler
+    assert tree_digest(root) == before
+    hf = VARIANTS[name][1] == HF_MODULE
+    spec = replace(spec_for(name, tmp_path / "resumed"), steps=11,
+                   save_at=(1000,) if hf else (), policy=None, stats=None,
+                   load_dir=str(out), load_tag=None if hf else "global_step8")
+    result = launch(spec, module=VARIANTS[name][1] or "mpitailor.tinytrain.worker")
+    assert result["global_steps"] == 11
+    assert len(result["losses"][-3:]) == 3 and all(math.isfinite(x)
+                                                   for x in result["losses"][-3:])
+
+
+def test_partial_slices_equal_a_full_save_of_the_same_step():
+    """The twin run is the same training with full saves: bit for bit the same state."""
+    partial, full = read_meta(build("w2_parity") / "global_step8"), \
+        read_meta(build("w2_parity_twin_full") / "global_step8")
+    assert partial.held_layers == frozenset({"layers.1", "layers.3", *AUX})
+    assert partial.layout == full.layout and partial.subgroup_steps == full.subgroup_steps
+    for r in range(2):
+        with open_shard(partial, r) as p, open_shard(full, r) as f:
+            held = [s for s in full.layout.slots
+                    if any(s.name.startswith(f"model.layers.{i}.") for i in (1, 3))]
+            assert held
+            for s in held:
+                for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(p.read(kind, s.subgroup, s.offset, s.length),
+                                       f.read(kind, s.subgroup, s.offset, s.length))
+            assert p.model["lr_scheduler"] == f.model["lr_scheduler"]
+
+
+def test_partial_saves_are_smaller():
+    sizes = {n: sum(p.stat().st_size for p in (build(n) / "global_step8").iterdir())
+             for n in ("w2_parity", "w2_parity_twin_full")}
+    assert sizes["w2_parity"] < 0.7 * sizes["w2_parity_twin_full"]
+
+
+def test_stats_log_records_every_save():
+    with h5py.File(build("w2_adaptive") / "stats.h5") as f:
+        assert list(f["step"][:]) == [2, 4, 6, 8]
+        assert list(f["full"][:]) == [True, False, False, False]
+        layers = [x.decode() for x in f["layers"][:]]
+        saved, rel = f["saved"][:], f["relative_update"][:]
+    assert saved[0].all() and not saved[1:].all()
+    assert math.isinf(rel[0][0]) and all(math.isfinite(x) and x > 0 for x in rel[1])
+    for row, step in zip(saved[1:], (4, 6, 8)):  # the log agrees with what was written
+        manifest = json.loads((build("w2_adaptive") / f"global_step{step}" /
+                               "mpitailor_partial.json").read_text())
+        assert {k for k, s in zip(layers, row) if s} == set(manifest["layers"])
+    # max_staleness=2: no layer goes two saves without being saved
+    assert all((saved[i] | saved[i + 1]).all() for i in range(len(saved) - 1))
+
+
+def test_recover_emits_a_recipe(tmp_path):
+    r = run_cli(["recover", str(build("w2_parity")), "--emit-recipe"], {})
+    assert r.returncode == 0, r.stderr
+    assert "'0': global_step6" in r.stdout and "base: global_step8" in r.stdout
+
+
+def test_recover_without_a_full_checkpoint(tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(build("w2_parity"), root)
+    shutil.rmtree(root / "global_step2")
+    r = run_cli(["recover", str(root), "-o", str(tmp_path / "out")], {}, ranks=2)
+    assert r.returncode == 2 and "no full checkpoint to start from" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_recover_refuses_a_partial_from_another_run(tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(build("w2_parity"), root)
+    # A real partial checkpoint of another run (HF decay/no-decay groups, not per-layer).
+    shutil.copytree(build("hf_w2_parity") / "checkpoint-8" / "global_step8",
+                    root / "global_step9")
+    before = tree_digest(root)
+    r = run_cli(["recover", str(root), "-o", str(tmp_path / "out")], {}, ranks=2)
+    assert r.returncode == 2 and "merge checkpoints of one run" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and tree_digest(root) == before
+
+
+def test_stats_plot_writes_a_png(tmp_path):
+    out = tmp_path / "stats.png"
+    r = run_cli(["stats", "plot", str(build("w2_adaptive") / "stats.h5"), "-o", str(out)], {})
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    r = run_cli(["stats", "plot", str(tmp_path / "nope.h5")], {})
+    assert r.returncode == 2 and "not an mpitailor stats file" in r.stderr
