@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
+import zlib
 import logging
 import os
 import shutil
@@ -101,34 +101,51 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+class FileRecord:
+    """Size and CRC-32 of a file, accumulated as it is written (one pass, no re-read).
+
+    CRC-32 detects corruption (as zip's own record CRCs do) at 2-3x the speed of sha256;
+    it is not a defence against tampering, which nothing here claims to be."""
+
+    def __init__(self) -> None:
+        self.n, self.crc = 0, 0
+
+    def update(self, data) -> None:
+        self.crc = zlib.crc32(data, self.crc)
+        self.n += len(data)
+
+    def record(self) -> dict:
+        return {"bytes": self.n, "crc32": f"{self.crc:08x}"}
+
+
 def write_synced(path: Path, data: bytes) -> dict:
     """Write bytes, fsync, return the manifest record."""
     with open(path, "xb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    rec = FileRecord()
+    rec.update(data)
+    return rec.record()
 
 
 def copy_synced(src: Path, dst: Path) -> dict:
     """Copy a file, fsync, return the manifest record (hashed while copying)."""
-    h, n = hashlib.sha256(), 0
+    rec = FileRecord()
     with open(src, "rb") as fi, open(dst, "xb") as fo:
         while chunk := fi.read(1 << 22):
-            h.update(chunk)
+            rec.update(chunk)
             fo.write(chunk)
-            n += len(chunk)
         fo.flush()
         os.fsync(fo.fileno())
-    return {"bytes": n, "sha256": h.hexdigest()}
+    return rec.record()
 
 
 def fsync_and_record(path: Path) -> dict:
     """fsync a file written by someone else (a library); return its manifest record."""
-    h, n = hashlib.sha256(), 0
+    rec = FileRecord()
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
         while chunk := f.read(1 << 22):
-            h.update(chunk)
-            n += len(chunk)
-    return {"bytes": n, "sha256": h.hexdigest()}
+            rec.update(chunk)
+    return rec.record()

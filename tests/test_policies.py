@@ -28,6 +28,9 @@ def test_filter_first_and_last_every_save_others_every_kth():
     assert layers(f.decide(4, KEYS)) == list(range(8))
     assert AUX <= f.decide(3, KEYS).layers
     assert not Filter(every=4, aux_always=False).decide(1, KEYS).layers & AUX
+    staggered = Filter(always=(0, -1), every=3, stagger=True)
+    shares = [set(layers(staggered.decide(i, KEYS))) - {0, 7} for i in range(1, 4)]
+    assert shares == [{2, 5}, {1, 4}, {3, 6}]  # every other layer once per 3 saves
 
 
 def test_adaptive_threshold_top_fraction_and_staleness():

@@ -42,6 +42,7 @@ class TrainSpec:
     load_dir: str | None = None
     load_tag: str | None = None
     data_seed: int = 0
+    step_sleep: float = 0.0  # seconds after each step: a run slow enough to interrupt
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -70,6 +71,8 @@ def train(spec: TrainSpec, engine, first_step: int, on_save=None) -> list[float]
         losses.append(float(loss.detach().float()))
         if step in spec.save_at:
             (on_save or _save_full)(engine, spec, step)
+        if spec.step_sleep:
+            time.sleep(spec.step_sleep)
     return losses
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from mpitailor.commit import fsync_and_record, fsync_dir, fsync_tree
 from mpitailor.layers import classify as default_classify
+from mpitailor.stwrite import write_safetensors
 from mpitailor.zero3.files import PARTIAL_MANIFEST, partial_files
 from mpitailor.zero3.layout import compute_layout
 from mpitailor.zero3.shard import KINDS
@@ -57,8 +57,8 @@ def layer_slices(engine, param_shapes, layers: set[str],
             continue
         for kind in KINDS:
             flat = flats[slot.subgroup] if kind == "fp32" else state[slot.subgroup][kind]
-            # clone: safetensors refuses views into one storage, and the engine keeps training
-            out[f"{kind}/{slot.name}"] = flat[slot.offset: slot.offset + slot.length].clone()
+            # A view, not a copy: written before the engine takes another step.
+            out[f"{kind}/{slot.name}"] = flat.detach()[slot.offset: slot.offset + slot.length]
     return out
 
 
@@ -154,9 +154,8 @@ def _write_rank(staging: Path, rank: int, states: dict, slices: dict, optim: dic
         path = staging / names[key]
         torch.save(obj, path)
         records[names[key]] = fsync_and_record(path)
-    path = staging / names["layers"]
-    save_file(slices, str(path), metadata={"format": FORMAT})
-    records[names["layers"]] = fsync_and_record(path)
+    records[names["layers"]] = write_safetensors(staging / names["layers"], slices,
+                                                 metadata={"format": FORMAT})
     return records
 
 

@@ -61,12 +61,14 @@ class Parity(Policy):
 @dataclass(frozen=True)
 class Filter(Policy):
     """`always` at every save (negative indices count from the end, like Python), the other
-    layers every `every`-th save. Auxiliary layers are saved like `always` unless
-    aux_always is False."""
+    layers every `every`-th save: all together, or with `stagger` a 1/every share of them at
+    each save (same bytes on average, no spike). Auxiliary layers are saved like `always`
+    unless aux_always is False."""
 
     always: tuple[int, ...] = (0, 1, -2, -1)
     every: int = 4
     aux_always: bool = True
+    stagger: bool = False
 
     def validate(self, keys):
         super().validate(keys)
@@ -82,9 +84,15 @@ class Filter(Policy):
     def choose(self, save_index, keys, rel_update, staleness):
         n = _n_layers(keys)
         always = {i % n for i in self.always}
-        sweep = self.every >= 1 and save_index % self.every == 0
-        return {k for k in keys if sweep or ((i := layer_index(k)) is None and self.aux_always)
-                or (i is not None and i in always)}
+
+        def due(i: int) -> bool:
+            if self.every < 1:
+                return False
+            return (i + save_index) % self.every == 0 if self.stagger \
+                else save_index % self.every == 0
+
+        return {k for k in keys if ((i := layer_index(k)) is None and self.aux_always)
+                or (i is not None and (i in always or due(i)))}
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,12 @@ other field (param groups, loss scaler, counters, config) comes from the base so
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import torch
 
+from mpitailor.commit import FileRecord
 from mpitailor.plan import MergePlan
 from mpitailor.zero3.files import model_file, optim_file
 from mpitailor.zero3.shard import KINDS, RankShard, open_shard
@@ -86,11 +86,10 @@ class _HashingWriter:
     """A file wrapper that hashes what torch.save streams through it (no re-read)."""
 
     def __init__(self, f) -> None:
-        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+        self.f, self.rec = f, FileRecord()
 
     def write(self, data) -> int:
-        self.sha.update(data)
-        self.n += len(data)
+        self.rec.update(data)
         return self.f.write(data)
 
     def flush(self) -> None:
@@ -98,14 +97,14 @@ class _HashingWriter:
 
 
 def save_synced(obj, path: Path) -> dict:
-    """torch.save to a new file, fsync; return {"bytes", "sha256"}."""
+    """torch.save to a new file, fsync; return its manifest record (size, CRC-32)."""
     _refuse_meta(obj, path)
     with open(path, "xb") as f:
         w = _HashingWriter(f)
         torch.save(obj, w)
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": w.n, "sha256": w.sha.hexdigest()}
+    return w.rec.record()
 
 
 def _refuse_meta(obj, path: Path) -> None:

@@ -1,0 +1,64 @@
+"""Full DeepSpeed saves against selective layer-wise saves, on one engine, side by side.
+
+    python -m bench.save_bench [--layers 32] [--hidden 256] [--reps 3] [--world-size 2]
+
+A 32-layer random-init Llama trained one step with DeepSpeed ZeRO-3 on CPU; then, repeated,
+a full `save_checkpoint` (as DeepSpeed leaves it, and fsynced like mpitailor's saves), parity
+partial saves (one cycle: 2 saves) and filter partial saves
+(first 2 and last 2 layers every save, the others every 4th: one cycle of 4 saves). Reports
+mean bytes and seconds per save and the ratios against the full save. Writes
+bench/out/save_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from mpitailor.tinytrain import TrainSpec, launch
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--world-size", type=int, default=2)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mpitailor-savebench-", dir=OUT.parent) as tmp:
+        spec = TrainSpec(save_dir=tmp, world_size=args.world_size, layers=args.layers,
+                         hidden=args.hidden, intermediate=2 * args.hidden, vocab=args.vocab,
+                         grouping="per_layer", steps=1, save_at=(),
+                         extra={"reps": args.reps})
+        result = launch(spec, module="bench.save_worker", timeout=3600)
+    rows = result["rows"]
+    summary = {}
+    for case in ("full", "full+fsync", "parity", "filter"):
+        mine = [r for r in rows if r["case"] == case]
+        summary[case] = {"bytes_per_save": statistics.mean(r["bytes"] for r in mine),
+                         "seconds_per_save": statistics.mean(r["seconds"] for r in mine),
+                         "seconds_stdev": statistics.pstdev(r["seconds"] for r in mine),
+                         "saves": len(mine)}
+    full = summary["full+fsync"]  # save_layers fsyncs every file: compare like with like
+    print(f"{args.layers}-layer Llama, hidden {args.hidden}, world size {args.world_size}, "
+          f"{args.reps} repetitions (mean per save; partial cases averaged over a cycle)")
+    print(f"{'case':<12}{'MB/save':>10}{'s/save':>10}{'bytes vs full':>15}"
+          f"{'time vs full+fsync':>20}")
+    for case, s in summary.items():
+        s["bytes_ratio"] = full["bytes_per_save"] / s["bytes_per_save"]
+        s["time_ratio"] = full["seconds_per_save"] / s["seconds_per_save"]
+        print(f"{case:<12}{s['bytes_per_save'] / 1e6:>10.1f}{s['seconds_per_save']:>10.3f}"
+              f"{s['bytes_ratio']:>14.2f}x{s['time_ratio']:>19.2f}x")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "save_bench.json").write_text(json.dumps(
+        {"args": vars(args), "summary": summary, "rows": rows}, indent=2))
+    print(f"wrote {OUT / 'save_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()

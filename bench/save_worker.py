@@ -1,0 +1,73 @@
+"""One rank of the save benchmark (started by bench/save_bench.py through tinytrain.launch).
+
+Trains one step, then times, side by side and repeated, a full `engine.save_checkpoint` and
+`save_layers` under the parity and filter policies on the same engine. Rank 0 writes JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from mpitailor.commit import fsync_tree
+from mpitailor.tinytrain.spec import TrainSpec
+from mpitailor.tinytrain.worker import build_engine, shutdown, train
+from mpitailor.training.partial_save import save_layers
+from mpitailor.training.policies import Filter, Parity
+from mpitailor.training.stats import model_layer_keys
+
+
+def fsync_tree_files(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_tree(root)
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = TrainSpec.from_json(Path(spec_path).read_text())
+    reps = int(spec.extra.get("reps", 3))
+    engine = build_engine(spec)
+    train(spec, engine, 0)
+    keys = model_layer_keys(engine)
+    policies = {"parity": Parity(), "filter": Filter(always=(0, 1, -2, -1), every=4)}
+    cycle = {"parity": [1, 2], "filter": [1, 2, 3, 4]}  # the partial saves of one cycle
+    rows = []
+    save_dir = Path(spec.save_dir)
+    for rep in range(reps):
+        for case in ("full", "full+fsync", "parity", "filter"):
+            for idx in ([0] if case.startswith("full") else cycle[case]):
+                tag = f"{case}-{rep}-{idx}"
+                dist.barrier()
+                t = time.perf_counter()
+                if case.startswith("full"):
+                    engine.save_checkpoint(str(save_dir), tag=tag)
+                    if case == "full+fsync":  # durable, as save_layers always is
+                        fsync_tree_files(save_dir / tag)
+                else:
+                    layers = policies[case].decide(idx, keys).layers
+                    save_layers(engine, save_dir, tag, layers)
+                dist.barrier()
+                seconds = time.perf_counter() - t
+                if engine.global_rank == 0:
+                    rows.append({"case": case, "rep": rep, "save_index": idx,
+                                 "seconds": seconds, "bytes": du(save_dir / tag)})
+                    shutil.rmtree(save_dir / tag)
+                dist.barrier()
+    if engine.global_rank == 0:
+        Path(result_path).write_text(json.dumps({"rows": rows, "layers": len(keys)}))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
