@@ -34,7 +34,14 @@ class Staging:
             raise UserError(f"{self.output}: output already exists; remove it or choose "
                             f"another output path (mpitailor never overwrites)")
         self.output.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+        try:
+            fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise UserError(f"{self.lock_path}: the lock path is a symbolic link; mpitailor "
+                            f"never follows links there (remove it if nobody planted it "
+                            f"on purpose)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

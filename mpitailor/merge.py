@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpitailor import __version__
+from mpitailor import __version__, failpoints
 from mpitailor.comm import Comm
 from mpitailor.commit import Staging, write_synced
 from mpitailor.export.hf_weights import weights_dtype, write_hf_weights
@@ -22,7 +22,7 @@ from mpitailor.plan import MergePlan, make_plan, owned_partitions
 from mpitailor.plan_report import format_plan
 from mpitailor.recipe import Recipe, load_recipe
 from mpitailor.zero3 import CheckpointMeta, read_meta
-from mpitailor.zero3.writer import write_partition
+from mpitailor.zero3.writer import new_buffers, write_partition
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,9 @@ def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool) -> 
     mine = owned_partitions(plan.world_size, comm.rank, comm.size)
     records: dict[str, dict] = {}
     bar = _progress_bar(len(mine), progress and comm.rank == 0)
+    buffers = new_buffers(plan) if mine else None
     for r in mine:
-        records.update(write_partition(plan, r, tag_dir))
+        records.update(write_partition(plan, r, tag_dir, buffers))
         bar.update(1)
     bar.close()
     return records
@@ -126,6 +127,7 @@ def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ra
     files["latest"] = write_synced(root / "latest", base.files.tag.encode())
     manifest = build_manifest(plan, files, recipe_text, ranks, seconds)
     write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
+    failpoints.hit("commit")
     staging.publish()
     return sum(r["bytes"] for r in files.values())
 

@@ -11,26 +11,35 @@ from pathlib import Path
 
 import torch
 
+from mpitailor import failpoints
 from mpitailor.commit import FileRecord
 from mpitailor.plan import MergePlan
 from mpitailor.zero3.files import model_file, optim_file
 from mpitailor.zero3.shard import KINDS, RankShard, open_shard
 
 
-def build_partition(plan: MergePlan, rank: int) -> tuple[dict, dict]:
-    """(optim dict, model-states dict) of output partition `rank`."""
+def new_buffers(plan: MergePlan) -> dict[str, list[torch.Tensor]]:
+    """Output flat buffers for one partition. Every partition has the same sizes, so a rank
+    that writes several reuses them (and pays the page faults of fresh memory once)."""
+    sizes = plan.base_meta.layout.subgroup_sizes
+    return {k: [torch.empty(n, dtype=torch.float32) for n in sizes] for k in KINDS}
+
+
+def build_partition(plan: MergePlan, rank: int,
+                    buffers: dict[str, list[torch.Tensor]] | None = None) -> tuple[dict, dict]:
+    """(optim dict, model-states dict) of output partition `rank`, filled into `buffers`."""
     shards = {name: open_shard(meta, rank) for name, meta in plan.sources}
     try:
-        flats = _copy_flats(plan, shards)
+        failpoints.hit("read")
+        flats = _copy_flats(plan, shards, buffers or new_buffers(plan))
         return _optim_dict(plan, shards[plan.base], flats), _model_dict(plan, shards)
     finally:
         for s in shards.values():
             s.close()
 
 
-def _copy_flats(plan: MergePlan, shards: dict[str, RankShard]) -> dict[str, list[torch.Tensor]]:
-    sizes = plan.base_meta.layout.subgroup_sizes
-    flats = {k: [torch.empty(n, dtype=torch.float32) for n in sizes] for k in KINDS}
+def _copy_flats(plan: MergePlan, shards: dict[str, RankShard],
+                flats: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
     for g, sg in enumerate(plan.subgroups):
         for run in sg.runs:
             for kind in KINDS:
@@ -74,35 +83,52 @@ def _model_dict(plan: MergePlan, shards: dict[str, RankShard]) -> dict:
     return model
 
 
-def write_partition(plan: MergePlan, rank: int, tag_dir: Path) -> dict[str, dict]:
+def write_partition(plan: MergePlan, rank: int, tag_dir: Path,
+                    buffers: dict[str, list[torch.Tensor]] | None = None) -> dict[str, dict]:
     """Write output partition `rank` into `tag_dir`, fsynced: {file name: manifest record}."""
-    optim, model = build_partition(plan, rank)
+    optim, model = build_partition(plan, rank, buffers)
     bf16 = plan.base_meta.files.bf16_prefix
-    return {optim_file(rank, bf16): save_synced(optim, tag_dir / optim_file(rank, bf16)),
-            model_file(rank): save_synced(model, tag_dir / model_file(rank))}
+    records = {optim_file(rank, bf16): save_synced(optim, tag_dir / optim_file(rank, bf16))}
+    failpoints.hit("write")
+    records[model_file(rank)] = save_synced(model, tag_dir / model_file(rank))
+    return records
 
 
 class _HashingWriter:
     """A file wrapper that hashes what torch.save streams through it (no re-read)."""
 
     def __init__(self, f) -> None:
-        self.f, self.rec = f, FileRecord()
+        self.f, self.rec, self.error = f, FileRecord(), None
 
     def write(self, data) -> int:
-        self.rec.update(data)
-        return self.f.write(data)
+        # All of it or an OSError, kept: torch's zip writer swallows exceptions from here and
+        # reports only an opaque "unexpected pos", so save_synced re-raises the real one
+        # (say, ENOSPC on a full disk).
+        view = memoryview(data).cast("B")
+        self.rec.update(view)
+        try:
+            while view:
+                view = view[self.f.write(view):]
+        except OSError as e:
+            self.error = e
+            raise
+        return len(data)
 
     def flush(self) -> None:
-        self.f.flush()
+        pass  # unbuffered
 
 
 def save_synced(obj, path: Path) -> dict:
     """torch.save to a new file, fsync; return its manifest record (size, CRC-32)."""
     _refuse_meta(obj, path)
-    with open(path, "xb") as f:
+    with open(path, "xb", buffering=0) as f:
         w = _HashingWriter(f)
-        torch.save(obj, w)
-        f.flush()
+        try:
+            torch.save(obj, w)
+        except RuntimeError:
+            if w.error is not None:
+                raise w.error from None
+            raise
         os.fsync(f.fileno())
     return w.rec.record()
 
