@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
     m.add_argument("--stats", metavar="FILE",
                    help="write per-rank timings, bytes read/written and peak RSS as JSON")
+    m.add_argument("--verify", action="store_true",
+                   help="check every source record read against its zip CRC-32 (reads "
+                        "those records whole)")
     common(m)
     m.set_defaults(func=cmd_merge, uses_mpi=True)
 
@@ -92,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--stats", metavar="FILE", help="per-rank I/O and memory as JSON")
+    r.add_argument("--verify", action="store_true", help="check source records' CRC-32")
     common(r)
     r.set_defaults(func=cmd_recover, uses_mpi=True)
 

@@ -59,15 +59,17 @@ def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
     return recipe, comm.root_step(make_plan, recipe, metas)
 
 
-def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True) -> MergeResult:
-    """Collective: write the merged checkpoint and publish it atomically."""
+def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
+          verify: bool = False) -> MergeResult:
+    """Collective: write the merged checkpoint and publish it atomically.
+    verify: check source records against their CRC-32 first (reads them whole)."""
     t0 = time.perf_counter()
     staging = Staging(plan.output)
     tag = plan.base_meta.files.tag
     try:
         root = comm.root_step(staging.acquire, tag)
         before = snapshot()
-        records = comm.step(_write_owned, comm, plan, root / tag, progress)
+        records = comm.step(_write_owned, comm, plan, root / tag, progress, verify)
         stats = comm.allgather({"partitions": owned_partitions(plan.world_size, comm.rank,
                                                                comm.size),
                                 "bytes_written": sum(r["bytes"] for r in records.values()),
@@ -87,13 +89,14 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
     return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats))
 
 
-def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool) -> dict:
+def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool,
+                 verify: bool) -> dict:
     mine = owned_partitions(plan.world_size, comm.rank, comm.size)
     records: dict[str, dict] = {}
     bar = _progress_bar(len(mine), progress and comm.rank == 0)
     buffers = new_buffers(plan) if mine else None
     for r in mine:
-        records.update(write_partition(plan, r, tag_dir, buffers))
+        records.update(write_partition(plan, r, tag_dir, buffers, verify))
         bar.update(1)
     bar.close()
     return records
@@ -164,7 +167,8 @@ def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Name
         if comm.rank == 0:
             print(format_plan(plan, comm.size))
         return 0
-    result = merge(comm, plan, recipe.text, progress=not args.no_progress)
+    result = merge(comm, plan, recipe.text, progress=not args.no_progress,
+                   verify=args.verify)
     if comm.rank == 0 and args.stats:
         Path(args.stats).write_text(json.dumps(
             {"output": str(result.output), "seconds": result.seconds,

@@ -50,6 +50,12 @@ class RankShard:
         self.read_into(kind, g, start, out)
         return out
 
+    def verify(self, used: set[tuple[str, int]]) -> None:
+        """Check the whole records of these (kind, sub-group) buffers against their CRC."""
+        from mpitailor.zero3.verify import verify_records
+        verify_records(self.meta.files.optim_path(self.rank), self.fd,
+                       {self.offsets[k] for k in used})
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

@@ -26,10 +26,17 @@ def new_buffers(plan: MergePlan) -> dict[str, list[torch.Tensor]]:
 
 
 def build_partition(plan: MergePlan, rank: int,
-                    buffers: dict[str, list[torch.Tensor]] | None = None) -> tuple[dict, dict]:
-    """(optim dict, model-states dict) of output partition `rank`, filled into `buffers`."""
+                    buffers: dict[str, list[torch.Tensor]] | None = None,
+                    verify: bool = False) -> tuple[dict, dict]:
+    """(optim dict, model-states dict) of output partition `rank`, filled into `buffers`.
+    verify: first check every source record read against its CRC (reads them whole)."""
     shards = {name: open_shard(meta, rank) for name, meta in plan.sources}
     try:
+        if verify:
+            for name, shard in shards.items():
+                if not shard.meta.files.partial:
+                    shard.verify({(k, g) for g, sg in enumerate(plan.subgroups)
+                                  for run in sg.runs if run.source == name for k in KINDS})
         failpoints.hit("read")
         flats = _copy_flats(plan, shards, buffers or new_buffers(plan))
         return _optim_dict(plan, shards[plan.base], flats), _model_dict(plan, shards)
@@ -84,9 +91,10 @@ def _model_dict(plan: MergePlan, shards: dict[str, RankShard]) -> dict:
 
 
 def write_partition(plan: MergePlan, rank: int, tag_dir: Path,
-                    buffers: dict[str, list[torch.Tensor]] | None = None) -> dict[str, dict]:
+                    buffers: dict[str, list[torch.Tensor]] | None = None,
+                    verify: bool = False) -> dict[str, dict]:
     """Write output partition `rank` into `tag_dir`, fsynced: {file name: manifest record}."""
-    optim, model = build_partition(plan, rank, buffers)
+    optim, model = build_partition(plan, rank, buffers, verify)
     bf16 = plan.base_meta.files.bf16_prefix
     records = {optim_file(rank, bf16): save_synced(optim, tag_dir / optim_file(rank, bf16))}
     failpoints.hit("write")

@@ -164,3 +164,21 @@ class _Payload:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
+
+
+def test_flipped_bytes_inside_a_tensor_record(run, tmp_path):
+    """Detected with --verify (zip CRC-32 of every record read); without it a byte-range
+    merge cannot see a flipped bit inside a record it reads only part of."""
+    root, env = run
+    victim = root / "global_step5" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    from mpitailor.zero3 import read_meta
+    from mpitailor.zero3.shard import open_shard
+    with open_shard(read_meta(root / "global_step5"), 1) as shard:
+        at = shard.offsets["exp_avg", 0] + 1000
+    data = bytearray(victim.read_bytes())
+    data[at] ^= 0x40
+    victim.write_bytes(bytes(data))
+    before = tree_digest(root)
+    r = run_cli([str(RECIPES / "parity.yml"), "--verify"], env(tmp_path / "merged"), ranks=2)
+    assert r.returncode == 2 and "fails its CRC-32 check" in r.stderr and victim.name in r.stderr
+    assert not (tmp_path / "merged").exists() and tree_digest(root) == before
