@@ -48,7 +48,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         raise UserError("recover: give -o OUTPUT (or --emit-recipe to only print the recipe)")
     recipe = comm.root_step(lambda: parse_recipe(recovery_recipe(save_dir, out),
                                                  origin=f"recover {save_dir}",
-                                                 base_dir=save_dir))
+                                                 base_dir=save_dir,
+                                                 world_size=args.world_size))
     return run_planned(comm, *plan_recipe(comm, recipe), args)
 
 
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-o", "--output", help="output dir (overrides the recipe's `output`)")
     m.add_argument("--dry-run", action="store_true",
                    help="print the plan and the bytes each rank would read and write")
+    m.add_argument("--world-size", type=int, metavar="W2",
+                   help="write the merged checkpoint for W2 ranks (reshard; overrides the "
+                        "recipe's output.world_size)")
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
     m.add_argument("--stats", metavar="FILE",
                    help="write per-rank timings, bytes read/written and peak RSS as JSON")
@@ -96,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--stats", metavar="FILE", help="per-rank I/O and memory as JSON")
     r.add_argument("--verify", action="store_true", help="check source records' CRC-32")
+    r.add_argument("--world-size", type=int, metavar="W2",
+                   help="write the composite for W2 ranks (the job came back at another size)")
     common(r)
     r.set_defaults(func=cmd_recover, uses_mpi=True)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mpitailor import __version__, failpoints
 from mpitailor.comm import Comm
+from mpitailor.errors import UserError
 from mpitailor.commit import Staging, write_synced
 from mpitailor.export.hf_weights import weights_dtype, write_hf_weights
 from mpitailor.extras import MANIFEST, copy_extras, weight_files
@@ -22,6 +23,7 @@ from mpitailor.plan import MergePlan, make_plan, owned_partitions
 from mpitailor.plan_report import format_plan
 from mpitailor.recipe import Recipe, load_recipe
 from mpitailor.zero3 import CheckpointMeta, read_meta
+from mpitailor.zero3.reshard_writer import new_target_buffers, write_resharded_partition
 from mpitailor.zero3.writer import new_buffers, write_partition
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,10 @@ def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta]:
     return {name: metas[name] for name, _ in recipe.sources}
 
 
-def plan_merge(comm: Comm, recipe_path: str,
-               output: str | None = None) -> tuple[Recipe, MergePlan]:
+def plan_merge(comm: Comm, recipe_path: str, output: str | None = None,
+               world_size: int | None = None) -> tuple[Recipe, MergePlan]:
     """Collective: load and validate the recipe, read the sources, compute the plan."""
-    return plan_recipe(comm, comm.root_step(load_recipe, recipe_path, output))
+    return plan_recipe(comm, comm.root_step(load_recipe, recipe_path, output, world_size))
 
 
 def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
@@ -70,7 +72,7 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
         root = comm.root_step(staging.acquire, tag)
         before = snapshot()
         records = comm.step(_write_owned, comm, plan, root / tag, progress, verify)
-        stats = comm.allgather({"partitions": owned_partitions(plan.world_size, comm.rank,
+        stats = comm.allgather({"partitions": owned_partitions(plan.out_world_size, comm.rank,
                                                                comm.size),
                                 "bytes_written": sum(r["bytes"] for r in records.values()),
                                 **snapshot().since(before)})
@@ -91,12 +93,17 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
 
 def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool,
                  verify: bool) -> dict:
-    mine = owned_partitions(plan.world_size, comm.rank, comm.size)
+    mine = owned_partitions(plan.out_world_size, comm.rank, comm.size)
     records: dict[str, dict] = {}
     bar = _progress_bar(len(mine), progress and comm.rank == 0)
-    buffers = new_buffers(plan) if mine else None
+    if plan.target is None:
+        buffers = new_buffers(plan) if mine else None
+        write = lambda r: write_partition(plan, r, tag_dir, buffers, verify)  # noqa: E731
+    else:
+        buffers = new_target_buffers(plan) if mine else None
+        write = lambda r: write_resharded_partition(plan, r, tag_dir, buffers)  # noqa: E731
     for r in mine:
-        records.update(write_partition(plan, r, tag_dir, buffers, verify))
+        records.update(write(r))
         bar.update(1)
     bar.close()
     return records
@@ -142,7 +149,8 @@ def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": recipe_text,
         "tag": plan.base_meta.files.tag,
-        "world_size": plan.world_size,
+        "world_size": plan.out_world_size,
+        "source_world_size": plan.world_size,
         "base": plan.base,
         "sources": {name: {"path": str(m.path), "global_steps": m.global_steps}
                     for name, m in plan.sources},
@@ -158,11 +166,14 @@ def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
 
 def run_merge_cli(args: argparse.Namespace) -> int:
     comm: Comm = args.comm
-    return run_planned(comm, *plan_merge(comm, args.recipe, args.output), args)
+    return run_planned(comm, *plan_merge(comm, args.recipe, args.output, args.world_size),
+                       args)
 
 
 def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Namespace) -> int:
     """Collective: dry-run report or merge + summary, as the CLI options say."""
+    if args.verify and plan.target is not None:
+        raise UserError("--verify is not supported together with resharding (--world-size)")
     if args.dry_run:
         if comm.rank == 0:
             print(format_plan(plan, comm.size))

@@ -14,6 +14,7 @@ from pathlib import Path
 from mpitailor.errors import UserError
 from mpitailor.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
 from mpitailor.recipe import SELECTOR_RE, Recipe
+from mpitailor.reshard import Target, target_layout
 from mpitailor.zero3 import CheckpointMeta
 
 DTYPE_ALIASES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16",
@@ -45,10 +46,17 @@ class MergePlan:
     subgroups: tuple[SubgroupPlan, ...]
     frozen_source: tuple[tuple[str, str], ...]
     layer_patterns: tuple[tuple[str, str], ...]
+    param_source: tuple[tuple[str, str], ...]          # every parameter -> source
+    target: Target | None = None                       # set when resharding
 
     @property
     def world_size(self) -> int:
+        """The sources' world size."""
         return self.sources[0][1].world_size
+
+    @property
+    def out_world_size(self) -> int:
+        return self.target.world_size if self.target else self.world_size
 
     def meta(self, name: str) -> CheckpointMeta:
         return dict(self.sources)[name]
@@ -97,12 +105,36 @@ def make_plan(recipe: Recipe, metas: dict[str, CheckpointMeta]) -> MergePlan:
         _subgroup_plan(ref.subgroup_slots(g), param_source, metas, g, recipe.adam_step, base)
         for g in range(len(ref.subgroup_sizes)))
     used = {param_source[n] for n in all_names} | {base}
+    target = None
+    if recipe.world_size is not None and recipe.world_size != metas[names[0]].world_size:
+        target = target_layout(metas[names[0]], recipe.world_size,
+                               _step_rule(param_source, metas, recipe.adam_step, base))
     return MergePlan(
         sources=tuple((n, metas[n]) for n in names if n in used), base=base, output=output,
         layer_source=tuple((k, key_source[k]) for k in sort_keys(keys.values())),
         subgroups=subgroups,
         frozen_source=tuple((n, param_source[n]) for n, _ in metas[names[0]].frozen_shapes),
-        layer_patterns=recipe.layer_patterns)
+        layer_patterns=recipe.layer_patterns, param_source=tuple(param_source.items()),
+        target=target)
+
+
+def _step_rule(param_source, metas, rule: str, base: str):
+    """step_of(new sub-group, its names) for resharding: exact when every parameter's old
+    sub-group step agrees, else by the recipe's adam_step rule."""
+    old_subgroup = {s.name: s.subgroup for s in next(iter(metas.values())).layout.slots}
+
+    def step_of(_g: int, names: list[str]) -> float:
+        cands = []
+        for n in names:
+            src = param_source[n]
+            step = metas[src].subgroup_steps[old_subgroup[n]]
+            cands.append((metas[src].global_steps, step, src))
+        if len({c[1] for c in cands}) == 1:
+            return cands[0][1]
+        if rule == "base" and any(c[2] == base for c in cands):
+            return next(c[1] for c in cands if c[2] == base)
+        return (min if rule == "oldest" else max)(cands)[1]
+    return step_of
 
 
 def _check_agree(recipe: Recipe, names: list[str], metas: dict[str, CheckpointMeta]) -> None:

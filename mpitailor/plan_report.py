@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from mpitailor.inspect_ckpt import human
-from mpitailor.plan import MergePlan, owned_partitions
+from mpitailor.plan import BYTES_PER_ELEMENT, MergePlan, owned_partitions
+from mpitailor.reshard import pieces_for
 
 
 def format_plan(plan: MergePlan, mpi_size: int) -> str:
@@ -19,6 +20,17 @@ def format_plan(plan: MergePlan, mpi_size: int) -> str:
     lines.append(f"sub-groups   {len(plan.subgroups)}, {len(mixed)} mixing sources"
                  + (f" (Adam step by rule '{plan.subgroups[mixed[0]].step_rule}')"
                     if mixed else " (every Adam step exact)"))
+    if plan.target is not None:
+        lines.append(f"resharding   {plan.world_size} -> {plan.out_world_size} ranks "
+                     f"({len(plan.target.layout.subgroup_sizes)} sub-groups at the new size)")
+        lines.append(f"{'mpi rank':<10}{'partitions':<16}{'reads':>12}")
+        ps = dict(plan.param_source)
+        for r in range(mpi_size):
+            mine = owned_partitions(plan.out_world_size, r, mpi_size)
+            reads = sum(p.length * BYTES_PER_ELEMENT for part in mine
+                        for p in pieces_for(plan.target, part, plan.base_meta.layout, ps))
+            lines.append(f"{r:<10}{','.join(map(str, mine)) or '(idle)':<16}{human(reads):>12}")
+        return "\n".join(lines)
     per_part = plan.bytes_per_partition()
     write_part = sum(per_part.values())
     lines.append("per output partition: reads " + ", ".join(

@@ -13,6 +13,7 @@ Unknown keys are errors, reported with their YAML line.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class Slice(_Strict):
 
 class OutputSpec(_Strict):
     path: str
+    world_size: int | None = Field(default=None, ge=1)
 
 
 class RecipeModel(_Strict):
@@ -83,22 +85,26 @@ class Recipe:
     output: Path | None
     layer_patterns: tuple[tuple[str, str], ...]
     dtype: str | None
+    world_size: int | None = None                # reshard the output to this world size
 
     def source_path(self, name: str) -> Path:
         return dict(self.sources)[name]
 
 
-def load_recipe(path: Path | str, output: str | None = None) -> Recipe:
+def load_recipe(path: Path | str, output: str | None = None,
+                world_size: int | None = None) -> Recipe:
     """Read and validate a recipe file; UserError naming the file, line and key."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise UserError(f"{path}: cannot read recipe ({e.strerror})") from None
-    return parse_recipe(text, origin=str(path), base_dir=path.resolve().parent, output=output)
+    return parse_recipe(text, origin=str(path), base_dir=path.resolve().parent, output=output,
+                        world_size=world_size)
 
 
-def parse_recipe(text: str, origin: str, base_dir: Path, output: str | None = None) -> Recipe:
+def parse_recipe(text: str, origin: str, base_dir: Path, output: str | None = None,
+                 world_size: int | None = None) -> Recipe:
     try:
         node = yaml.compose(text)
         raw = yaml.safe_load(text)
@@ -118,7 +124,12 @@ def parse_recipe(text: str, origin: str, base_dir: Path, output: str | None = No
         what = "unknown key (check its spelling)" if err["type"] == "extra_forbidden" \
             else err["msg"].removeprefix("Value error, ")
         raise UserError(f"{origin}{_line_of(node, loc)}: {key}: {what}") from None
-    return _resolve(model, text, origin, base_dir, output)
+    recipe = _resolve(model, text, origin, base_dir, output)
+    if world_size is not None:
+        if world_size < 1:
+            raise UserError(f"{origin}: --world-size must be >= 1, got {world_size}")
+        recipe = dataclasses.replace(recipe, world_size=world_size)
+    return recipe
 
 
 def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
@@ -155,7 +166,8 @@ def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
         out_path = out_path.resolve()
     return Recipe(origin=origin, text=text, sources=tuple(sources.items()), layer_rules=rules,
                   aux=aux, base=base, adam_step=m.adam_step, output=out_path,
-                  layer_patterns=tuple((m.layer_patterns or {}).items()), dtype=m.dtype)
+                  layer_patterns=tuple((m.layer_patterns or {}).items()), dtype=m.dtype,
+                  world_size=m.output.world_size if isinstance(m.output, OutputSpec) else None)
 
 
 def _slices_to_rules(slices: list[Slice], origin: str) -> list[tuple[str, str]]:

@@ -18,6 +18,7 @@ from mpitailor.zero3.layout import Layout, compute_layout
 from mpitailor.zero3.rawio import materialize
 from mpitailor.zero3.safeload import load
 
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default `sub_group_size`
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -34,6 +35,7 @@ class CheckpointMeta:
     shared_params: tuple[tuple[str, str], ...]   # alias -> tied parameter
     ds_version: str
     held_layers: frozenset[str] | None = None    # partial checkpoints: the layer keys saved
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE  # ZeRO-3 config: where sub-groups close
 
     @property
     def world_size(self) -> int:
@@ -82,6 +84,8 @@ def read_meta(path: Path | str) -> CheckpointMeta:
         shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
         ds_version=str(model.get("ds_version", "")),
         held_layers=_held_layers(files) if files.partial else None,
+        sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
+                           .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )
 
 

@@ -1,0 +1,63 @@
+"""Resharding while merging: real DeepSpeed resumes at the new world size, and the
+consolidated weights and moments equal those of the same merge without resharding."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ckpt_fixtures import spec_for
+from merging import RECIPES, merge_in_process, recipe_env, run_cli
+
+from mpitailor.tinytrain import launch
+from mpitailor.zero3 import read_meta
+from mpitailor.zero3.consolidate import consolidate
+
+
+@pytest.mark.parametrize("name,world", [("w2_bf16_small_subgroups_tied_frozen", 3),
+                                        ("w4_fp32_per_layer", 2)])
+def test_resharded_merge_resumes_and_matches(ckpt, tmp_path, monkeypatch, name, world):
+    new, old = ckpt(name, 10), ckpt(name, 5)
+    plain = tmp_path / "plain"
+    merge_in_process("parity.yml", recipe_env(new, old, plain), monkeypatch)
+    resharded = tmp_path / "resharded"
+    r = run_cli([str(RECIPES / "parity.yml"), "--world-size", str(world)],
+                recipe_env(new, old, resharded), ranks=2)
+    assert r.returncode == 0, r.stderr
+    meta = read_meta(resharded)
+    assert meta.world_size == world and meta.global_steps == 10
+    a, b = consolidate(read_meta(plain)), consolidate(meta)
+    for kind in a:
+        assert set(a[kind]) == set(b[kind])
+        for n in a[kind]:
+            assert torch.equal(a[kind][n], b[kind][n]), (kind, n)
+    spec = replace(spec_for(name, tmp_path / "resumed"), world_size=world, steps=13,
+                   save_at=(), load_dir=str(resharded), load_tag="global_step10")
+    result = launch(spec)
+    assert result["world_size"] == world and result["global_steps"] == 13
+    assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
+
+
+def test_reshard_to_the_same_world_size_is_a_plain_merge(ckpt, tmp_path):
+    r = run_cli([str(RECIPES / "parity.yml"), "--world-size", "2", "--dry-run"],
+                recipe_env(ckpt("w2_fp32_one", 10), ckpt("w2_fp32_one", 5), tmp_path / "o"))
+    assert r.returncode == 0 and "resharding" not in r.stdout
+    r = run_cli([str(RECIPES / "parity.yml"), "--world-size", "3", "--dry-run"],
+                recipe_env(ckpt("w2_fp32_one", 10), ckpt("w2_fp32_one", 5), tmp_path / "o"))
+    assert r.returncode == 0 and "resharding   2 -> 3 ranks" in r.stdout, r.stdout
+
+
+def test_recover_from_partial_saves_onto_another_world_size(tmp_path):
+    """The job came back with 3 ranks instead of 2: recover reshards while it merges."""
+    from ckpt_fixtures import build
+    out = tmp_path / "recovered"
+    r = run_cli(["recover", str(build("w2_parity")), "-o", str(out), "--world-size", "3"], {},
+                ranks=2)
+    assert r.returncode == 0, r.stderr
+    spec = replace(spec_for("w2_parity", tmp_path / "resumed"), world_size=3, steps=11,
+                   save_at=(), policy=None, stats=None, load_dir=str(out),
+                   load_tag="global_step8")
+    result = launch(spec)
+    assert result["global_steps"] == 11 and all(math.isfinite(x) for x in result["losses"])
