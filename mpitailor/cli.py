@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--verify", action="store_true",
                    help="check every source record read against its zip CRC-32 (reads "
                         "those records whole)")
+    export_options(m)
     common(m)
     m.set_defaults(func=cmd_merge, uses_mpi=True)
 
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--stats", metavar="FILE", help="per-rank I/O and memory as JSON")
     r.add_argument("--verify", action="store_true", help="check source records' CRC-32")
+    export_options(r)
     r.add_argument("--world-size", type=int, metavar="W2",
                    help="write the composite for W2 ranks (the job came back at another size)")
     common(r)
@@ -119,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(i)
     i.set_defaults(func=cmd_inspect, uses_mpi=False)
     return p
+
+
+def export_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--export", choices=["safetensors"],
+                   help="also write consolidated HF weights (+ config, tokenizer) to OUT/hf/")
+    p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of the exported weights (default: the model's)")
 
 
 SUBCOMMANDS = ("merge", "recover", "inspect", "stats")

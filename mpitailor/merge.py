@@ -14,10 +14,10 @@ from pathlib import Path
 
 from mpitailor import __version__, failpoints
 from mpitailor.comm import Comm
-from mpitailor.errors import UserError
 from mpitailor.commit import Staging, write_synced
-from mpitailor.export.hf_weights import weights_dtype, write_hf_weights
-from mpitailor.extras import MANIFEST, copy_extras, weight_files
+from mpitailor.errors import UserError
+from mpitailor.export.hf_weights import export_hf, weights_dtype, write_hf_weights
+from mpitailor.extras import MANIFEST, copy_extras, extras_dir, weight_files
 from mpitailor.iostats import snapshot
 from mpitailor.plan import MergePlan, make_plan, owned_partitions
 from mpitailor.plan_report import format_plan
@@ -62,9 +62,10 @@ def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
 
 
 def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
-          verify: bool = False) -> MergeResult:
+          verify: bool = False, export_dtype: str | None = None) -> MergeResult:
     """Collective: write the merged checkpoint and publish it atomically.
-    verify: check source records against their CRC-32 first (reads them whole)."""
+    verify: check source records against their CRC-32 first (reads them whole).
+    export_dtype: also write consolidated HF safetensors weights in this dtype to OUT/hf/."""
     t0 = time.perf_counter()
     staging = Staging(plan.output)
     tag = plan.base_meta.files.tag
@@ -78,7 +79,12 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
                                 **snapshot().since(before)})
         files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
                  part.items()}
-        files.update(_rebuild_hf_weights(comm, plan, root / tag))
+        staged = comm.root_step(read_meta, root / tag)
+        files.update(_rebuild_hf_weights(comm, plan, staged, root))
+        if export_dtype is not None:
+            exported = export_hf(comm, staged, extras_dir(plan.base_meta), root / "hf",
+                                 export_dtype)
+            files.update({f"hf/{name}": rec for name, rec in exported.items()})
         written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
                                  time.perf_counter() - t0)
     except BaseException:
@@ -109,17 +115,15 @@ def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool,
     return records
 
 
-def _rebuild_hf_weights(comm: Comm, plan: MergePlan, staged_tag: Path) -> dict:
+def _rebuild_hf_weights(comm: Comm, plan: MergePlan, staged: CheckpointMeta,
+                        root: Path) -> dict:
     """Collective: when the base carries 16-bit HF weights, write them from the merged fp32
     master weights (so weights and optimizer agree), in the same dtype."""
     def probe():
         found = weight_files(plan.base_meta)
-        return None if not found else (weights_dtype(found[0]), read_meta(staged_tag))
-    found = comm.root_step(probe)
-    if found is None:
-        return {}
-    dtype, staged = found
-    return write_hf_weights(comm, staged, staged_tag.parent, dtype)
+        return weights_dtype(found[0]) if found else None
+    dtype = comm.root_step(probe)
+    return {} if dtype is None else write_hf_weights(comm, staged, root, dtype)
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -178,8 +182,11 @@ def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Name
         if comm.rank == 0:
             print(format_plan(plan, comm.size))
         return 0
+    export = None
+    if args.export == "safetensors":
+        export = args.export_dtype or plan.base_meta.dtype
     result = merge(comm, plan, recipe.text, progress=not args.no_progress,
-                   verify=args.verify)
+                   verify=args.verify, export_dtype=export)
     if comm.rank == 0 and args.stats:
         Path(args.stats).write_text(json.dumps(
             {"output": str(result.output), "seconds": result.seconds,

@@ -14,12 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from mpitailor.comm import Comm
-from mpitailor.commit import fsync_and_record, write_synced
+from mpitailor.commit import copy_synced, fsync_and_record, write_synced
 from mpitailor.zero3 import CheckpointMeta, open_shard
 from mpitailor.zero3.consolidate import frozen_tensor, full_tensor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+HF_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -93,3 +94,33 @@ def weights_dtype(path: Path) -> str:
     with safe_open(str(path), "pt") as f:
         key = next(iter(f.keys()))
         return SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype(), "fp32")
+
+
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: Path,
+              dtype: str) -> dict:
+    """Collective: `--export safetensors`: consolidated weights in `dtype` into dest (one
+    file per rank, with an index), plus config and tokenizer files from side_dir."""
+    def prepare() -> dict:
+        dest.mkdir()
+        records = {}
+        for name in HF_SIDE_FILES:
+            src = side_dir / name if side_dir is not None else None
+            if src is None or not src.is_file() or src.is_symlink():
+                continue
+            if name == "config.json":  # the config says which dtype the weights are in
+                config = json.loads(src.read_text())
+                for key in ("torch_dtype", "dtype"):
+                    if key in config or key == "dtype":
+                        config[key] = HF_DTYPE_NAMES[dtype]
+                records[name] = write_synced(dest / name, json.dumps(config, indent=2).encode())
+            else:
+                records[name] = copy_synced(src, dest / name)
+        return records
+    records = comm.root_step(prepare)
+    records.update(write_hf_weights(comm, staged, dest, dtype))
+    return records

@@ -1,0 +1,32 @@
+"""`--export safetensors`: consolidated HF weights that transformers loads, equal to
+DeepSpeed's own zero_to_fp32 consolidation of the same merged checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+from merging import RECIPES, recipe_env, run_cli
+
+
+@pytest.mark.parametrize("dtype,ranks", [("fp32", 1), ("bf16", 2)])
+def test_safetensors_export_loads_and_equals_zero_to_fp32(ckpt, tmp_path, dtype, ranks):
+    new, old = ckpt("hf_w2_fp32", 10), ckpt("hf_w2_fp32", 5)
+    out = tmp_path / "merged"
+    r = run_cli([str(RECIPES / "parity.yml"), "--export", "safetensors", "--export-dtype",
+                 dtype], recipe_env(new, old, out), ranks=ranks)
+    assert r.returncode == 0, r.stderr
+    hf = out / "hf"
+    assert (hf / "config.json").exists()
+    if ranks > 1:  # one shard per rank, with an index
+        index = json.loads((hf / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) == ranks
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype="auto")
+    oracle = get_fp32_state_dict_from_zero_checkpoint(str(out))
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    got = model.state_dict()
+    for name, t in oracle.items():
+        assert got[name].dtype == want and torch.equal(got[name], t.to(want)), name
