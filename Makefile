@@ -28,6 +28,17 @@ test: fixtures
 	timeout 2400 $(PYTEST) tests
 	timeout 900 $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m mpi tests
 	timeout 900 $(MPIEXEC) -n 3 $(PYTEST) --with-mpi -m mpi tests
+	$(MAKE) test-slurm
+
+# A real one-node Slurm (installed and started as root; exit 3 = it cannot be set up here,
+# and the tests then skip saying why), stopped again whatever the tests did.
+.PHONY: test-slurm
+test-slurm: install
+	rc=0; bash slurm/start-cluster.sh >/dev/null || rc=$$?; \
+	if [ $$rc -eq 0 ] || [ $$rc -eq 3 ]; then \
+		rc=0; MPITAILOR_SLURM_TESTS=1 timeout 900 $(PYTEST) tests/test_slurm.py || rc=$$?; \
+	fi; \
+	bash slurm/stop-cluster.sh; exit $$rc
 
 demo: install
 	$(BIN)/python -m mpitailor.demo

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Resume prologue: before a (requeued) training job trains, assemble the newest copy of
+# every layer in its save dir into one checkpoint with `mpitailor recover` on MPI ranks,
+# and say where training resumes from.
+#
+#   bash slurm/resume-prologue.sh [SAVE_DIR [OUT_PARENT]]
+#
+# SAVE_DIR     the training's save dir (full and partial checkpoints); else $MPITAILOR_SAVE_DIR
+# OUT_PARENT   where recovered-step<N>/ goes (default: SAVE_DIR's parent; never inside
+#              SAVE_DIR, where it would look like one more checkpoint to the next recovery)
+#
+# stdout is one line, MPITAILOR_RESUME_FROM=<dir> (empty: start from scratch); the same
+# path (or an empty line) goes to $MPITAILOR_RESUME_FILE (default OUT_PARENT/resume-from),
+# which is absent after a failure. Logs go to stderr. Exit 0: resume from that dir, or there is no checkpoint yet; 1: recovery
+# failed; 2: bad arguments.
+#
+# Run twice, it reuses the first result: recovered-step<N> is named after the newest save
+# and mpitailor publishes it with one rename, so it is either complete or absent (a merge
+# killed half-way leaves a hidden staging dir that the next one reclaims).
+#
+# MPITAILOR_PYTHON       python with mpitailor installed (default: python)
+# MPITAILOR_MERGE_RANKS  MPI ranks of the merge (default 2; the job needs --ntasks >= this)
+# MPITAILOR_LAUNCH       launcher (default: srun --mpi=pmi2 -n $MPITAILOR_MERGE_RANKS). As the
+#                        first step of a batch script, srun runs in the job's allocation.
+#                        From a Slurm Prolog (root, before the job starts: no job steps and
+#                        none of the job's environment), use a node-local launcher such as
+#                        the venv's `mpiexec -n 2` and pass SAVE_DIR explicitly.
+set -euo pipefail
+
+PY=${MPITAILOR_PYTHON:-python}
+RANKS=${MPITAILOR_MERGE_RANKS:-2}
+LAUNCH=${MPITAILOR_LAUNCH:-srun --mpi=pmi2 -n $RANKS}
+
+log() { printf '%s resume-prologue: %s\n' "$(date '+%F %T')" "$*" >&2; }
+fail() { log "error: $2"; exit "$1"; }
+
+# Atomic write of the resume file, then the stdout line (an empty path: nothing to resume).
+announce() {
+    printf '%s\n' "$1" >"$RESUME_FILE.tmp"
+    mv "$RESUME_FILE.tmp" "$RESUME_FILE"
+    echo "MPITAILOR_RESUME_FROM=$1"
+}
+
+# Complete (manifest and latest, both written last) and assembled from this newest save.
+is_recovery_of() {
+    [[ -f $1/mpitailor_manifest.json && -f $1/latest ]] || return 1
+    "$PY" -c 'import json, sys
+m = json.load(open(sys.argv[1] + "/mpitailor_manifest.json"))
+sys.exit(m["sources"][m["base"]]["path"] != sys.argv[2])' "$1" "$2"
+}
+
+SAVE_DIR=${1:-${MPITAILOR_SAVE_DIR:-}}
+[[ -n $SAVE_DIR ]] || fail 2 "no save dir: give it as the first argument or in MPITAILOR_SAVE_DIR"
+SAVE_DIR=$(realpath -m "$SAVE_DIR")
+OUT_PARENT=$(realpath -m "${2:-$(dirname "$SAVE_DIR")}")
+[[ $OUT_PARENT/ == "$SAVE_DIR"/* ]] && fail 2 "output location $OUT_PARENT is inside the save dir $SAVE_DIR: recoveries there would be read as checkpoints"
+mkdir -p "$OUT_PARENT"
+RESUME_FILE=${MPITAILOR_RESUME_FILE:-$OUT_PARENT/resume-from}
+rm -f "$RESUME_FILE"  # no file: this prologue failed (an earlier answer must not stand in)
+
+log "save dir $SAVE_DIR (job ${SLURM_JOB_ID:-none}, restart ${SLURM_RESTART_COUNT:-0})"
+nothing() {
+    log "no checkpoint in $SAVE_DIR yet: nothing to resume from, training starts from scratch"
+    announce ""
+    exit 0
+}
+compgen -G "$SAVE_DIR/[!.]*/" >/dev/null || nothing  # first start: no save dir, or empty
+err=$(mktemp)
+trap 'rm -f "$err"' EXIT
+if ! recipe=$("$PY" -m mpitailor recover "$SAVE_DIR" --emit-recipe 2>"$err"); then
+    # A full save killed half-way is no checkpoint (scan skips it): if that is all there
+    # is, this is still a first start. Partial saves without their full one are an error.
+    found=$("$PY" -c 'import sys; from pathlib import Path
+from mpitailor.recovery import scan
+print(len(scan(Path(sys.argv[1]))))' "$SAVE_DIR" 2>/dev/null) || found=unknown
+    cat "$err" >&2
+    [[ $found == 0 ]] && nothing
+    fail 1 "cannot plan the recovery of $SAVE_DIR (see the mpitailor error above)"
+fi
+base=$(sed -n 's/^base: //p' <<<"$recipe")
+base_path=$(sed -n "s/^  $base: //p" <<<"$recipe")
+step=${base##*[!0-9]}
+[[ -n $step && -n $base_path ]] || fail 1 "no step in the recovery plan's base '$base'"
+OUT=$OUT_PARENT/recovered-step$step
+log "newest save is $base (step $step)"
+
+if [[ -e $OUT ]]; then
+    is_recovery_of "$OUT" "$base_path" \
+        || fail 1 "$OUT exists but is not a complete recovery of $base_path: move it away"
+    log "reusing $OUT: already recovered from $base"
+    announce "$OUT"
+    exit 0
+fi
+
+log "recovering into $OUT: $LAUNCH $PY -m mpitailor recover ..."
+start=$SECONDS
+rc=0
+# The merge's own output (summary line, errors of every rank) goes to the log stream.
+$LAUNCH "$PY" -m mpitailor recover "$SAVE_DIR" -o "$OUT" --no-progress >&2 || rc=$?
+if ((rc != 0)); then
+    # A prologue running beside this one may have published the same recovery first.
+    is_recovery_of "$OUT" "$base_path" \
+        || fail 1 "recover exited $rc after $((SECONDS - start)) s (inside a job, --ntasks must be at least MPITAILOR_MERGE_RANKS=$RANKS)"
+    log "recover exited $rc, but $OUT is complete: published by a concurrent run"
+fi
+is_recovery_of "$OUT" "$base_path" \
+    || fail 1 "recover exited 0 but $OUT is not a complete recovery of $base_path"
+log "recovered $OUT (tag $(cat "$OUT/latest")) in $((SECONDS - start)) s"
+announce "$OUT"

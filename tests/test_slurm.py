@@ -1,0 +1,166 @@
+"""On a real one-node Slurm: requeue and resume through the prologue, the singleton guard.
+
+`make test-slurm` (part of `make test`) installs and starts the cluster with
+slurm/start-cluster.sh (root; ~8 s the first time) and sets MPITAILOR_SLURM_TESTS=1; the plain
+`pytest tests` run skips this module. The module is skipped only when Slurm cannot be set up
+here (start-cluster.sh exits 3: not root, or apt fails).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ckpt_fixtures
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "slurm"
+CANNOT_SET_UP = 3  # start-cluster.sh: not root, or apt fails
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("MPITAILOR_SLURM_TESTS") != "1",
+    reason="runs in `make test-slurm` (part of `make test`), which starts a one-node Slurm "
+           "as root; MPITAILOR_SLURM_TESTS=1 runs it here")
+
+
+@pytest.fixture(scope="module")
+def env():
+    """Environment for Slurm commands; the cluster is stopped at the end if started here."""
+    start = subprocess.run(["bash", str(SLURM / "start-cluster.sh")], capture_output=True,
+                           text=True, timeout=300)
+    if start.returncode == CANNOT_SET_UP:
+        pytest.skip(f"Slurm cannot be set up here: {start.stderr.strip().splitlines()[-1]}")
+    assert start.returncode == 0, f"start-cluster.sh failed:\n{start.stderr}"
+    conf = re.search(r"^export SLURM_CONF=(.+)$", start.stdout, re.M).group(1)
+    yield {**os.environ, "SLURM_CONF": conf, "MPITAILOR_PYTHON": sys.executable}
+    if "started slurmctld" in start.stderr:  # else `make test-slurm` (or you) stops it
+        subprocess.run(["bash", str(SLURM / "stop-cluster.sh")], timeout=120)
+
+
+def run(cmd, env, timeout=120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+
+
+def wait_for(what: str, check, timeout: float, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := check()):
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"no {what} after {timeout:.0f} s")
+
+
+def job_state(job: str, env) -> str:
+    show = run(["scontrol", "show", "job", job], env, timeout=30).stdout
+    return m.group(1) if (m := re.search(r"JobState=(\S+)", show)) else "UNKNOWN"
+
+
+def diagnose(job: str, out: Path, env) -> str:
+    text = out.read_text() if out.exists() else "(no output file)"
+    show = run(["scontrol", "show", "job", job], env, timeout=30)
+    return f"--- {out}:\n{text}\n--- scontrol show job {job}:\n{show.stdout}{show.stderr}"
+
+
+def test_requeued_training_resumes_from_the_recovered_checkpoint(env, tmp_path):
+    save, out = tmp_path / "save", tmp_path / "train.out"
+    # Steps slow enough (1.5 s) to requeue between the first partial save and the next.
+    job_env = {**env, "MPITAILOR_SAVE_DIR": str(save),
+               "MPITAILOR_TRAIN_ARGS": "--step-sleep 1.5"}
+    sub = run(["sbatch", "--parsable", f"--output={out}", SLURM / "train.sbatch"], job_env,
+              timeout=30, cwd=REPO)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        wait_for("partial checkpoint", lambda: list(save.glob("*/mpitailor_partial.json")), 150)
+        requeue = run(["scontrol", "requeue", job], env, timeout=30)
+        assert requeue.returncode == 0, requeue.stderr
+        # Slurm restarts a requeued job once the old credential expires (~18 s here).
+        state = wait_for("end of the job", lambda: (s := job_state(job, env)) in
+                         ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and s,
+                         240, interval=1)
+        assert state == "COMPLETED"
+        check_resumed_run(out.read_text(), tmp_path)
+    except (AssertionError, TimeoutError) as e:
+        pytest.fail(f"{e}\n{diagnose(job, out, env)}")
+    finally:
+        run(["scancel", job], env, timeout=30)
+
+
+def check_resumed_run(text: str, root: Path) -> None:
+    assert "restart 1" in text and "CANCELLED" in text and "DUE TO JOB REQUEUE" in text
+    recovered = Path((root / "resume-from").read_text().strip())
+    assert recovered.parent == root and recovered.name.startswith("recovered-step")
+    assert f"recovered {recovered} (tag" in text
+    assert "written by 2 rank(s)" in text  # the prologue's srun gave one MPI world of 2
+    tag = (recovered / "latest").read_text().strip()
+    step = int(re.fullmatch(r"global_step(\d+)", tag).group(1))
+    manifest = json.loads((recovered / "mpitailor_manifest.json").read_text())
+    steps = {layer["global_steps"] for layer in manifest["layers"].values()}
+    assert max(steps) == step and len(steps) >= 2, manifest["layers"]  # a composite
+    results = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert len(results) == 1  # the first run was killed before it printed one
+    result = results[0]
+    assert result["first_step"] == step and result["global_steps"] == 12
+    assert len(result["losses"]) == 12 - step
+    assert all(math.isfinite(x) for x in result["losses"]), result
+
+
+def test_srun_without_pmi_is_refused_not_run_as_singletons(env, tmp_path):
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text(f"layers: {{rest: {ckpt_fixtures.build('w2_parity')}/global_step2}}\n")
+    cmd = ["srun", "-n", "2", sys.executable, "-m", "mpitailor", recipe, "--no-progress"]
+    bad = run([*cmd[:1], "--mpi=none", *cmd[1:], "-o", tmp_path / "bad"], env)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.count("SLURM_STEP_NUM_TASKS=2 says 2 processes") == 2  # both ranks
+    assert "srun --mpi=pmi2" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    good = run([*cmd, "-o", tmp_path / "good"], env)  # MpiDefault=pmi2
+    assert good.returncode == 0, good.stderr
+    assert "written by 2 rank(s)" in good.stdout
+
+
+def prologue(save: Path, out_parent: Path, env) -> subprocess.CompletedProcess:
+    return run(["bash", SLURM / "resume-prologue.sh", save, out_parent], env)
+
+
+def test_prologue_twice_reuses_the_first_recovery(env, tmp_path):
+    save = ckpt_fixtures.build("w2_parity")  # full save at 2, partial saves at 4, 6, 8
+    first = prologue(save, tmp_path, env)
+    assert first.returncode == 0, first.stderr
+    recovered = tmp_path / "recovered-step8"
+    assert first.stdout == f"MPITAILOR_RESUME_FROM={recovered}\n"
+    assert "written by 2 rank(s)" in first.stderr
+    manifest = recovered / "mpitailor_manifest.json"
+    written = manifest.stat().st_mtime_ns
+    second = prologue(save, tmp_path, env)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    assert f"reusing {recovered}" in second.stderr and "written by" not in second.stderr
+    assert manifest.stat().st_mtime_ns == written
+    assert (tmp_path / "resume-from").read_text() == f"{recovered}\n"
+
+
+def test_prologue_refuses_a_foreign_dir_in_place_of_its_output(env, tmp_path):
+    (tmp_path / "recovered-step8").mkdir()
+    (tmp_path / "resume-from").write_text("/an/earlier/answer\n")
+    r = prologue(ckpt_fixtures.build("w2_parity"), tmp_path, env)
+    assert r.returncode == 1
+    assert "exists but is not a complete recovery" in r.stderr and r.stdout == ""
+    assert not (tmp_path / "resume-from").exists()
+
+
+def test_prologue_without_checkpoints_has_nothing_to_resume(env, tmp_path):
+    (tmp_path / "save").mkdir()
+    r = prologue(tmp_path / "save", tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "MPITAILOR_RESUME_FROM=\n"
+    assert "nothing to resume from" in r.stderr
+    assert (tmp_path / "resume-from").read_text() == "\n"
