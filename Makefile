@@ -10,7 +10,7 @@ MPIEXEC := $(BIN)/mpiexec
 # Every pytest run has a wall-clock bound, and every test its own (pytest-timeout).
 PYTEST  := $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=600
 
-.PHONY: install fixtures test test-serial test-mpi demo bench clean
+.PHONY: install fixtures test demo bench clean
 
 install: $(STAMP)
 
@@ -42,6 +42,11 @@ test-slurm: install
 
 demo: install
 	$(BIN)/python -m mpitailor.demo
+
+# Benchmarks (minutes; not part of make test): tables on stdout, JSON and PNG in bench/out/.
+bench: install
+	$(BIN)/python -m bench.save_bench
+	$(BIN)/python -m bench.merge_bench
 
 clean:
 	rm -rf $(VENV) .cache demo-out

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from mpitailor.errors import CheckpointError, UserError
+from mpitailor.extras import MANIFEST
 from mpitailor.layers import AUX_KEYS, OTHER, classify, layer_index, sort_keys
 from mpitailor.zero3 import CheckpointMeta, read_meta
 
@@ -26,6 +27,8 @@ def scan(save_dir: Path) -> list[CheckpointMeta]:
     for child in sorted(save_dir.iterdir()):
         if child.name.startswith(".") or not child.is_dir():
             continue  # staging dirs of interrupted saves, files
+        if (child / MANIFEST).exists():
+            continue  # an earlier composite written here is not a save of this run
         try:
             found.append(read_meta(child))
         except CheckpointError as e:

@@ -124,3 +124,17 @@ def test_stats_plot_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     r = run_cli(["stats", "plot", str(tmp_path / "nope.h5")], {})
     assert r.returncode == 2 and "not an mpitailor stats file" in r.stderr
+
+
+def test_a_partial_save_replaces_an_existing_tag(tmp_path):
+    """Resumed from an older save, training reaches a saved step again: the new partial
+    checkpoint replaces the old one, as DeepSpeed's own save_checkpoint does."""
+    root = tmp_path / "run"
+    shutil.copytree(build("w2_parity"), root)
+    spec = replace(spec_for("w2_parity", root), steps=8, save_at=(6, 8),
+                   load_dir=str(root), load_tag="global_step2")  # saves 6 (full), 8 (partial)
+    launch(spec)
+    meta = read_meta(root / "global_step8")
+    assert meta.held_layers == frozenset({"layers.1", "layers.3", *AUX})
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]
+    assert read_meta(root / "global_step6").held_layers is None  # the new chain's full save

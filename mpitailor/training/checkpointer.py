@@ -13,12 +13,17 @@ with a full save. Collective: every method is called on every rank.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
 
 from mpitailor.layers import classify as default_classify
 from mpitailor.training.partial_save import save_layers
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
+from mpitailor.zero3.files import PARTIAL_MANIFEST
 
 
 class LayerwiseCheckpointer:
@@ -57,9 +62,19 @@ class LayerwiseCheckpointer:
         tag = tag or f"global_step{self.engine.global_steps}"
         decision = self.decide()
         if decision.full:
+            self._drop_partial(tag)
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state or {})
         else:
             save_layers(self.engine, self.save_dir, tag, decision.layers, client_state,
                         self.classify)
         self.record(decision)
         return decision
+
+    def _drop_partial(self, tag: str) -> None:
+        """A full save over an older partial checkpoint of the same tag (training resumed
+        from an older save) must not leave the partial's files and manifest beside it."""
+        stale = Path(self.save_dir) / tag
+        if self.engine.global_rank == 0 and (stale / PARTIAL_MANIFEST).exists():
+            shutil.rmtree(stale)
+        if dist.is_initialized():
+            dist.barrier()

@@ -127,7 +127,7 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
                         "files": {k: v for part in all_records for k, v in part.items()}}
             _write_json(staging / PARTIAL_MANIFEST, manifest)
             fsync_tree(staging)
-            os.rename(staging, final)
+            _replace(staging, final)
             fsync_dir(final.parent)
         except Exception as e:  # noqa: BLE001
             error = f"rank 0: {type(e).__name__}: {e}"
@@ -135,10 +135,20 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
     return final
 
 
+def _replace(staging: Path, final: Path) -> None:
+    """Publish staging as final. An existing tag (training resumed from an older save and
+    reached this step again) is replaced, as DeepSpeed's own save overwrites it; it is
+    moved aside first and removed only after the new one is in place."""
+    old = final.with_name(f".{final.name}.mpitailor-old")
+    if os.path.lexists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _prepare(final: Path, staging: Path) -> str | None:
     try:
-        if os.path.lexists(final):
-            return f"{final} already exists"
         if os.path.lexists(staging):  # left by a save that was killed
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
