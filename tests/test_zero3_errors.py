@@ -51,20 +51,14 @@ def test_pickle_payload_is_refused_and_never_runs(ckpt_copy, tmp_path, which):
     assert not marker.exists()
 
 
-def test_missing_rank_file(ckpt_copy):
+@pytest.mark.parametrize("victim", ["bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt",
+                                    "zero_pp_rank_1_mp_rank_00_model_states.pt"])
+def test_missing_rank_file(ckpt_copy, victim):
     root = ckpt_copy("w3_bf16_decay_tied_frozen")
-    (root / "global_step5" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    (root / "global_step5" / victim).unlink()
     with pytest.raises(CheckpointError) as e:
         resolve(root / "global_step5")
-    assert "missing bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt" in one_line(e)
-
-
-def test_missing_model_states_rank(ckpt_copy):
-    root = ckpt_copy("w3_bf16_decay_tied_frozen")
-    (root / "global_step5" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
-    with pytest.raises(CheckpointError) as e:
-        resolve(root / "global_step5")
-    assert "missing zero_pp_rank_1_mp_rank_00_model_states.pt" in one_line(e)
+    assert f"missing {victim}" in one_line(e)
 
 
 def test_truncated_file(ckpt_copy):
