@@ -35,3 +35,31 @@ def batch(spec: TrainSpec, step: int, rank: int) -> torch.Tensor:
     """Token ids for one micro-batch: random but a pure function of (seed, step, rank)."""
     g = torch.Generator().manual_seed(spec.data_seed * 1_000_003 + step * 131 + rank)
     return torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq_len), generator=g)
+
+
+EVAL_SEED = 10**9  # held-out batches come from a seed range training never uses
+
+
+def task_batch(spec: TrainSpec, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of one micro-batch. "copy": half random tokens, a separator (0),
+    the same tokens again; only the copy is scored, so the task is learnable."""
+    if spec.task == "random":
+        ids = batch(spec, step, rank)
+        return ids, ids
+    half = (spec.seq_len - 1) // 2
+    g = torch.Generator().manual_seed(spec.data_seed * 1_000_003 + step * 131 + rank)
+    x = torch.randint(1, spec.vocab, (spec.micro_batch, half), generator=g)
+    ids = torch.cat([x, torch.zeros(spec.micro_batch, 1, dtype=x.dtype), x], dim=1)
+    labels = ids.clone()
+    labels[:, : half + 1] = -100
+    return ids, labels
+
+
+def held_out_loss(spec: TrainSpec, engine) -> float:
+    """Mean loss over spec.eval_batches fixed batches (collective: every rank runs them)."""
+    losses = []
+    with torch.no_grad():
+        for i in range(spec.eval_batches):
+            ids, labels = task_batch(spec, EVAL_SEED + i, 0)
+            losses.append(float(engine(input_ids=ids, labels=labels).loss.float()))
+    return sum(losses) / max(1, len(losses))

@@ -42,6 +42,8 @@ class TrainSpec:
     load_dir: str | None = None
     load_tag: str | None = None
     data_seed: int = 0
+    task: str = "random"      # "random" tokens, or "copy": learnable, with a held-out set
+    eval_batches: int = 0     # held-out batches scored after training (copy task)
     step_sleep: float = 0.0  # seconds after each step: a run slow enough to interrupt
     extra: dict = field(default_factory=dict)
 

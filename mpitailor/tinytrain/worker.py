@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mpitailor.tinytrain.model import batch, build_model
+from mpitailor.tinytrain.model import build_model, held_out_loss, task_batch
 from mpitailor.tinytrain.spec import TrainSpec
 from mpitailor.training.groups import decay_param_groups, per_layer_param_groups
 
@@ -64,8 +64,8 @@ def train(spec: TrainSpec, engine, first_step: int, on_save=None) -> list[float]
     rank = engine.global_rank
     losses = []
     for step in range(first_step + 1, spec.steps + 1):
-        ids = batch(spec, step, rank)
-        loss = engine(input_ids=ids, labels=ids).loss
+        ids, labels = task_batch(spec, step, rank)
+        loss = engine(input_ids=ids, labels=labels).loss
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach().float()))
@@ -99,10 +99,11 @@ def main(spec_path: str, result_path: str) -> None:
                                      stats=spec.stats)
         on_save = lambda engine, spec, step: ckpt.save(tag=f"global_step{step}")  # noqa: E731
     losses = train(spec, engine, first, on_save)
+    eval_loss = held_out_loss(spec, engine) if spec.eval_batches else None
     if engine.global_rank == 0:
         Path(result_path).write_text(json.dumps(
             {"losses": losses, "first_step": first, "global_steps": engine.global_steps,
-             "world_size": engine.world_size}))
+             "world_size": engine.world_size, "eval_loss": eval_loss}))
     shutdown()
 
 
