@@ -1,6 +1,6 @@
 """Does training resumed from a composite checkpoint end as well as from a full one?
 
-    python -m bench.quality.run [--seeds 3] [--steps 120] [--fail-at 75] [--every 10]
+    python -m bench.quality.run [--seeds 3] [--steps 200] [--fail-at 75] [--every 10]
 
 A 4-layer Llama (hidden 128) learns a copy task (8 random tokens, a separator, the same 8
 again; only the copy is scored) with real DeepSpeed ZeRO-3 in 2 processes, one optimizer
@@ -30,7 +30,7 @@ from mpitailor.tinytrain import TrainSpec, launch
 OUT = Path(__file__).resolve().parents[1] / "out"
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 POLICIES = {"parity": {"name": "parity"},
-            "filter": {"name": "filter", "always": (0, -1), "every": 3},
+            "filter": {"name": "filter", "always": (0, -1), "every": 4},
             "adaptive": {"name": "adaptive", "top_fraction": 0.5, "max_staleness": 3}}
 
 
@@ -78,7 +78,7 @@ def one_seed(seed: int, args, tmp: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--fail-at", type=int, default=75)
     ap.add_argument("--every", type=int, default=10)
     args = ap.parse_args()
@@ -132,7 +132,8 @@ def plot(per_seed, args, path: Path) -> None:
         ax.plot(range(first, first + n), mean, label=k, lw=1)
     ax.axvline(args.fail_at, color="gray", ls=":", lw=1)
     ax.set_xlabel("step")
-    ax.set_ylabel("train loss (mean over seeds)")
+    ax.set_yscale("log")
+    ax.set_ylabel("train loss (mean over seeds, log scale)")
     ax.set_title("resumed after a failure: full vs composite checkpoints")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -5,6 +5,7 @@ argv: spec.json result.json. Rank 0 writes the result: losses per step and saved
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -108,11 +109,16 @@ def main(spec_path: str, result_path: str) -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group together: exiting with gloo threads alive can abort()."""
+    """Leave the process group together, then exit at once. Interpreter teardown with
+    DeepSpeed's and gloo's threads still alive can abort() ("terminate called without an
+    active exception") after the work is done; nothing is left to clean up by then."""
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
