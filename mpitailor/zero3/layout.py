@@ -40,10 +40,6 @@ class Layout:
     slots: tuple[Slot, ...]
     subgroup_sizes: tuple[int, ...]  # elements per rank in each sub-group's flat buffer
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.slots)
-
     def by_name(self) -> dict[str, Slot]:
         return {s.name: s for s in self.slots}
 

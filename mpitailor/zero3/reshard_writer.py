@@ -17,7 +17,7 @@ from mpitailor.plan import MergePlan
 from mpitailor.reshard import pieces_for
 from mpitailor.zero3.files import model_file, optim_file
 from mpitailor.zero3.shard import KINDS, open_shard
-from mpitailor.zero3.writer import _model_dict, save_synced
+from mpitailor.zero3.writer import merged_model_states, save_synced
 
 
 def new_target_buffers(plan: MergePlan) -> dict[str, list[torch.Tensor]]:
@@ -76,7 +76,7 @@ def _resharded_model(plan: MergePlan, rank: int, base) -> dict:
     target = plan.target
     buffers_from = {name: open_shard(meta, 0) for name, meta in plan.sources}
     try:
-        model = _model_dict(plan, buffers_from)  # buffers and frozen from the right sources
+        model = merged_model_states(plan, buffers_from)  # buffers, frozen: the right sources
     finally:
         for s in buffers_from.values():
             s.close()

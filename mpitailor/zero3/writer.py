@@ -39,7 +39,7 @@ def build_partition(plan: MergePlan, rank: int,
                                   for run in sg.runs if run.source == name for k in KINDS})
         failpoints.hit("read")
         flats = _copy_flats(plan, shards, buffers or new_buffers(plan))
-        return _optim_dict(plan, shards[plan.base], flats), _model_dict(plan, shards)
+        return _optim_dict(plan, shards[plan.base], flats), merged_model_states(plan, shards)
     finally:
         for s in shards.values():
             s.close()
@@ -71,7 +71,7 @@ def _optim_dict(plan: MergePlan, base: RankShard, flats: dict[str, list[torch.Te
     return {**base.optim, "optimizer_state_dict": osd}
 
 
-def _model_dict(plan: MergePlan, shards: dict[str, RankShard]) -> dict:
+def merged_model_states(plan: MergePlan, shards: dict[str, RankShard]) -> dict:
     base = shards[plan.base].model
     model = dict(base)
     if plan.frozen_source:
