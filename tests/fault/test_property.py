@@ -132,8 +132,8 @@ def key_of(name: str) -> str:
     return "layers." + name.split(".")[2]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(layouts())
 def test_merge_round_trips_random_layouts(tmp_path_factory, layout):
     world, shapes, group_of, sgs, n_sources, choice = layout
