@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -16,6 +17,7 @@ from mpitailor import failpoints
 from mpitailor.plan import MergePlan
 from mpitailor.reshard import pieces_for
 from mpitailor.zero3.files import model_file, optim_file
+from mpitailor.zero3.safeload import load
 from mpitailor.zero3.shard import KINDS, open_shard
 from mpitailor.zero3.writer import merged_model_states, save_synced
 
@@ -74,12 +76,10 @@ def _optim_dict(plan: MergePlan, base, flats) -> dict:
 
 def _resharded_model(plan: MergePlan, rank: int, base) -> dict:
     target = plan.target
-    buffers_from = {name: open_shard(meta, 0) for name, meta in plan.sources}
-    try:
-        model = merged_model_states(plan, buffers_from)  # buffers, frozen: the right sources
-    finally:
-        for s in buffers_from.values():
-            s.close()
+    # Only the model-states dicts are needed here (buffers; the base's fields): no optim.
+    rank0 = {name: SimpleNamespace(model=load(meta.files.model_path(0)))
+             for name, meta in plan.sources}
+    model = merged_model_states(plan, rank0)
     model["param_shapes"] = [
         type(base.model["param_shapes"][0])((s.name, torch.Size(s.shape))
                                             for s in target.layout.subgroup_slots(g))
@@ -88,22 +88,36 @@ def _resharded_model(plan: MergePlan, rank: int, base) -> dict:
     if rank != 0:
         model["shared_params"] = {}
     if plan.frozen_source:
+        states: dict[tuple[str, int], dict] = {}
         model["frozen_param_fragments"] = type(base.model["frozen_param_fragments"])(
-            (name, _frozen_slice(plan, name, src, rank)) for name, src in plan.frozen_source)
+            (name, _frozen_slice(plan, name, src, rank, states))
+            for name, src in plan.frozen_source)
     return model
 
 
-def _frozen_slice(plan: MergePlan, name: str, src: str, rank: int) -> torch.Tensor:
-    """Rank `rank`'s fragment of a frozen parameter at the new world size (zero padded)."""
+def _frozen_slice(plan: MergePlan, name: str, src: str, rank: int,
+                  states: dict[tuple[str, int], dict]) -> torch.Tensor:
+    """Rank `rank`'s fragment of a frozen parameter at the new world size (zero padded),
+    copied from the source ranks whose fragments overlap it (memory-mapped: only those
+    pages are read)."""
     meta = plan.meta(src)
-    shape = dict(meta.frozen_shapes)[name]
-    numel = math.prod(shape)
-    frags = []
-    for r in range(meta.world_size):
-        with open_shard(meta, r) as s:
-            frags.append(s.model["frozen_param_fragments"][name].reshape(-1).clone())
-    whole = torch.cat(frags)[:numel]
-    pn = math.ceil(numel / plan.target.world_size)
-    padded = torch.zeros(pn * plan.target.world_size, dtype=whole.dtype)
-    padded[:numel] = whole
-    return padded[rank * pn:(rank + 1) * pn].clone()
+    numel = math.prod(dict(meta.frozen_shapes)[name])
+    pn1 = math.ceil(numel / meta.world_size)
+    pn2 = math.ceil(numel / plan.target.world_size)
+    lo, hi = rank * pn2, min((rank + 1) * pn2, numel)
+    out = None
+    e = lo
+    while e < hi:
+        r1, within = divmod(e, pn1)
+        n = min(hi - e, pn1 - within)
+        if (src, r1) not in states:
+            states[src, r1] = load(meta.files.model_path(r1))
+        frag = states[src, r1]["frozen_param_fragments"][name].reshape(-1)
+        if out is None:
+            out = torch.zeros(pn2, dtype=frag.dtype)
+        out[e - lo: e - lo + n] = frag[within: within + n]
+        e += n
+    if out is None:  # this rank holds only padding of it
+        first = load(meta.files.model_path(0))["frozen_param_fragments"][name]
+        out = torch.zeros(pn2, dtype=first.dtype)
+    return out
