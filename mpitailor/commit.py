@@ -49,7 +49,11 @@ class Staging:
             raise UserError(f"{self.output}: another mpitailor merge is writing this output "
                             f"(lock {self.lock_path} is held); wait for it or pick "
                             f"another output") from None
-        if os.fstat(fd).st_ino != os.stat(self.lock_path).st_ino:  # lost an unlink race
+        try:
+            same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # locked a lock file another merge had just unlinked
             os.close(fd)
             raise UserError(f"{self.output}: another mpitailor merge just finished writing "
                             f"this output; check it before merging again")

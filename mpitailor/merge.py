@@ -71,12 +71,8 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
     tag = plan.base_meta.files.tag
     try:
         root = comm.root_step(staging.acquire, tag)
-        before = snapshot()
-        records = comm.step(_write_owned, comm, plan, root / tag, progress, verify)
-        stats = comm.allgather({"partitions": owned_partitions(plan.out_world_size, comm.rank,
-                                                               comm.size),
-                                "bytes_written": sum(r["bytes"] for r in records.values()),
-                                **snapshot().since(before)})
+        records, mine = comm.step(_write_owned, comm, plan, root / tag, progress, verify)
+        stats = comm.allgather(mine)
         files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
                  part.items()}
         staged = comm.root_step(read_meta, root / tag)
@@ -98,7 +94,9 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
 
 
 def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool,
-                 verify: bool) -> dict:
+                 verify: bool) -> tuple[dict, dict]:
+    """This rank's partitions: (manifest records, I/O and memory stats)."""
+    before = snapshot()
     mine = owned_partitions(plan.out_world_size, comm.rank, comm.size)
     records: dict[str, dict] = {}
     bar = _progress_bar(len(mine), progress and comm.rank == 0)
@@ -112,7 +110,9 @@ def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool,
         records.update(write(r))
         bar.update(1)
     bar.close()
-    return records
+    return records, {"partitions": mine,
+                     "bytes_written": sum(r["bytes"] for r in records.values()),
+                     **snapshot().since(before)}
 
 
 def _rebuild_hf_weights(comm: Comm, plan: MergePlan, staged: CheckpointMeta,

@@ -131,8 +131,8 @@ def _step_rule(param_source, metas, rule: str, base: str):
             cands.append((metas[src].global_steps, step, src))
         if len({c[1] for c in cands}) == 1:
             return cands[0][1]
-        if rule == "base" and any(c[2] == base for c in cands):
-            return next(c[1] for c in cands if c[2] == base)
+        if rule == "base":  # as in a plain merge: the base's step, whoever contributes
+            return metas[base].subgroup_steps[old_subgroup[names[0]]]
         return (min if rule == "oldest" else max)(cands)[1]
     return step_of
 

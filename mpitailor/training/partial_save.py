@@ -128,9 +128,10 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
             _write_json(staging / PARTIAL_MANIFEST, manifest)
             fsync_tree(staging)
             _replace(staging, final)
-            fsync_dir(final.parent)
         except Exception as e:  # noqa: BLE001
             error = f"rank 0: {type(e).__name__}: {e}"
+        else:
+            fsync_dir(final.parent)  # published: a failure here is not "nothing saved"
     _agree(error, cleanup=staging if rank == 0 else None)
     return final
 
@@ -143,7 +144,12 @@ def _replace(staging: Path, final: Path) -> None:
     if os.path.lexists(final):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
-    os.rename(staging, final)
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if os.path.lexists(old):
+            os.rename(old, final)  # the previous checkpoint stays where it was
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

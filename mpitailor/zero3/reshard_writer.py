@@ -19,7 +19,7 @@ from mpitailor.reshard import pieces_for
 from mpitailor.zero3.files import model_file, optim_file
 from mpitailor.zero3.safeload import load
 from mpitailor.zero3.shard import KINDS, open_shard
-from mpitailor.zero3.writer import merged_model_states, save_synced
+from mpitailor.zero3.writer import merged_model_states, save_synced, step_like
 
 
 def new_target_buffers(plan: MergePlan) -> dict[str, list[torch.Tensor]]:
@@ -64,7 +64,7 @@ def _optim_dict(plan: MergePlan, base, flats) -> dict:
     osd = dict(base.optim["optimizer_state_dict"])
     inner = dict(osd["optimizer_state_dict"])
     step_t = inner["state"][0]["step"]
-    inner["state"] = {g: {"step": torch.tensor(target.steps[g], dtype=step_t.dtype),
+    inner["state"] = {g: {"step": step_like(step_t, target.steps[g]),
                           "exp_avg": flats["exp_avg"][g], "exp_avg_sq": flats["exp_avg_sq"][g]}
                       for g in range(len(target.layout.subgroup_sizes))}
     inner["param_groups"] = [{**pg, "params": list(ids)}

@@ -30,8 +30,10 @@ def build_partition(plan: MergePlan, rank: int,
                     verify: bool = False) -> tuple[dict, dict]:
     """(optim dict, model-states dict) of output partition `rank`, filled into `buffers`.
     verify: first check every source record read against its CRC (reads them whole)."""
-    shards = {name: open_shard(meta, rank) for name, meta in plan.sources}
+    shards: dict[str, RankShard] = {}
     try:
+        for name, meta in plan.sources:
+            shards[name] = open_shard(meta, rank)
         if verify:
             for name, shard in shards.items():
                 if not shard.meta.files.partial:
@@ -60,15 +62,19 @@ def _optim_dict(plan: MergePlan, base: RankShard, flats: dict[str, list[torch.Te
     inner = dict(osd["optimizer_state_dict"])
     state = {}
     for g, sg in enumerate(plan.subgroups):
-        old = inner["state"][g]["step"]
-        step = torch.tensor(sg.step, dtype=old.dtype) if isinstance(old, torch.Tensor) \
-            else type(old)(sg.step)
-        state[g] = {"step": step, "exp_avg": flats["exp_avg"][g],
+        state[g] = {"step": step_like(inner["state"][g]["step"], sg.step), "exp_avg": flats["exp_avg"][g],
                     "exp_avg_sq": flats["exp_avg_sq"][g]}
     inner["state"] = state
     osd["optimizer_state_dict"] = inner
     osd["fp32_flat_groups"] = flats["fp32"]
     return {**base.optim, "optimizer_state_dict": osd}
+
+
+def step_like(template, value: float):
+    """An Adam step of `value` in the form the source stores it (0-d tensor, int or float)."""
+    if isinstance(template, torch.Tensor):
+        return torch.tensor(value, dtype=template.dtype)
+    return type(template)(value)
 
 
 def merged_model_states(plan: MergePlan, shards: dict[str, RankShard]) -> dict:
