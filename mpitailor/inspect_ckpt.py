@@ -5,8 +5,8 @@ from collections.abc import Callable
 
 from mpitailor.layers import classify, sort_keys
 from mpitailor.zero3 import CheckpointMeta
+from mpitailor.zero3.shard import BYTES_PER_ELEMENT
 
-BYTES_PER_ELEMENT = 4 * 3  # fp32 master + exp_avg + exp_avg_sq
 
 
 def report(meta: CheckpointMeta, classify_fn: Callable[[str], str] = classify) -> dict:

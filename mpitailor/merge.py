@@ -75,12 +75,15 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
         stats = comm.allgather(mine)
         files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
                  part.items()}
-        staged = comm.root_step(read_meta, root / tag)
-        files.update(_rebuild_hf_weights(comm, plan, staged, root))
-        if export_dtype is not None:
-            exported = export_hf(comm, staged, extras_dir(plan.base_meta), root / "hf",
-                                 export_dtype)
-            files.update({f"hf/{name}": rec for name, rec in exported.items()})
+        rebuild_dtype = comm.root_step(_base_weights_dtype, plan)
+        if rebuild_dtype is not None or export_dtype is not None:
+            staged = comm.root_step(read_meta, root / tag)  # only when weights are written
+            if rebuild_dtype is not None:  # the base carried 16-bit weights: rebuild them
+                files.update(write_hf_weights(comm, staged, root, rebuild_dtype))
+            if export_dtype is not None:
+                exported = export_hf(comm, staged, extras_dir(plan.base_meta), root / "hf",
+                                     export_dtype)
+                files.update({f"hf/{name}": rec for name, rec in exported.items()})
         written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
                                  time.perf_counter() - t0)
     except BaseException:
@@ -115,15 +118,11 @@ def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool,
                      **snapshot().since(before)}
 
 
-def _rebuild_hf_weights(comm: Comm, plan: MergePlan, staged: CheckpointMeta,
-                        root: Path) -> dict:
-    """Collective: when the base carries 16-bit HF weights, write them from the merged fp32
-    master weights (so weights and optimizer agree), in the same dtype."""
-    def probe():
-        found = weight_files(plan.base_meta)
-        return weights_dtype(found[0]) if found else None
-    dtype = comm.root_step(probe)
-    return {} if dtype is None else write_hf_weights(comm, staged, root, dtype)
+def _base_weights_dtype(plan: MergePlan) -> str | None:
+    """Rank 0: the dtype of the base's 16-bit HF weights, if it carries any. They are
+    rebuilt from the merged fp32 master weights, so weights and optimizer agree."""
+    found = weight_files(plan.base_meta)
+    return weights_dtype(found[0]) if found else None
 
 
 def _progress_bar(total: int, enabled: bool):

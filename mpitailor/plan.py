@@ -16,10 +16,10 @@ from mpitailor.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort
 from mpitailor.recipe import SELECTOR_RE, Recipe
 from mpitailor.reshard import Target, target_layout
 from mpitailor.zero3 import CheckpointMeta
+from mpitailor.zero3.shard import BYTES_PER_ELEMENT
 
 DTYPE_ALIASES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16",
                  "float16": "fp16", "fp16": "fp16"}
-BYTES_PER_ELEMENT = 4 * 3  # fp32 master + exp_avg + exp_avg_sq
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from mpitailor.inspect_ckpt import human
-from mpitailor.plan import BYTES_PER_ELEMENT, MergePlan, owned_partitions
+from mpitailor.plan import MergePlan, owned_partitions
 from mpitailor.reshard import pieces_for
+from mpitailor.zero3.shard import BYTES_PER_ELEMENT
 
 
 def format_plan(plan: MergePlan, mpi_size: int) -> str:

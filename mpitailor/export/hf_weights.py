@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from mpitailor.comm import Comm
-from mpitailor.commit import copy_synced, fsync_and_record, write_synced
+from mpitailor.commit import copy_synced, write_synced
+from mpitailor.stwrite import write_safetensors
 from mpitailor.zero3 import CheckpointMeta, open_shard
 from mpitailor.zero3.consolidate import frozen_tensor, full_tensor
 
@@ -77,8 +77,7 @@ def _write_chunk(meta: CheckpointMeta, names: list[str], path: Path, dtype) -> d
     finally:
         for s in shards:
             s.close()
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    rec = fsync_and_record(path)
+    rec = write_safetensors(path, tensors, metadata={"format": "pt"})  # CRC in the same pass
     rec["tensor_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
     return rec
 

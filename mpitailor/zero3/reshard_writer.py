@@ -19,12 +19,11 @@ from mpitailor.reshard import pieces_for
 from mpitailor.zero3.files import model_file, optim_file
 from mpitailor.zero3.safeload import load
 from mpitailor.zero3.shard import KINDS, open_shard
-from mpitailor.zero3.writer import merged_model_states, save_synced, step_like
+from mpitailor.zero3.writer import flat_buffers, merged_model_states, save_synced, step_like
 
 
 def new_target_buffers(plan: MergePlan) -> dict[str, list[torch.Tensor]]:
-    sizes = plan.target.layout.subgroup_sizes
-    return {k: [torch.empty(n, dtype=torch.float32) for n in sizes] for k in KINDS}
+    return flat_buffers(plan.target.layout.subgroup_sizes)
 
 
 def write_resharded_partition(plan: MergePlan, rank: int, tag_dir: Path,

@@ -18,6 +18,7 @@ from mpitailor.zero3.safeload import load
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KINDS = ("fp32",) + MOMENTS
+BYTES_PER_ELEMENT = 4 * len(KINDS)  # fp32 master + exp_avg + exp_avg_sq, per element
 
 
 @dataclass

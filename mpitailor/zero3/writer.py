@@ -18,11 +18,15 @@ from mpitailor.zero3.files import model_file, optim_file
 from mpitailor.zero3.shard import KINDS, RankShard, open_shard
 
 
-def new_buffers(plan: MergePlan) -> dict[str, list[torch.Tensor]]:
-    """Output flat buffers for one partition. Every partition has the same sizes, so a rank
-    that writes several reuses them (and pays the page faults of fresh memory once)."""
-    sizes = plan.base_meta.layout.subgroup_sizes
+def flat_buffers(sizes) -> dict[str, list[torch.Tensor]]:
+    """Output flat buffers (per kind, per sub-group) for one partition. Every partition of a
+    layout has the same sizes, so a rank that writes several reuses them (and pays the page
+    faults of fresh memory once)."""
     return {k: [torch.empty(n, dtype=torch.float32) for n in sizes] for k in KINDS}
+
+
+def new_buffers(plan: MergePlan) -> dict[str, list[torch.Tensor]]:
+    return flat_buffers(plan.base_meta.layout.subgroup_sizes)
 
 
 def build_partition(plan: MergePlan, rank: int,
