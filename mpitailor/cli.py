@@ -124,8 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--export", choices=["safetensors"],
-                   help="also write consolidated HF weights (+ config, tokenizer) to OUT/hf/")
+    p.add_argument("--export", choices=["safetensors", "universal"], action="append",
+                   help="also write: `safetensors`, consolidated HF weights (+ config, "
+                        "tokenizer) to OUT/hf/; `universal`, DeepSpeed's Universal "
+                        "checkpoint (load_universal, any world size) to OUT/TAG/zero/ and "
+                        "OUT/latest_universal. Repeat the option for both")
     p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
                    help="dtype of the exported weights (default: the model's)")
 

@@ -17,6 +17,7 @@ from mpitailor.comm import Comm
 from mpitailor.commit import Staging, write_synced
 from mpitailor.errors import UserError
 from mpitailor.export.hf_weights import export_hf, weights_dtype, write_hf_weights
+from mpitailor.export.universal import export_universal
 from mpitailor.extras import MANIFEST, copy_extras, extras_dir, weight_files
 from mpitailor.iostats import snapshot
 from mpitailor.plan import MergePlan, make_plan, owned_partitions
@@ -62,10 +63,12 @@ def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
 
 
 def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
-          verify: bool = False, export_dtype: str | None = None) -> MergeResult:
+          verify: bool = False, export_dtype: str | None = None,
+          universal: bool = False) -> MergeResult:
     """Collective: write the merged checkpoint and publish it atomically.
     verify: check source records against their CRC-32 first (reads them whole).
-    export_dtype: also write consolidated HF safetensors weights in this dtype to OUT/hf/."""
+    export_dtype: also write consolidated HF safetensors weights in this dtype to OUT/hf/.
+    universal: also write DeepSpeed's Universal layout into OUT/TAG/zero/."""
     t0 = time.perf_counter()
     staging = Staging(plan.output)
     tag = plan.base_meta.files.tag
@@ -76,14 +79,16 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
         files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
                  part.items()}
         rebuild_dtype = comm.root_step(_base_weights_dtype, plan)
-        if rebuild_dtype is not None or export_dtype is not None:
-            staged = comm.root_step(read_meta, root / tag)  # only when weights are written
+        if rebuild_dtype is not None or export_dtype is not None or universal:
+            staged = comm.root_step(read_meta, root / tag)  # only when something reads it
             if rebuild_dtype is not None:  # the base carried 16-bit weights: rebuild them
                 files.update(write_hf_weights(comm, staged, root, rebuild_dtype))
             if export_dtype is not None:
                 exported = export_hf(comm, staged, extras_dir(plan.base_meta), root / "hf",
                                      export_dtype)
                 files.update({f"hf/{name}": rec for name, rec in exported.items()})
+            if universal:
+                files.update(export_universal(comm, staged, root))
         written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
                                  time.perf_counter() - t0)
     except BaseException:
@@ -177,15 +182,18 @@ def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Name
     """Collective: dry-run report or merge + summary, as the CLI options say."""
     if args.verify and plan.target is not None:
         raise UserError("--verify is not supported together with resharding (--world-size)")
+    exports = set(args.export or ())
+    if args.export_dtype and "safetensors" not in exports:
+        raise UserError("--export-dtype applies to --export safetensors; add that option")
     if args.dry_run:
         if comm.rank == 0:
             print(format_plan(plan, comm.size))
         return 0
-    export = None
-    if args.export == "safetensors":
-        export = args.export_dtype or plan.base_meta.dtype
+    export_dtype = (args.export_dtype or plan.base_meta.dtype) if "safetensors" in exports \
+        else None
     result = merge(comm, plan, recipe.text, progress=not args.no_progress,
-                   verify=args.verify, export_dtype=export)
+                   verify=args.verify, export_dtype=export_dtype,
+                   universal="universal" in exports)
     if comm.rank == 0 and args.stats:
         Path(args.stats).write_text(json.dumps(
             {"output": str(result.output), "seconds": result.seconds,

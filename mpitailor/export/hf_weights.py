@@ -14,6 +14,7 @@ import torch
 
 from mpitailor.comm import Comm
 from mpitailor.commit import copy_synced, write_synced
+from mpitailor.export import contiguous_chunks
 from mpitailor.stwrite import write_safetensors
 from mpitailor.zero3 import CheckpointMeta, open_shard
 from mpitailor.zero3.consolidate import frozen_tensor, full_tensor
@@ -27,15 +28,9 @@ INDEX = "model.safetensors.index.json"
 
 def chunk_names(meta: CheckpointMeta, parts: int) -> list[list[str]]:
     """Parameter names (trainable and frozen, model order) in `parts` contiguous chunks."""
-    sizes = [(s.name, s.numel) for s in meta.layout.slots] + \
-        [(n, int(torch.Size(shape).numel())) for n, shape in meta.frozen_shapes]
-    total = sum(n for _, n in sizes) or 1
-    chunks: list[list[str]] = [[] for _ in range(parts)]
-    done = 0
-    for name, n in sizes:
-        chunks[min(parts - 1, done * parts // total)].append(name)
-        done += n
-    return [c for c in chunks if c]
+    return contiguous_chunks([(s.name, s.numel) for s in meta.layout.slots] +
+                             [(n, int(torch.Size(shape).numel()))
+                              for n, shape in meta.frozen_shapes], parts)
 
 
 def file_name(i: int, n: int) -> str:

@@ -41,6 +41,7 @@ class TrainSpec:
     save_at: tuple[int, ...] = (5, 10)
     load_dir: str | None = None
     load_tag: str | None = None
+    load_universal: bool = False  # resume from a Universal checkpoint (any world size)
     data_seed: int = 0
     task: str = "random"      # "random" tokens, or "copy": learnable, with a held-out set
     eval_batches: int = 0     # held-out batches scored after training (copy task)

@@ -25,7 +25,7 @@ def skip_shm_build() -> None:
 
 
 def ds_config(spec: TrainSpec) -> dict:
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": 0.01,
@@ -39,6 +39,9 @@ def ds_config(spec: TrainSpec) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if spec.load_universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
 
 
 def param_groups(spec: TrainSpec, model: torch.nn.Module):

@@ -10,14 +10,17 @@ from mpitailor.zero3.meta import CheckpointMeta
 from mpitailor.zero3.shard import KINDS, RankShard, open_shard
 
 
-def rank_part(shard: RankShard, slot: Slot, kind: str) -> torch.Tensor:
-    """The real (unpadded) elements of `slot` held by this shard's rank."""
-    return shard.read(kind, slot.subgroup, slot.offset, slot.valid(shard.rank))
-
-
 def full_tensor(shards: Sequence[RankShard], slot: Slot, kind: str) -> torch.Tensor:
-    """The whole parameter `slot` of kind fp32/exp_avg/exp_avg_sq, from all ranks' shards."""
-    return torch.cat([rank_part(s, slot, kind) for s in shards]).view(slot.shape)
+    """The whole parameter `slot` of kind fp32/exp_avg/exp_avg_sq, from all ranks' shards,
+    each rank's real elements read straight into their place (no per-rank copies)."""
+    out = torch.empty(slot.numel, dtype=torch.float32)
+    pos = 0
+    for s in shards:
+        n = slot.valid(s.rank)
+        if n:
+            s.read_into(kind, slot.subgroup, slot.offset, out[pos: pos + n])
+        pos += n
+    return out.view(slot.shape)
 
 
 def frozen_tensor(shards: Sequence[RankShard], name: str, shape: tuple[int, ...]) -> torch.Tensor:
