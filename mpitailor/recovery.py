@@ -55,7 +55,10 @@ def recovery_recipe(save_dir: Path, output: Path | None = None) -> str:
         holders = [p for p in partials if key in p.held_layers]
         chosen[key] = names[(holders[-1] if holders else full).path]
     newest = [full, *partials][-1]
-    recipe: dict = {"sources": {names[m.path]: str(m.path) for m in [full, *partials]},
+    # A partial whose every layer was saved again later supplies nothing: leave it out.
+    used = set(chosen.values()) | {names[newest.path]}
+    recipe: dict = {"sources": {names[m.path]: str(m.path) for m in [full, *partials]
+                                if names[m.path] in used},
                     "layers": _layer_ranges(chosen)}
     for key in (*AUX_KEYS, OTHER):
         if key in chosen:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import h5py
 import pytest
 import torch
+import yaml
 
 from ckpt_fixtures import HF_MODULE, VARIANTS, build, spec_for
 from conftest import tree_digest
@@ -94,6 +95,9 @@ def test_recover_emits_a_recipe(tmp_path):
     r = run_cli(["recover", str(build("w2_parity")), "--emit-recipe"], {})
     assert r.returncode == 0, r.stderr
     assert "'0': global_step6" in r.stdout and "base: global_step8" in r.stdout
+    sources = yaml.safe_load(r.stdout)["sources"]
+    # parity: steps 6 and 8 re-saved every layer the full save (2) and step 4 held
+    assert sorted(sources) == ["global_step6", "global_step8"], sources
 
 
 def test_recover_without_a_full_checkpoint(tmp_path):
