@@ -19,7 +19,7 @@ from mpitailor.zero3.safeload import load
 log = logging.getLogger(__name__)
 
 MANIFEST = "mpitailor_manifest.json"
-SKIP = {"latest", MANIFEST}
+SKIP = {"latest", "latest_universal", MANIFEST}  # ours name our tags, not the base's
 WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)([-.].*)?\.(safetensors|bin)"
                          r"(\.index\.json)?")
 TORCH_SUFFIXES = (".pt", ".pth")

@@ -51,7 +51,7 @@ def target_layout(ref: CheckpointMeta, world_size: int, step_of) -> Target:
     for old_ids in ref.param_groups:
         names = [n for g in old_ids for n in by_sub[g]]
         ids = []
-        for chunk in _close_subgroups(names, shapes, world_size, ref.sub_group_size):
+        for chunk in close_subgroups(names, shapes, world_size, ref.sub_group_size):
             ids.append(len(subs))
             subs.append(chunk)
         groups.append(tuple(ids))
@@ -60,7 +60,7 @@ def target_layout(ref: CheckpointMeta, world_size: int, step_of) -> Target:
     return Target(layout, tuple(groups), steps)
 
 
-def _close_subgroups(names, shapes, world_size, sub_group_size) -> list[list[str]]:
+def close_subgroups(names, shapes, world_size, sub_group_size) -> list[list[str]]:
     """DeepSpeed stage 3 `_create_fp16_sub_groups`, on shapes instead of tensors."""
     sizes = [math.ceil(math.prod(shapes[n]) / world_size) for n in names]
     if sub_group_size >= sum(sizes):

@@ -53,9 +53,11 @@ def test_recover_from_partial_saves_onto_another_world_size(tmp_path):
     """The job came back with 3 ranks instead of 2: recover reshards while it merges."""
     from ckpt_fixtures import build
     out = tmp_path / "recovered"
-    r = run_cli(["recover", str(build("w2_parity")), "-o", str(out), "--world-size", "3"], {},
-                ranks=2)
+    r = run_cli(["recover", str(build("w2_parity")), "-o", str(out), "--world-size", "3",
+                 "--export", "universal"], {}, ranks=2)
     assert r.returncode == 0, r.stderr
+    assert (out / "latest_universal").read_text() == "global_step8"
+    assert (out / "global_step8" / "zero" / "model.norm.weight" / "fp32.pt").is_file()
     spec = replace(spec_for("w2_parity", tmp_path / "resumed"), world_size=3, steps=11,
                    save_at=(), policy=None, stats=None, load_dir=str(out),
                    load_tag="global_step8")

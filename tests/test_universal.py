@@ -19,7 +19,10 @@ import torch
 from ckpt_fixtures import spec_for
 from merging import RECIPES, recipe_env, run_cli
 
+from mpitailor.export.universal import min_single_subgroup_world
+from mpitailor.reshard import target_layout
 from mpitailor.tinytrain import launch
+from mpitailor.zero3 import read_meta
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -93,6 +96,33 @@ def test_load_universal_at_another_world_size_trains_as_a_native_reshard(ckpt, t
     assert len(via_universal["losses"]) == 3
     assert all(math.isfinite(x) for x in via_universal["losses"])
     assert via_universal["losses"] == via_native["losses"]
+
+
+def test_world_size_where_the_model_is_one_subgroup(ckpt):
+    """Where load_universal's shared step tensor is harmless: checked against the layout the
+    resharder computes (itself checked against DeepSpeed's own at W=2, 3)."""
+    meta = read_meta(ckpt("w2_bf16_small_subgroups_tied_frozen", 10))  # sub_group_size 6000
+    w = min_single_subgroup_world(meta)
+    assert w is not None and w > meta.world_size
+
+    def subgroups(world: int) -> int:
+        return len(target_layout(meta, world, lambda g, names: 0.0).layout.subgroup_sizes)
+    assert subgroups(w) == 1 and subgroups(w - 1) > 1
+    assert min_single_subgroup_world(read_meta(ckpt("w2_fp32_one", 10))) == 1
+
+
+def test_base_latest_universal_is_not_carried_over(ckpt, ckpt_copy, tmp_path):
+    """A save dir that ds_to_universal (or an earlier export) left a `latest_universal` in:
+    the output's names its own tag, or is absent without the export."""
+    save = ckpt_copy("w2_fp32_one")  # its `latest` names global_step10
+    (save / "latest_universal").write_text("global_step10_universal")
+    old = ckpt("w2_fp32_one", 5)
+    for args, expect in (([], None), (["--export", "universal"], "global_step10")):
+        out = tmp_path / f"out{len(args)}"
+        r = run_cli([str(RECIPES / "parity.yml"), *args], recipe_env(save, old, out))
+        assert r.returncode == 0, r.stderr
+        latest = out / "latest_universal"
+        assert (latest.read_text() if latest.exists() else None) == expect
 
 
 def test_export_dtype_needs_the_safetensors_export(ckpt, tmp_path):

@@ -16,8 +16,9 @@ from mpitailor.comm import Comm
 from mpitailor.commit import copy_synced, write_synced
 from mpitailor.export import contiguous_chunks
 from mpitailor.stwrite import write_safetensors
-from mpitailor.zero3 import CheckpointMeta, open_shard
+from mpitailor.zero3 import CheckpointMeta
 from mpitailor.zero3.consolidate import frozen_tensor, full_tensor
+from mpitailor.zero3.shard import open_all_shards
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -62,16 +63,12 @@ def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, dtype: str) -
 def _write_chunk(meta: CheckpointMeta, names: list[str], path: Path, dtype) -> dict:
     slots = meta.layout.by_name()
     frozen = dict(meta.frozen_shapes)
-    shards = [open_shard(meta, r) for r in range(meta.world_size)]
-    try:
-        tensors = {}
+    tensors = {}
+    with open_all_shards(meta) as shards:
         for n in names:
             t = full_tensor(shards, slots[n], "fp32") if n in slots else \
                 frozen_tensor(shards, n, frozen[n])
             tensors[n] = t.to(dtype).contiguous()
-    finally:
-        for s in shards:
-            s.close()
     rec = write_safetensors(path, tensors, metadata={"format": "pt"})  # CRC in the same pass
     rec["tensor_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
     return rec

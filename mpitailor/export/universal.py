@@ -15,14 +15,18 @@ and writes their files.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
+
+import torch
 
 from mpitailor.comm import Comm
 from mpitailor.commit import write_synced
 from mpitailor.export import contiguous_chunks
+from mpitailor.reshard import close_subgroups
 from mpitailor.zero3 import CheckpointMeta, open_shard
 from mpitailor.zero3.consolidate import full_tensor
-from mpitailor.zero3.shard import KINDS
+from mpitailor.zero3.shard import KINDS, open_all_shards, without_flat_buffers
 from mpitailor.zero3.writer import save_synced
 
 log = logging.getLogger(__name__)
@@ -33,71 +37,105 @@ OPTIMIZER_STATE = "optimizer_state.pt"
 def export_universal(comm: Comm, staged: CheckpointMeta, root: Path) -> dict:
     """Collective: the Universal layout of the checkpoint `staged` (the merged tag dir under
     root); returns {path relative to root: manifest record}."""
-    tag = staged.files.tag
     zero = staged.path / "zero"
-    records = {f"{tag}/zero/{k}": v for k, v in comm.root_step(_write_common, staged, zero)
-               .items()}
+    records = comm.root_step(_write_optimizer_state, staged, zero)
     chunks = contiguous_chunks([(s.name, s.numel) for s in staged.layout.slots], comm.size)
 
     def write_mine() -> dict[str, dict]:
         return _write_params(staged, chunks[comm.rank], zero) if comm.rank < len(chunks) else {}
 
     for part in comm.allgather(comm.step(write_mine)):
-        records.update({f"{tag}/zero/{k}": v for k, v in part.items()})
-    records[LATEST] = comm.root_step(write_synced, root / LATEST, tag.encode())
-    return records
+        records.update(part)
+    tag = staged.files.tag
+    out = {f"{tag}/zero/{name}": rec for name, rec in records.items()}
+    out[LATEST] = comm.root_step(write_synced, root / LATEST, tag.encode())
+    return out
 
 
-def _write_common(staged: CheckpointMeta, zero: Path) -> dict[str, dict]:
-    """Rank 0: zero/ and its optimizer_state.pt (counters, loss scaler, param groups, steps),
-    as ds_to_universal writes it but without the flat buffers nobody reads from there."""
-    _warn_about_loader(staged)
+def _write_optimizer_state(staged: CheckpointMeta, zero: Path) -> dict[str, dict]:
+    """Rank 0: zero/ and its optimizer_state.pt (counters, loss scaler, param groups, Adam
+    steps): what ds_to_universal writes there, less the flat buffers nobody reads from it."""
     zero.mkdir()
     with open_shard(staged, 0) as shard:
-        osd = {k: v for k, v in shard.optim["optimizer_state_dict"].items()
-               if k != "fp32_flat_groups"}
-        inner = shard.inner
-        groups = inner["param_groups"]
-        osd["optimizer_state_dict"] = {
-            "state": {g: {"step": st["step"]} for g, st in inner["state"].items()},
-            "param_groups": groups}
-        osd["param_groups"] = groups  # ds_to_universal puts them at the top level too
-        return {OPTIMIZER_STATE: save_synced(osd, zero / OPTIMIZER_STATE)}
-
-
-def _write_params(staged: CheckpointMeta, names: list[str], zero: Path) -> dict[str, dict]:
-    slots = staged.layout.by_name()
-    shards = [open_shard(staged, r) for r in range(staged.world_size)]
-    records = {}
-    try:
-        for name in names:
-            (zero / name).mkdir()
-            for kind in KINDS:
-                t = full_tensor(shards, slots[name], kind).reshape(-1)
-                records[f"{name}/{kind}.pt"] = save_synced(t, zero / name / f"{kind}.pt")
-    finally:
-        for s in shards:
-            s.close()
-    return records
-
-
-def _warn_about_loader(meta: CheckpointMeta) -> None:
-    """DeepSpeed 0.19.8's ZeRO-3 `load_universal` is exact only for one param group and one
-    sub-group, and never restores frozen parameters (measured and read from its code; see
-    the README). Say so rather than let a resume drift silently."""
-    limits = []
-    if len(meta.param_groups) > 1:
-        limits.append(f"{len(meta.param_groups)} param groups (it gives every group the "
-                      f"hyper-parameters of group 0)")
-    if len(meta.layout.subgroup_sizes) > 1:
-        limits.append(f"{len(meta.layout.subgroup_sizes)} optimizer sub-groups at world size "
-                      f"{meta.world_size} (it gives all sub-groups one shared Adam step, "
-                      f"advanced once per sub-group per step)")
-    if meta.frozen_shapes:
-        limits.append(f"{len(meta.frozen_shapes)} frozen parameter(s) (it leaves them as "
-                      f"the model was built)")
+        osd = without_flat_buffers(shard.optim["optimizer_state_dict"])
+        groups = osd["optimizer_state_dict"]["param_groups"]
+        osd["param_groups"] = groups  # unread by load_universal; ds_to_universal writes it
+        step = osd["optimizer_state_dict"]["state"][0]["step"] if staged.layout.slots else 0
+        limits = loader_limits(staged, groups, isinstance(step, torch.Tensor),
+                               len(shard.model.get("buffer_names") or ()))
+        record = save_synced(osd, zero / OPTIMIZER_STATE)
     if limits:
         log.warning("--export universal: the files are complete, but DeepSpeed's "
                     "load_universal restores this checkpoint inexactly: %s. A native "
                     "checkpoint resharded with --world-size N resumes exactly.",
                     "; ".join(limits))
+    return {OPTIMIZER_STATE: record}
+
+
+def _write_params(staged: CheckpointMeta, names: list[str], zero: Path) -> dict[str, dict]:
+    slots = staged.layout.by_name()
+    records = {}
+    with open_all_shards(staged) as shards:
+        for name in names:
+            (zero / name).mkdir()
+            for kind in KINDS:
+                t = full_tensor(shards, slots[name], kind).reshape(-1)
+                records[f"{name}/{kind}.pt"] = save_synced(t, zero / name / f"{kind}.pt")
+    return records
+
+
+def loader_limits(meta: CheckpointMeta, groups: list[dict], tensor_step: bool,
+                  buffers: int) -> list[str]:
+    """Why DeepSpeed 0.19.8's ZeRO-3 `load_universal` would not restore this checkpoint
+    exactly (read from its code; the step sharing measured, see the README). It gives every
+    sub-group sub-group 0's Adam step, and with torch Adam the very same step tensor, which
+    then advances once per sub-group per step; it gives every param group group 0's
+    hyper-parameters; it restores neither frozen parameters nor buffers."""
+    limits = []
+    steps = meta.subgroup_steps
+    if len(set(steps)) > 1:
+        limits.append(f"its sub-groups have different Adam steps ({min(steps):g} to "
+                      f"{max(steps):g}): it gives all of them sub-group 0's ({steps[0]:g})")
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    differ = sorted({k for h in hyper[1:] for k in h.keys() | hyper[0].keys()
+                     if h.get(k) != hyper[0].get(k)})
+    if differ:
+        limits.append(f"its {len(groups)} param groups differ in {', '.join(differ)}: it "
+                      f"gives every group the values of group 0")
+    if tensor_step:
+        shared = "torch Adam's step tensor is shared by all sub-groups and advances once per " \
+                 "sub-group per step"
+        if len(groups) > 1:
+            limits.append(f"{shared}, and {len(groups)} param groups are at least "
+                          f"{len(groups)} sub-groups at any world size")
+        elif (w := min_single_subgroup_world(meta)) is None:
+            limits.append(f"{shared}, and the model is more than one sub-group "
+                          f"(sub_group_size {meta.sub_group_size}) at any world size")
+        elif w > 1:
+            limits.append(f"{shared}: exact only at world sizes >= {w}, where the model is "
+                          f"one sub-group (sub_group_size {meta.sub_group_size})")
+    if meta.frozen_shapes:
+        limits.append(f"it leaves the {len(meta.frozen_shapes)} frozen parameter(s) as the "
+                      f"model was built")
+    if buffers:
+        limits.append(f"it leaves the {buffers} persistent buffer(s) as the model was built")
+    return limits
+
+
+def min_single_subgroup_world(meta: CheckpointMeta) -> int | None:
+    """The smallest world size at which DeepSpeed makes all parameters one optimizer
+    sub-group (per-rank sizes only shrink as the world grows), or None if none does."""
+    names = [s.name for s in meta.layout.slots]
+    shapes = {s.name: s.shape for s in meta.layout.slots}
+
+    def one(world: int) -> bool:
+        return len(close_subgroups(names, shapes, world, meta.sub_group_size)) <= 1
+
+    hi = max((math.prod(s) for s in shapes.values()), default=1)
+    if not one(hi):  # every parameter one element per rank already
+        return None
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if one(mid) else (mid + 1, hi)
+    return lo

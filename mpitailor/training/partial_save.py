@@ -28,7 +28,7 @@ from mpitailor.layers import classify as default_classify
 from mpitailor.stwrite import write_safetensors
 from mpitailor.zero3.files import PARTIAL_MANIFEST, partial_files
 from mpitailor.zero3.layout import compute_layout
-from mpitailor.zero3.shard import KINDS
+from mpitailor.zero3.shard import KINDS, without_flat_buffers
 
 FORMAT = "mpitailor-partial"
 VERSION = 1
@@ -64,11 +64,7 @@ def layer_slices(engine, param_shapes, layers: set[str],
 
 def optimizer_meta(engine) -> dict:
     """The optimizer states file of DeepSpeed minus its flat buffers and moments."""
-    osd = dict(engine.optimizer.state_dict())
-    osd.pop("fp32_flat_groups")
-    inner = dict(osd["optimizer_state_dict"])
-    inner["state"] = {g: {"step": s["step"]} for g, s in inner["state"].items()}
-    osd["optimizer_state_dict"] = inner
+    osd = without_flat_buffers(engine.optimizer.state_dict())
     import deepspeed
     return {"optimizer_state_dict": osd, "ds_config": engine.config,
             "ds_version": deepspeed.__version__}

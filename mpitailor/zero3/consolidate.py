@@ -7,7 +7,7 @@ import torch
 
 from mpitailor.zero3.layout import Slot
 from mpitailor.zero3.meta import CheckpointMeta
-from mpitailor.zero3.shard import KINDS, RankShard, open_shard
+from mpitailor.zero3.shard import KINDS, RankShard, open_all_shards
 
 
 def full_tensor(shards: Sequence[RankShard], slot: Slot, kind: str) -> torch.Tensor:
@@ -31,8 +31,7 @@ def frozen_tensor(shards: Sequence[RankShard], name: str, shape: tuple[int, ...]
 
 def consolidate(meta: CheckpointMeta, kinds: Sequence[str] = KINDS) -> dict[str, dict]:
     """kind -> {name: whole tensor}; frozen parameters appear under `fp32` only."""
-    shards = [open_shard(meta, r) for r in range(meta.world_size)]
-    try:
+    with open_all_shards(meta) as shards:
         out: dict[str, dict] = {k: {} for k in kinds}
         for kind in kinds:
             for slot in meta.layout.slots:
@@ -41,6 +40,3 @@ def consolidate(meta: CheckpointMeta, kinds: Sequence[str] = KINDS) -> dict[str,
             for name, shape in meta.frozen_shapes:
                 out["fp32"][name] = frozen_tensor(shards, name, shape).float()
         return out
-    finally:
-        for s in shards:
-            s.close()

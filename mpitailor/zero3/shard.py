@@ -7,6 +7,8 @@ model-states file is small (placeholders, shapes, counters) and is memory-mapped
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +93,13 @@ def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
         raise
 
 
+@contextmanager
+def open_all_shards(meta: CheckpointMeta) -> Iterator[list[RankShard]]:
+    """Every rank's shard, in rank order; all closed on exit, also when one fails to open."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(open_shard(meta, r)) for r in range(meta.world_size)]
+
+
 def _check_model_agrees(meta: CheckpointMeta, model: dict, path) -> None:
     shapes = [{n: tuple(s) for n, s in g.items()} for g in model.get("param_shapes", [])]
     expect = [{s.name: s.shape for s in meta.layout.subgroup_slots(g)}
@@ -106,6 +115,16 @@ def flat_tensor(optim: dict, kind: str, g: int) -> torch.Tensor:
     if kind == "fp32":
         return osd["fp32_flat_groups"][g]
     return osd["optimizer_state_dict"]["state"][g][kind]
+
+
+def without_flat_buffers(osd: dict) -> dict:
+    """DeepSpeed's ZeRO-3 optimizer state (the optim file's `optimizer_state_dict`) minus
+    the fp32 flat groups and Adam moments: counters, loss scaler, param groups, steps."""
+    osd = {k: v for k, v in osd.items() if k != "fp32_flat_groups"}
+    inner = dict(osd["optimizer_state_dict"])
+    inner["state"] = {g: {"step": st["step"]} for g, st in inner["state"].items()}
+    osd["optimizer_state_dict"] = inner
+    return osd
 
 
 def _flat_offsets(meta: CheckpointMeta, optim: dict, size: int, path) -> dict:
