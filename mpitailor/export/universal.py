@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from mpitailor import failpoints
 from mpitailor.comm import Comm
 from mpitailor.commit import write_synced
 from mpitailor.export import contiguous_chunks
@@ -81,6 +82,7 @@ def _write_params(staged: CheckpointMeta, names: list[str], zero: Path) -> dict[
             for kind in KINDS:
                 t = full_tensor(shards, slots[name], kind).reshape(-1)
                 records[f"{name}/{kind}.pt"] = save_synced(t, zero / name / f"{kind}.pt")
+            failpoints.hit("export")
     return records
 
 

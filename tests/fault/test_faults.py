@@ -53,12 +53,13 @@ def timed(args, env, ranks=2, timeout=120):
 
 
 @pytest.mark.parametrize("point,rank", [("read", 1), ("write", 1), ("write", 0),
-                                        ("commit", 0)])
+                                        ("export", 1), ("commit", 0)])
 def test_kill_9_of_one_rank(run, tmp_path, point, rank):
     root, env = run
     before = tree_digest(root)
     out = tmp_path / "merged"
-    r, seconds = timed([str(RECIPES / "parity.yml")],
+    export = ["--export", "universal"] if point == "export" else []
+    r, seconds = timed([str(RECIPES / "parity.yml"), *export],
                        env(out, MPITAILOR_FAILPOINT=f"{point}:{rank}"))
     assert r.returncode != 0 and seconds < 60, (r.returncode, seconds)
     assert not out.exists()
