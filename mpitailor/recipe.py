@@ -25,7 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mpitailor.errors import UserError
 
-STEP_RULES = ("newest", "oldest", "base")
 SELECTOR_RE = re.compile(r"(\d+)(?:-(\d+))?|even|odd|rest")
 
 
