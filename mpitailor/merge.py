@@ -17,7 +17,7 @@ from mpitailor.comm import Comm
 from mpitailor.commit import Staging, write_synced
 from mpitailor.errors import UserError
 from mpitailor.export.hf_weights import export_hf, weights_dtype, write_hf_weights
-from mpitailor.export.universal import export_universal
+from mpitailor.export.universal import export_universal, plan_limits
 from mpitailor.extras import MANIFEST, copy_extras, extras_dir, weight_files
 from mpitailor.iostats import snapshot
 from mpitailor.plan import MergePlan, make_plan, owned_partitions
@@ -186,8 +186,12 @@ def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Name
     if args.export_dtype and "safetensors" not in exports:
         raise UserError("--export-dtype applies to --export safetensors; add that option")
     if args.dry_run:
+        limits = comm.root_step(plan_limits, plan) if "universal" in exports else None
         if comm.rank == 0:
             print(format_plan(plan, comm.size))
+            if limits is not None:
+                print("universal    " + ("; ".join(limits) if limits else
+                                         "load_universal restores it exactly"))
         return 0
     export_dtype = (args.export_dtype or plan.base_meta.dtype) if "safetensors" in exports \
         else None

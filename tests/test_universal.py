@@ -111,6 +111,16 @@ def test_world_size_where_the_model_is_one_subgroup(ckpt):
     assert min_single_subgroup_world(read_meta(ckpt("w2_fp32_one", 10))) == 1
 
 
+def test_dry_run_says_whether_load_universal_is_exact(ckpt, tmp_path):
+    for name, expect in (("w2_fp32_one", "load_universal restores it exactly"),
+                         ("w2_bf16_small_subgroups_tied_frozen",
+                          "exact only at world sizes >= ")):
+        r = run_cli([str(RECIPES / "parity.yml"), "--export", "universal", "--dry-run"],
+                    recipe_env(ckpt(name, 10), ckpt(name, 5), tmp_path / name))
+        assert r.returncode == 0 and expect in r.stdout, r.stdout + r.stderr
+        assert not (tmp_path / name).exists()
+
+
 def test_base_latest_universal_is_not_carried_over(ckpt, ckpt_copy, tmp_path):
     """A save dir that ds_to_universal (or an earlier export) left a `latest_universal` in:
     the output's names its own tag, or is absent without the export."""

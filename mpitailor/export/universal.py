@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from mpitailor import failpoints
 from mpitailor.comm import Comm
 from mpitailor.commit import write_synced
 from mpitailor.export import contiguous_chunks
+from mpitailor.plan import MergePlan
 from mpitailor.reshard import close_subgroups
 from mpitailor.zero3 import CheckpointMeta, open_shard
 from mpitailor.zero3.consolidate import full_tensor
@@ -61,9 +63,7 @@ def _write_optimizer_state(staged: CheckpointMeta, zero: Path) -> dict[str, dict
         osd = without_flat_buffers(shard.optim["optimizer_state_dict"])
         groups = osd["optimizer_state_dict"]["param_groups"]
         osd["param_groups"] = groups  # unread by load_universal; ds_to_universal writes it
-        step = osd["optimizer_state_dict"]["state"][0]["step"] if staged.layout.slots else 0
-        limits = loader_limits(staged, groups, isinstance(step, torch.Tensor),
-                               len(shard.model.get("buffer_names") or ()))
+        limits = loader_limits(staged, shard, staged.subgroup_steps)
         record = save_synced(osd, zero / OPTIMIZER_STATE)
     if limits:
         log.warning("--export universal: the files are complete, but DeepSpeed's "
@@ -86,15 +86,18 @@ def _write_params(staged: CheckpointMeta, names: list[str], zero: Path) -> dict[
     return records
 
 
-def loader_limits(meta: CheckpointMeta, groups: list[dict], tensor_step: bool,
-                  buffers: int) -> list[str]:
-    """Why DeepSpeed 0.19.8's ZeRO-3 `load_universal` would not restore this checkpoint
-    exactly (read from its code; the step sharing measured, see the README). It gives every
-    sub-group sub-group 0's Adam step, and with torch Adam the very same step tensor, which
-    then advances once per sub-group per step; it gives every param group group 0's
-    hyper-parameters; it restores neither frozen parameters nor buffers."""
+def loader_limits(meta: CheckpointMeta, rank0, steps: Sequence[float]) -> list[str]:
+    """Why DeepSpeed 0.19.8's ZeRO-3 `load_universal` would not restore a checkpoint with
+    meta's parameters, rank0's (an open rank-0 shard's) param groups and buffers, and these
+    sub-group Adam steps exactly (read from its code; the step sharing measured, see the
+    README). It gives every sub-group sub-group 0's Adam step, and with torch Adam the very
+    same step tensor, which then advances once per sub-group per step; it gives every param
+    group group 0's hyper-parameters; it restores neither frozen parameters nor buffers."""
+    groups = rank0.inner["param_groups"]
+    state = rank0.inner["state"]
+    tensor_step = bool(state) and isinstance(state[min(state)]["step"], torch.Tensor)
+    buffers = len(rank0.model.get("buffer_names") or ())
     limits = []
-    steps = meta.subgroup_steps
     if len(set(steps)) > 1:
         limits.append(f"its sub-groups have different Adam steps ({min(steps):g} to "
                       f"{max(steps):g}): it gives all of them sub-group 0's ({steps[0]:g})")
@@ -122,6 +125,14 @@ def loader_limits(meta: CheckpointMeta, groups: list[dict], tensor_step: bool,
     if buffers:
         limits.append(f"it leaves the {buffers} persistent buffer(s) as the model was built")
     return limits
+
+
+def plan_limits(plan: MergePlan) -> list[str]:
+    """loader_limits of what a merge by `plan` will write (for --dry-run)."""
+    steps = plan.target.steps if plan.target is not None else \
+        tuple(sg.step for sg in plan.subgroups)
+    with open_shard(plan.base_meta, 0) as shard:
+        return loader_limits(plan.base_meta, shard, steps)
 
 
 def min_single_subgroup_world(meta: CheckpointMeta) -> int | None:
