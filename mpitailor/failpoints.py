@@ -4,7 +4,8 @@ MPITAILOR_FAILPOINT="POINT:RANK[:ACTION]" makes MPI rank RANK, on reaching POINT
 SIGKILL (ACTION "kill", the default: a real kill -9, not an exception) or sleep (ACTION
 "sleep=SECONDS"). Points: "read" (sources opened, nothing copied), "write" (an optimizer
 file written, its model-states file not), "export" (a parameter's Universal files written,
-the rest not), "commit" (rank 0, staged tree complete, not yet published). Unset, it costs one environment lookup per point.
+the rest not), "commit" (rank 0, staged tree complete, not yet published). Unset, it costs
+one environment lookup per point.
 """
 from __future__ import annotations
 
