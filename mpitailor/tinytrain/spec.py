@@ -46,6 +46,7 @@ class TrainSpec:
     task: str = "random"      # "random" tokens, or "copy": learnable, with a held-out set
     eval_batches: int = 0     # held-out batches scored after training (copy task)
     step_sleep: float = 0.0  # seconds after each step: a run slow enough to interrupt
+    client_state: bool = False  # save ordinary objects (Namespace, numpy, dataclass) too
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

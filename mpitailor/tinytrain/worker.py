@@ -4,17 +4,42 @@ argv: spec.json result.json. Rank 0 writes the result: losses per step and saved
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mpitailor.tinytrain.model import build_model, held_out_loss, task_batch
 from mpitailor.tinytrain.spec import TrainSpec
 from mpitailor.training.groups import decay_param_groups, per_layer_param_groups
+
+
+@dataclass
+class RunNotes:
+    """A user's own class in client state: DeepSpeed pickles it; mpitailor must not build it."""
+
+    step: int
+    comment: str
+
+
+def client_state(spec: TrainSpec, step: int) -> dict:
+    """What an ordinary training script passes to save_checkpoint(client_state=...)."""
+    if not spec.client_state:
+        return {}
+    return {"args": argparse.Namespace(lr=spec.lr, seed=spec.seed, run="tiny"),
+            "best_loss": np.float64(1.5 + step / 100), "notes": RunNotes(step, "tiny run")}
+
+
+def shown_client_state(client: dict | None) -> dict:
+    """The client-state objects a resume got back, as text to compare (repr is exact)."""
+    return {k: repr(v) for k, v in sorted((client or {}).items())
+            if k in ("args", "best_loss", "notes")}
 
 
 def skip_shm_build() -> None:
@@ -81,15 +106,16 @@ def train(spec: TrainSpec, engine, first_step: int, on_save=None) -> list[float]
 
 
 def _save_full(engine, spec: TrainSpec, step: int) -> None:
-    engine.save_checkpoint(spec.save_dir, tag=f"global_step{step}")
+    engine.save_checkpoint(spec.save_dir, tag=f"global_step{step}",
+                           client_state=client_state(spec, step))
 
 
 def main(spec_path: str, result_path: str) -> None:
     spec = TrainSpec.from_json(Path(spec_path).read_text())
     engine = build_engine(spec)
-    first = 0
+    first, client = 0, None
     if spec.load_dir is not None:
-        path, _ = engine.load_checkpoint(spec.load_dir, tag=spec.load_tag)
+        path, client = engine.load_checkpoint(spec.load_dir, tag=spec.load_tag)
         if path is None:
             raise SystemExit(f"DeepSpeed loaded nothing from {spec.load_dir}/{spec.load_tag}")
         first = engine.global_steps
@@ -101,13 +127,15 @@ def main(spec_path: str, result_path: str) -> None:
         ckpt = LayerwiseCheckpointer(engine, spec.save_dir, make_policy(options.pop("name"),
                                                                         **options),
                                      stats=spec.stats)
-        on_save = lambda engine, spec, step: ckpt.save(tag=f"global_step{step}")  # noqa: E731
+        on_save = lambda engine, spec, step: ckpt.save(  # noqa: E731
+            tag=f"global_step{step}", client_state=client_state(spec, step))
     losses = train(spec, engine, first, on_save)
     eval_loss = held_out_loss(spec, engine) if spec.eval_batches else None
     if engine.global_rank == 0:
         Path(result_path).write_text(json.dumps(
             {"losses": losses, "first_step": first, "global_steps": engine.global_steps,
-             "world_size": engine.world_size, "eval_loss": eval_loss}))
+             "world_size": engine.world_size, "eval_loss": eval_loss,
+             "client_state": shown_client_state(client)}))
     shutdown()
 
 

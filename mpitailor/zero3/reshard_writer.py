@@ -76,7 +76,7 @@ def _optim_dict(plan: MergePlan, base, flats) -> dict:
 def _resharded_model(plan: MergePlan, rank: int, base) -> dict:
     target = plan.target
     # Only the model-states dicts are needed here (buffers; the base's fields): no optim.
-    rank0 = {name: SimpleNamespace(model=load(meta.files.model_path(0)))
+    rank0 = {name: SimpleNamespace(model=load(meta.files.model_path(0), opaque_ok=True))
              for name, meta in plan.sources}
     model = merged_model_states(plan, rank0)
     model["param_shapes"] = [
@@ -110,13 +110,13 @@ def _frozen_slice(plan: MergePlan, name: str, src: str, rank: int,
         r1, within = divmod(e, pn1)
         n = min(hi - e, pn1 - within)
         if (src, r1) not in states:
-            states[src, r1] = load(meta.files.model_path(r1))
+            states[src, r1] = load(meta.files.model_path(r1), opaque_ok=True)
         frag = states[src, r1]["frozen_param_fragments"][name].reshape(-1)
         if out is None:
             out = torch.zeros(pn2, dtype=frag.dtype)
         out[e - lo: e - lo + n] = frag[within: within + n]
         e += n
     if out is None:  # this rank holds only padding of it
-        first = load(meta.files.model_path(0))["frozen_param_fragments"][name]
+        first = load(meta.files.model_path(0), opaque_ok=True)["frozen_param_fragments"][name]
         out = torch.zeros(pn2, dtype=first.dtype)
     return out

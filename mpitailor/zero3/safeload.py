@@ -1,20 +1,27 @@
 """Load DeepSpeed checkpoint files without ever unpickling arbitrary objects.
 
 `torch.load(weights_only=True)` refuses every global outside an allow-list. DeepSpeed's
-optimizer files pickle two small classes of its own; they are allowed by name and nothing
-else is. Files are memory-mapped, so only the pages of the tensors a caller touches are read.
+optimizer files pickle two small classes of its own; they are allowed by name. Model-states
+files may also hold the training script's own objects (client state): loaded with
+`opaque=True`, those become stand-ins that are carried through unbuilt (see opaque.py).
+Classes the user names with `trust()` (`--safe-globals`) are imported and built for real.
+Files are memory-mapped, so only the pages of the tensors a caller touches are read.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import pickle
+import re
+import stat
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mpitailor.errors import CheckpointError
+from mpitailor.errors import CheckpointError, UserError
+from mpitailor.zero3 import opaque
 
 
 def _deepspeed_globals() -> list:
@@ -40,28 +47,64 @@ def _numpy_globals() -> list:
 
 
 ALLOWED = {"deepspeed": _deepspeed_globals, "numpy": _numpy_globals}
+_trusted: list = []  # classes the user named with --safe-globals, imported
+
+
+def trust(names: tuple[str, ...] | list[str]) -> None:
+    """Allow these `module.Name` globals to be built for real (the user's explicit choice:
+    importing them runs their modules' code). UserError if one cannot be imported."""
+    for full in names:
+        module, _, attr = full.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module), attr) if module else None
+        except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+            raise UserError(f"--safe-globals {full}: cannot import it ({type(e).__name__}: "
+                            f"{e}); name a class as module.Name, importable here") from None
+        if obj is None:
+            raise UserError(f"--safe-globals {full!r}: name a class as module.Name")
+        if obj not in _trusted:
+            _trusted.append(obj)
 
 
 def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",), mmap: bool = True,
-         index_only: bool = False) -> Any:
+         index_only: bool = False, opaque_ok: bool = False) -> Any:
     """Load a torch-serialised file safely; one-line CheckpointError on any failure.
 
     index_only: parse the structure only; tensors come back on the meta device, tagged with
     their byte offsets (see rawio.py), and no tensor data is read.
+    opaque_ok: globals outside the allow-list become stand-ins (opaque.py) instead of a
+    refusal, unless they belong to a module that exists to run code.
     """
     path = Path(path)
-    allowed = [g for name in allow for g in ALLOWED[name]()]
+    allowed = [g for name in allow for g in ALLOWED[name]()] + _trusted
     where = "meta" if index_only else "cpu"
+    require_regular(path)
     try:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=where, weights_only=True,
+                                  mmap=mmap and not index_only)
+        except pickle.UnpicklingError:
+            if not opaque_ok:
+                raise
         with torch.serialization.safe_globals(allowed):
+            unknown = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        denied = [g for g in unknown if not opaque.may_stand_in(g)]
+        if denied or not unknown:
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL "
+                                         f"{(denied or ['(dynamic)'])[0]}")
+        stand_ins = [(opaque.stand_in(g), g) for g in unknown]
+        with torch.serialization.safe_globals(allowed + stand_ins):
             return torch.load(path, map_location=where, weights_only=True,
                               mmap=mmap and not index_only)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except pickle.UnpicklingError as e:
+        name = _culprit(str(e))
         raise CheckpointError(
-            f"{path}: refused to load: it pickles an object outside mpitailor's allow-list "
-            f"({_culprit(str(e))}); mpitailor never runs code from checkpoint files") from None
+            f"{path}: refused to load: it pickles {name}, outside mpitailor's allow-list; "
+            f"mpitailor never runs code from checkpoint files (if you trust this file, "
+            f"--safe-globals {name} allows it)") from None
     except (RuntimeError, zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
         first = str(e).strip().split("\n")[0]
         raise CheckpointError(
@@ -70,8 +113,20 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",), mmap: boo
 
 
 def _culprit(message: str) -> str:
-    """The line of torch's long refusal that names the global it blocked."""
-    for line in message.splitlines():
-        if "GLOBAL" in line or "Unsupported" in line:
-            return line.strip().rstrip(".")
-    return "unsupported global"
+    """The global that torch's long refusal names."""
+    m = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"function <?([\w.]+)", message)
+    return m.group(1).rstrip(".") if m else "an unsupported global"
+
+
+def require_regular(path: Path) -> None:
+    """A FIFO, device or directory where a checkpoint file should be is refused before it is
+    opened (opening a FIFO would block forever)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: not a regular file (a FIFO, device or directory); "
+                              f"put the checkpoint file itself there")

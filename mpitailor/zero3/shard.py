@@ -79,7 +79,7 @@ def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
         from mpitailor.zero3.partial_shard import open_partial_shard
         return open_partial_shard(meta, rank)
     model_path, optim_path = meta.files.model_path(rank), meta.files.optim_path(rank)
-    model = load(model_path)
+    model = load(model_path, opaque_ok=True)
     if rank != 0:
         _check_model_agrees(meta, model, model_path)
     optim = load(optim_path, index_only=True)
@@ -101,7 +101,10 @@ def open_all_shards(meta: CheckpointMeta) -> Iterator[list[RankShard]]:
 
 
 def _check_model_agrees(meta: CheckpointMeta, model: dict, path) -> None:
-    shapes = [{n: tuple(s) for n, s in g.items()} for g in model.get("param_shapes", [])]
+    try:
+        shapes = [{n: tuple(s) for n, s in g.items()} for g in model.get("param_shapes", [])]
+    except (TypeError, AttributeError, ValueError):
+        shapes = None  # malformed: cannot agree
     expect = [{s.name: s.shape for s in meta.layout.subgroup_slots(g)}
               for g in range(len(meta.layout.subgroup_sizes))]
     if shapes != expect or int(model.get("global_steps", -1)) != meta.global_steps:

@@ -14,6 +14,7 @@ import torch
 from mpitailor import failpoints
 from mpitailor.commit import FileRecord
 from mpitailor.plan import MergePlan
+from mpitailor.zero3 import opaque
 from mpitailor.zero3.files import model_file, optim_file
 from mpitailor.zero3.shard import KINDS, RankShard, open_shard
 
@@ -142,7 +143,9 @@ def save_synced(obj, path: Path) -> dict:
     with open(path, "xb", buffering=0) as f:
         w = _HashingWriter(f)
         try:
-            torch.save(obj, w)
+            # Stand-ins for untrusted objects are written back as their original globals.
+            kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(obj) else {}
+            torch.save(obj, w, **kwargs)
         except RuntimeError:
             if w.error is not None:
                 raise w.error from None
