@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from mpitailor.errors import MergeFailed, MpitailorError, UserError
+from mpitailor.errors import MergeFailed, MpitailorError, NothingToRecover, UserError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -116,5 +116,7 @@ def _raise_first(failures: list) -> None:
     if len(failures) > 1:
         ranks = ",".join(str(r) for r, _ in failed)
         message = f"{message} (on rank {ranks})"
-    cls = UserError if code == 2 else MergeFailed
-    raise cls(message)
+    raise _BY_EXIT_CODE.get(code, MergeFailed)(message)
+
+
+_BY_EXIT_CODE = {2: UserError, 3: NothingToRecover}

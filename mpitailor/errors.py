@@ -19,5 +19,15 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be read as a DeepSpeed ZeRO-3 checkpoint."""
 
 
+class NothingToRecover(MpitailorError):
+    """`recover` found no finished save at all: a first start, not a failure (exit 3)."""
+    exit_code = 3
+
+
+class Interrupted(MpitailorError):
+    """SIGTERM or SIGINT: everything staged was removed, nothing published."""
+    exit_code = 130
+
+
 class MergeFailed(MpitailorError):
     """A runtime failure during a merge; nothing was published."""

@@ -1,82 +1,262 @@
-"""`recover`: the newest copy of every layer across a save dir, as a recipe.
+"""`recover`: the newest consistent copy of every layer across a save dir, as a recipe.
 
-Finds the newest full checkpoint and, after it, the newest partial checkpoint holding each
-layer; the newest save overall supplies counters, scheduler and rng states (`base`). The
-recipe is ordinary YAML (`--emit-recipe` prints it) and is merged by the MPI engine.
+Saves form timelines. A full save starts a chain; a partial save records its chain and the
+save it builds on (mpitailor's checkpointer writes these lineage records). Recovery starts
+from the full save the save dir's `latest` names (or, without a usable one, the newest
+complete full save) and follows the partial saves built on it, one after another: saves of
+another chain (an abandoned run after a rollback) are never combined with it.
+
+A save counts only when every rank's files are there and whole: each rank's model and
+optimizer files parse and hold every buffer they promise; a partial save's files match the
+sizes of its manifest, and the files the merge will read match its CRC-32s. A save that
+fails is skipped and reported, never taken as "no save"; recovery fails only when no full
+save of the timeline is usable, and says "nothing to recover" (exit 3) only when the save
+dir holds no finished save at all.
+
+Collective where it takes a `comm`: the per-rank file checks are spread over the MPI ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from mpitailor.errors import CheckpointError, UserError
+from mpitailor.comm import Comm
+from mpitailor.errors import CheckpointError, NothingToRecover, UserError
 from mpitailor.extras import MANIFEST
-from mpitailor.layers import AUX_KEYS, OTHER, classify, layer_index, sort_keys
+from mpitailor.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
 from mpitailor.zero3 import CheckpointMeta, read_meta
+from mpitailor.zero3.files import (PARTIAL_MANIFEST, SAVE_RECORD, Lineage, read_latest,
+                                   read_lineage)
+from mpitailor.zero3.partial_shard import check_partial_rank
+from mpitailor.zero3.shard import open_shard
 
 log = logging.getLogger(__name__)
+SAVE_NAMES = ("global_step", "checkpoint-")
 
 
-def scan(save_dir: Path) -> list[CheckpointMeta]:
-    """Every complete checkpoint (full or partial) directly under save_dir, oldest first."""
+@dataclass(frozen=True, slots=True)
+class Save:
+    """One save under the save dir, usable or not (then `problem` says why)."""
+
+    name: str
+    path: Path
+    meta: CheckpointMeta | None
+    lineage: Lineage | None
+    problem: str | None = None
+
+    @property
+    def partial(self) -> bool:
+        return self.meta is not None and self.meta.files.partial
+
+    @property
+    def step(self) -> int:
+        if self.meta is not None:
+            return self.meta.global_steps
+        digits = self.name.rpartition("-")[2].removeprefix("global_step")
+        return int(digits) if digits.isdigit() else -1
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """What recovery uses: a full save, the partial saves after it, and what it left out."""
+
+    full: Save
+    partials: tuple[Save, ...]
+    skipped: tuple[tuple[str, str], ...]   # (save name, why)
+
+
+def find_saves(save_dir: Path) -> list[Save]:
+    """Every save directly under save_dir (rank-0 metadata only), oldest first."""
     if not save_dir.is_dir():
         raise UserError(f"{save_dir}: no such save dir")
     found = []
     for child in sorted(save_dir.iterdir()):
-        if child.name.startswith(".") or not child.is_dir():
+        if child.name.startswith(".") or not child.is_dir() or child.is_symlink():
             continue  # staging dirs of interrupted saves, files
         if (child / MANIFEST).exists():
             continue  # an earlier composite written here is not a save of this run
+        lineage, problem = _lineage(child)
         try:
-            found.append(read_meta(child))
+            meta = read_meta(child)
         except CheckpointError as e:
-            if child.name.startswith(("global_step", "checkpoint-")):
-                log.warning("skipping %s: %s", child.name, e)
-    return sorted(found, key=lambda m: m.global_steps)
+            if child.name.startswith(SAVE_NAMES) or (child / PARTIAL_MANIFEST).exists():
+                found.append(Save(child.name, child, None, lineage, str(e)))
+            continue
+        found.append(Save(child.name, child, meta, lineage or meta.lineage, problem))
+    return sorted(found, key=lambda s: (s.step, s.name))
 
 
-def recovery_recipe(save_dir: Path, output: Path | None = None) -> str:
-    """The YAML recipe that assembles the newest copy of every layer in save_dir."""
-    metas = scan(save_dir)
-    fulls = [m for m in metas if m.held_layers is None]
-    if not fulls:
-        raise UserError(f"{save_dir}: no full checkpoint to start from; recovery needs at least "
-                        f"one full save (the save policies make the first save full)")
-    full = fulls[-1]
-    partials = [m for m in metas if m.held_layers is not None
-                and m.global_steps > full.global_steps]
-    names = {m.path: _name(save_dir, m) for m in [full, *partials]}
-    keys = sort_keys({classify(s.name) for s in full.layout.slots} |
-                     {classify(n) for n, _ in full.frozen_shapes})
+def _lineage(child: Path) -> tuple[Lineage | None, str | None]:
+    """A save's lineage, read even when the save itself cannot be (its children need it)."""
+    for tag_dir in (child, *(p for p in child.glob("global_step*") if p.is_dir())):
+        for partial in (True, False):
+            try:
+                found = read_lineage(tag_dir, partial)
+            except CheckpointError as e:
+                return None, str(e)
+            if found is not None:
+                return found, None
+    return None, None
+
+
+def check_saves(comm: Comm, saves: list[Save], crc_of: set[str] = frozenset()) -> list[Save]:
+    """Collective: check every rank's files of every usable save, spread over the MPI ranks.
+    Partial saves named in crc_of also have their files checked against their CRC-32s."""
+    items = [(i, r) for i, s in enumerate(saves) if s.problem is None
+             for r in range(s.meta.world_size)]
+
+    def mine() -> list[tuple[int, str]]:
+        problems = []
+        for i, r in items[comm.rank::comm.size]:
+            try:
+                _check_rank(saves[i], r, saves[i].name in crc_of)
+            except (CheckpointError, OSError) as e:
+                problems.append((i, str(e)))
+        return problems
+
+    found: dict[int, str] = {}
+    for part in comm.allgather(comm.step(mine)):
+        for i, why in part:
+            found.setdefault(i, why)
+    return [dataclasses.replace(s, problem=found[i]) if i in found else s
+            for i, s in enumerate(saves)]
+
+
+def _check_rank(save: Save, rank: int, crc: bool) -> None:
+    if save.partial:
+        check_partial_rank(save.meta.files, rank, crc=crc)
+    else:
+        with open_shard(save.meta, rank):  # parses both files, checks every buffer's extent
+            pass
+
+
+def choose(save_dir: Path, saves: list[Save]) -> Chain:
+    """The timeline to recover: a usable full save and the partial saves built on it."""
+    latest_tag = _latest(save_dir)
+    by_name = {s.name: s for s in saves}
+    fulls = [s for s in saves if s.problem is None and not s.partial]
+    skipped: dict[str, str] = {s.name: s.problem for s in saves if s.problem is not None}
+    start = by_name.get(latest_tag) if latest_tag else None
+    if start is not None and (start.problem is not None or start.partial):
+        start = None
+    if start is None and fulls:
+        start = fulls[-1]
+    if start is None:
+        raise _nothing(save_dir, saves, skipped)
+    path = _follow(start, saves) if start.lineage is not None else \
+        [s for s in saves if s.partial and s.step > start.step and s.lineage is None]
+    on_path = {s.name for s in path}
+    for s in saves:
+        if s is start or s.name in on_path or s.name in skipped or s.step < start.step:
+            continue
+        if s.step == start.step and not s.partial:
+            continue
+        if not s.partial:
+            skipped[s.name] = (f"a full save not named by {save_dir / 'latest'}"
+                               if latest_tag else "a full save older than the one used")
+        else:
+            skipped[s.name] = (f"another timeline: it does not build on {start.name} "
+                               f"(an abandoned run, or a save that was replaced)")
+    partials = tuple(s for s in path if s.problem is None)
+    for s in path:
+        if s.problem is not None:
+            skipped[s.name] = s.problem
+    return Chain(start, partials, tuple(sorted(skipped.items(),
+                                               key=lambda kv: (by_name[kv[0]].step, kv[0]))))
+
+
+def _follow(start: Save, saves: list[Save]) -> list[Save]:
+    """The partial saves built on `start`, one on another, through unusable ones too (their
+    successors still hold good layers); at a fork, the newest branch."""
+    children: dict[str, list[Save]] = {}
+    for s in saves:
+        if s.lineage is not None and s.lineage.parent is not None:
+            children.setdefault(s.lineage.parent, []).append(s)
+    path, node = [], start
+    while node.lineage is not None and children.get(node.lineage.save_id):
+        node = max(children[node.lineage.save_id], key=lambda s: (s.step, s.name))
+        path.append(node)
+    return path
+
+
+def _latest(save_dir: Path) -> str | None:
+    latest = save_dir / "latest"
+    if not latest.is_file():
+        return None
+    try:
+        return read_latest(latest)
+    except CheckpointError as e:
+        log.warning("ignoring %s", e)
+        return None
+
+
+def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str]) -> Exception:
+    """No usable full save: an error if any save ever finished, else nothing to recover."""
+    finished = (save_dir / "latest").exists() or any(
+        s.partial or (s.path / "latest").exists() or (s.path / PARTIAL_MANIFEST).exists()
+        or (s.path / SAVE_RECORD).exists() for s in saves)
+    reasons = "; ".join(f"{n}: {why}" for n, why in skipped.items())
+    if finished:
+        return UserError(f"{save_dir}: no usable full checkpoint to start from ("
+                         f"{reasons or 'only partial saves'}); recovery needs one complete "
+                         f"full save of the timeline")
+    return NothingToRecover(f"{save_dir}: no finished checkpoint: nothing to recover"
+                            + (f" (incomplete: {reasons})" if reasons else ""))
+
+
+def plan_recovery(comm: Comm, save_dir: Path) -> Chain:
+    """Collective: find, check and choose; partial saves the chain uses are checked against
+    their CRC-32s (a damaged one is skipped and the chain chosen again)."""
+    saves = check_saves(comm, comm.root_step(find_saves, save_dir))
+    while True:
+        chain = comm.root_step(choose, save_dir, saves)
+        names = {s.name for s in chain.partials}
+        checked = check_saves(comm, [s for s in saves if s.name in names], crc_of=names)
+        bad = {s.name: s for s in checked if s.problem is not None}
+        if not bad:
+            break
+        saves = [bad.get(s.name, s) for s in saves]
+    if comm.rank == 0:
+        for name, why in chain.skipped:
+            log.warning("recover: skipping %s: %s", name, why)
+    return chain
+
+
+def recovery_recipe(save_dir: Path, chain: Chain, output: Path | None = None,
+                    layer_patterns: dict[str, str] | None = None) -> str:
+    """The YAML recipe that assembles the newest copy of every layer of the chain."""
+    full, partials = chain.full, list(chain.partials)
+    classify = LayerClassifier(layer_patterns)
+    keys = sort_keys({classify(s.name) for s in full.meta.layout.slots} |
+                     {classify(n) for n, _ in full.meta.frozen_shapes})
     chosen = {}
     for key in keys:
-        holders = [p for p in partials if key in p.held_layers]
-        chosen[key] = names[(holders[-1] if holders else full).path]
+        holders = [p for p in partials if key in p.meta.held_layers]
+        chosen[key] = (holders[-1] if holders else full).name
     newest = [full, *partials][-1]
     # A save whose every layer was saved again later (even the full one) supplies nothing:
     # leave it out. The newest save is always kept: it is the base.
-    used = set(chosen.values()) | {names[newest.path]}
-    recipe: dict = {"sources": {names[m.path]: str(m.path) for m in [full, *partials]
-                                if names[m.path] in used},
+    used = set(chosen.values()) | {newest.name}
+    recipe: dict = {"sources": {s.name: str(s.path) for s in [full, *partials]
+                                if s.name in used},
                     "layers": _layer_ranges(chosen)}
     for key in (*AUX_KEYS, OTHER):
         if key in chosen:
             recipe[key] = chosen[key]
-    recipe["base"] = names[newest.path]
+    recipe["base"] = newest.name
+    if layer_patterns:
+        recipe["layer_patterns"] = dict(layer_patterns)
     if output is not None:
         recipe["output"] = str(output)
-    header = (f"# Generated by `mpitailor recover {save_dir}`: newest full checkpoint "
-              f"{names[full.path]} (step {full.global_steps}), {len(partials)} partial "
-              f"checkpoint(s) after it; taken from: {', '.join(recipe['sources'])}.\n")
+    header = (f"# Generated by `mpitailor recover {save_dir}`: full checkpoint {full.name} "
+              f"(step {full.step}), {len(partials)} partial checkpoint(s) of its timeline "
+              f"after it; taken from: {', '.join(recipe['sources'])}.\n")
+    header += "".join(f"# skipped {n}: {why}\n" for n, why in chain.skipped)
     return header + yaml.safe_dump(recipe, sort_keys=False)
-
-
-def _name(save_dir: Path, meta: CheckpointMeta) -> str:
-    """checkpoint-N for HF dirs, else the tag dir's name."""
-    top = meta.files.save_dir if meta.files.save_dir is not None else meta.files.tag_dir
-    return top.relative_to(save_dir).parts[0]
 
 
 def _layer_ranges(chosen: dict[str, str]) -> dict[str, str]:

@@ -11,8 +11,9 @@
 #
 # stdout is one line, MPITAILOR_RESUME_FROM=<dir> (empty: start from scratch); the same
 # path (or an empty line) goes to $MPITAILOR_RESUME_FILE (default OUT_PARENT/resume-from),
-# which is absent after a failure. Logs go to stderr. Exit 0: resume from that dir, or there is no checkpoint yet; 1: recovery
-# failed; 2: bad arguments.
+# which is absent after a failure. Logs go to stderr. Exit 0: resume from that dir, or no
+# save ever finished (nothing to resume); 1: saves exist but recovery failed (never read as
+# "start from scratch"); 2: bad arguments.
 #
 # Run twice, it reuses the first result: recovered-step<N> is named after the newest save
 # and mpitailor publishes it with one rename, so it is either complete or absent (a merge
@@ -41,12 +42,18 @@ announce() {
     echo "MPITAILOR_RESUME_FROM=$1"
 }
 
-# Complete (manifest and latest, both written last) and assembled from this newest save.
+# Complete (manifest and latest, both written last) and assembled from this newest save:
+# the same path and, where the save records one, the same save id (a tag rewritten after a
+# rollback is another save under the same name).
 is_recovery_of() {
     [[ -f $1/mpitailor_manifest.json && -f $1/latest ]] || return 1
     "$PY" -c 'import json, sys
+from mpitailor.zero3 import read_meta
 m = json.load(open(sys.argv[1] + "/mpitailor_manifest.json"))
-sys.exit(m["sources"][m["base"]]["path"] != sys.argv[2])' "$1" "$2"
+base = m["sources"][m["base"]]
+lineage = read_meta(sys.argv[2]).lineage
+sys.exit(base["path"] != sys.argv[2]
+         or base.get("save_id") != (lineage.save_id if lineage else None))' "$1" "$2"
 }
 
 SAVE_DIR=${1:-${MPITAILOR_SAVE_DIR:-}}
@@ -67,26 +74,28 @@ nothing() {
 compgen -G "$SAVE_DIR/[!.]*/" >/dev/null || nothing  # first start: no save dir, or empty
 err=$(mktemp)
 trap 'rm -f "$err"' EXIT
-if ! recipe=$("$PY" -m mpitailor recover "$SAVE_DIR" --emit-recipe 2>"$err"); then
-    # A full save killed half-way is no checkpoint (scan skips it): if that is all there
-    # is, this is still a first start. Partial saves without their full one are an error.
-    found=$("$PY" -c 'import sys; from pathlib import Path
-from mpitailor.recovery import scan
-print(len(scan(Path(sys.argv[1]))))' "$SAVE_DIR" 2>/dev/null) || found=unknown
-    cat "$err" >&2
-    [[ $found == 0 ]] && nothing
-    fail 1 "cannot plan the recovery of $SAVE_DIR (see the mpitailor error above)"
-fi
+rc=0
+recipe=$("$PY" -m mpitailor recover "$SAVE_DIR" --emit-recipe 2>"$err") || rc=$?
+cat "$err" >&2  # what recover skipped, and why, belongs in the job's log
+# Exit 3: no save ever finished (a first start, or a first save killed half-way). Any other
+# failure is an error: saves exist, and training from scratch would lose them.
+((rc == 3)) && nothing
+((rc == 0)) || fail 1 "cannot plan the recovery of $SAVE_DIR (recover exited $rc; see the mpitailor error above)"
 base=$(sed -n 's/^base: //p' <<<"$recipe")
 base_path=$(sed -n "s/^  $base: //p" <<<"$recipe")
 step=${base##*[!0-9]}
 [[ -n $step && -n $base_path ]] || fail 1 "no step in the recovery plan's base '$base'"
 OUT=$OUT_PARENT/recovered-step$step
 log "newest save is $base (step $step)"
+# A recovery of another save of this step (a timeline abandoned by a rollback) stays as it
+# is: this one takes the next free name.
+n=1
+while [[ -e $OUT ]] && ! is_recovery_of "$OUT" "$base_path"; do
+    OUT=$OUT_PARENT/recovered-step$step.$n
+    n=$((n + 1))
+done
 
 if [[ -e $OUT ]]; then
-    is_recovery_of "$OUT" "$base_path" \
-        || fail 1 "$OUT exists but is not a complete recovery of $base_path: move it away"
     log "reusing $OUT: already recovered from $base"
     announce "$OUT"
     exit 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mpitailor.tinytrain import TrainSpec, launch
 
-FIXTURE_VERSION = 1
+FIXTURE_VERSION = 2  # 2: saves record their lineage
 CACHE = Path(os.environ.get("MPITAILOR_FIXTURES",
                             Path(__file__).resolve().parents[1] / ".cache" / "fixtures"))
 FROZEN = ("model.layers.1.mlp.up_proj.weight",)
@@ -51,6 +51,8 @@ SAVING_VARIANTS: dict[str, tuple[dict, str | None]] = {
     "w2_parity_twin_full": (dict(LAYERWISE), None),
     "w2_adaptive": (dict(LAYERWISE, policy={"name": "adaptive", "top_fraction": 0.5,
                                             "max_staleness": 2}, stats="stats.h5"), None),
+    # An ordinary training script: Namespace, numpy scalar and a dataclass in client_state.
+    "w2_client_state": (dict(LAYERWISE, policy={"name": "parity"}, client_state=True), None),
     "hf_w2_parity": (dict(world_size=2, steps=8, save_at=(2, 4, 6, 8),
                           policy={"name": "parity"}), HF_MODULE),
 }

@@ -105,20 +105,47 @@ def test_recover_without_a_full_checkpoint(tmp_path):
     shutil.copytree(build("w2_parity"), root)
     shutil.rmtree(root / "global_step2")
     r = run_cli(["recover", str(root), "-o", str(tmp_path / "out")], {}, ranks=2)
-    assert r.returncode == 2 and "no full checkpoint to start from" in r.stderr
+    assert r.returncode == 2 and "no usable full checkpoint to start from" in r.stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_recover_refuses_a_partial_from_another_run(tmp_path):
+def test_recover_skips_a_partial_of_another_run(tmp_path):
     root = tmp_path / "run"
     shutil.copytree(build("w2_parity"), root)
-    # A real partial checkpoint of another run (HF decay/no-decay groups, not per-layer).
+    # A real partial checkpoint of another run (HF decay/no-decay groups, not per-layer),
+    # newer than everything else: it belongs to no save of this run's timeline.
     shutil.copytree(build("hf_w2_parity") / "checkpoint-8" / "global_step8",
                     root / "global_step9")
     before = tree_digest(root)
     r = run_cli(["recover", str(root), "-o", str(tmp_path / "out")], {}, ranks=2)
-    assert r.returncode == 2 and "merge checkpoints of one run" in r.stderr, r.stderr
-    assert not (tmp_path / "out").exists() and tree_digest(root) == before
+    assert r.returncode == 0, r.stderr
+    assert "skipping global_step9: another timeline" in r.stderr
+    manifest = json.loads((tmp_path / "out" / "mpitailor_manifest.json").read_text())
+    assert manifest["base"] == "global_step8" and "global_step9" not in manifest["sources"]
+    assert tree_digest(root) == before
+
+
+def test_recover_never_mixes_two_timelines(tmp_path):
+    """Partial saves at 4, 6, 8; then a rollback to step 2 (other data) trains on in the
+    same save dir: a full save at 4, a partial at 6, and a crash at 7. The abandoned run's
+    step 8 must not be mixed into the new run's timeline."""
+    root = tmp_path / "run"
+    shutil.copytree(build("w2_parity"), root)
+    old8 = tree_digest(root / "global_step8")
+    spec = replace(spec_for("w2_parity", root), steps=7, save_at=(4, 6), data_seed=1,
+                   load_dir=str(root), load_tag="global_step2")
+    launch(spec)
+    assert read_meta(root / "global_step4").held_layers is None  # the new chain's full save
+    r = run_cli(["recover", str(root), "-o", str(tmp_path / "out")], {}, ranks=2)
+    assert r.returncode == 0, r.stderr
+    assert "skipping global_step8: another timeline" in r.stderr
+    manifest = json.loads((tmp_path / "out" / "mpitailor_manifest.json").read_text())
+    assert manifest["tag"] == "global_step6" and manifest["base"] == "global_step6"
+    assert {layer["global_steps"] for layer in manifest["layers"].values()} == {4, 6}
+    new6 = read_meta(root / "global_step6").lineage
+    assert manifest["sources"]["global_step6"]["save_id"] == new6.save_id
+    assert new6.parent == read_meta(root / "global_step4").lineage.save_id
+    assert tree_digest(root / "global_step8") == old8  # the abandoned save is left as it was
 
 
 def test_stats_plot_writes_a_png(tmp_path):

@@ -8,12 +8,16 @@
 
 Recover with `python -m mpitailor recover ckpts -o merged` and resume with
 `engine.load_checkpoint("merged")`. A new checkpointer (after a resume) starts a new chain
-with a full save. Collective: every method is called on every rank.
+with a full save: every save records its chain and the save it builds on (a lineage), so
+`recover` never mixes the saves of an abandoned timeline into a new one.
+Collective: every method is called on every rank.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +27,8 @@ from mpitailor.layers import classify as default_classify
 from mpitailor.training.partial_save import save_layers
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
-from mpitailor.zero3.files import PARTIAL_MANIFEST
+from mpitailor.commit import fsync_dir, write_synced
+from mpitailor.zero3.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 
 
 class LayerwiseCheckpointer:
@@ -39,6 +44,7 @@ class LayerwiseCheckpointer:
         self.save_index = 0
         self.staleness = {k: 0 for k in self.keys}
         self.last: dict | None = None
+        self.lineage: Lineage | None = None  # of the last save (rank 0's is what counts)
 
     def decide(self) -> Decision:
         """Collective (measures updates when tracking): what the next save writes."""
@@ -46,8 +52,21 @@ class LayerwiseCheckpointer:
         rel = {k: v["relative_update"] for k, v in self.last.items()} if self.last else None
         return self.policy.decide(self.save_index, self.keys, rel, self.staleness)
 
-    def record(self, decision: Decision) -> None:
-        """After a save: staleness, snapshots and the stats log."""
+    def next_lineage(self, decision: Decision) -> Lineage:
+        """The lineage of the save about to be written: a full save starts a chain."""
+        save_id = uuid.uuid4().hex
+        if decision.full or self.lineage is None:
+            return Lineage(save_id, save_id, None)
+        return Lineage(save_id, self.lineage.chain, self.lineage.save_id)
+
+    def record(self, decision: Decision, lineage: Lineage | None = None,
+               tag_dir: str | os.PathLike | None = None) -> None:
+        """After a save: staleness, snapshots and the stats log. For a full save, rank 0
+        also writes its lineage record into the tag dir (DeepSpeed's files are complete)."""
+        if lineage is not None:
+            if decision.full and self.engine.global_rank == 0:
+                write_save_record(Path(tag_dir), lineage, self.engine.global_steps)
+            self.lineage = lineage
         for k in self.keys:
             self.staleness[k] = 0 if k in decision.layers else self.staleness[k] + 1
         if self.tracker:
@@ -61,13 +80,14 @@ class LayerwiseCheckpointer:
         """Collective: a full DeepSpeed save or a partial one, as the policy decides."""
         tag = tag or f"global_step{self.engine.global_steps}"
         decision = self.decide()
+        lineage = self.next_lineage(decision)
         if decision.full:
             self._drop_partial(tag)
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state or {})
         else:
             save_layers(self.engine, self.save_dir, tag, decision.layers, client_state,
-                        self.classify)
-        self.record(decision)
+                        self.classify, lineage)
+        self.record(decision, lineage, Path(self.save_dir) / tag)
         return decision
 
     def _drop_partial(self, tag: str) -> None:
@@ -78,3 +98,14 @@ class LayerwiseCheckpointer:
             shutil.rmtree(stale)
         if dist.is_initialized():
             dist.barrier()
+
+
+def write_save_record(tag_dir: Path, lineage: Lineage, global_steps: int) -> None:
+    """Rank 0: the lineage of a full save, beside DeepSpeed's files (which ignore it)."""
+    record = {"format": "mpitailor-save", **lineage.to_json(), "global_steps": global_steps}
+    tmp = tag_dir / f".{SAVE_RECORD}.tmp"
+    if tmp.exists():
+        tmp.unlink()
+    write_synced(tmp, json.dumps(record, indent=2).encode())
+    os.replace(tmp, tag_dir / SAVE_RECORD)
+    fsync_dir(tag_dir)

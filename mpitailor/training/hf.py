@@ -39,14 +39,15 @@ class LayerwiseTrainer(transformers.Trainer):
             self._layerwise = LayerwiseCheckpointer(self.deepspeed, run_dir,
                                                     self.layerwise_policy, self.layerwise_stats)
         decision = self._layerwise.decide()
+        lineage = self._layerwise.next_lineage(decision)
+        out = run_dir / f"checkpoint-{self.state.global_step}"
         if decision.full:
             super()._save_checkpoint(model, trial)
         else:
-            self._save_partial(run_dir / f"checkpoint-{self.state.global_step}",
-                               decision.layers)
-        self._layerwise.record(decision)
+            self._save_partial(out, decision.layers, lineage)
+        self._layerwise.record(decision, lineage, out / f"global_step{self.state.global_step}")
 
-    def _save_partial(self, out: Path, layers) -> None:
+    def _save_partial(self, out: Path, layers, lineage) -> None:
         tag = f"global_step{self.state.global_step}"
         if self.args.should_save:
             out.mkdir(parents=True, exist_ok=True)
@@ -58,6 +59,6 @@ class LayerwiseTrainer(transformers.Trainer):
                 torch.save(self.lr_scheduler.state_dict(), out / "scheduler.pt")
         self.accelerator.wait_for_everyone()
         self._save_rng_state(str(out))
-        save_layers(self.deepspeed, out, tag, layers)
+        save_layers(self.deepspeed, out, tag, layers, lineage=lineage)
         if self.args.should_save:
             (out / "latest").write_text(tag)

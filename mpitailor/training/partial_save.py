@@ -26,7 +26,7 @@ import torch.distributed as dist
 from mpitailor.commit import fsync_and_record, fsync_dir, fsync_tree
 from mpitailor.layers import classify as default_classify
 from mpitailor.stwrite import write_safetensors
-from mpitailor.zero3.files import PARTIAL_MANIFEST, partial_files
+from mpitailor.zero3.files import PARTIAL_MANIFEST, Lineage, partial_files
 from mpitailor.zero3.layout import compute_layout
 from mpitailor.zero3.shard import KINDS, without_flat_buffers
 
@@ -78,23 +78,28 @@ def rng_state() -> dict:
 
 def save_layers(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
                 client_state: dict | None = None,
-                classify: Callable[[str], str] = default_classify) -> Path:
+                classify: Callable[[str], str] = default_classify,
+                lineage: Lineage | None = None) -> Path:
     """Collective: publish `save_dir/tag` holding `layers` (layer keys, e.g. 'layers.3',
     'embed'). Returns the published path. Raises PartialSaveFailed on every rank if any
-    rank failed; then nothing is published."""
+    rank failed; then nothing is published.
+    lineage: the save's chain and parent (rank 0's is recorded), so that `recover` never
+    combines saves of two timelines; LayerwiseCheckpointer passes it."""
     opt = engine.optimizer
     # As in engine.save_checkpoint: partition even the persistent (small) parameters so the
     # module's state dict holds placeholders, and gather them back afterwards (collective).
     if hasattr(opt, "checkpoint_event_prologue"):
         opt.checkpoint_event_prologue()
     try:
-        return _save_layers(engine, Path(save_dir), tag, set(layers), client_state, classify)
+        return _save_layers(engine, Path(save_dir), tag, set(layers), client_state, classify,
+                            lineage)
     finally:
         if hasattr(opt, "checkpoint_event_epilogue"):
             opt.checkpoint_event_epilogue()
 
 
-def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_state, classify):
+def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_state, classify,
+                 lineage: Lineage | None):
     final = save_dir / tag
     staging = save_dir / f".{tag}.mpitailor-staging"
     rank, world = engine.global_rank, engine.dp_world_size
@@ -120,6 +125,7 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
                         "fp16" if engine.fp16_enabled() else "fp32",
                         "layers": sorted(layers),
                         "layout_sha256": _layout_hash(states["param_shapes"]),
+                        "lineage": lineage.to_json() if lineage else None,
                         "files": {k: v for part in all_records for k, v in part.items()}}
             _write_json(staging / PARTIAL_MANIFEST, manifest)
             fsync_tree(staging)

@@ -15,10 +15,37 @@ from mpitailor.errors import CheckpointError
 MODEL_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 STAGE12_MODEL = "mp_rank_00_model_states.pt"
+# Any model-parallel rank's files: only mp_rank_00 (no tensor/pipeline parallelism) is ours.
+MP_RANK_RE = re.compile(r"(?:.*_)?mp_rank_(\d+)_.*\.pt")
 # A partial checkpoint (mpitailor.training.save_layers): some layers' slices per rank, plus
 # DeepSpeed's own model states and the optimizer's non-tensor state. The manifest is its
 # commit marker, written last.
 PARTIAL_MANIFEST = "mpitailor_partial.json"
+# Written by mpitailor's checkpointer beside a full save's rank files: the save's place in a
+# timeline. A partial checkpoint keeps the same record in its manifest, under "lineage".
+SAVE_RECORD = "mpitailor_save.json"
+MAX_TAG_BYTES = 255  # a `latest` file names one directory: no longer than a file name
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """Where a save sits in a timeline: a full save starts a chain (chain == save_id); a
+    partial save names its chain and the save it builds on (parent)."""
+
+    save_id: str
+    chain: str
+    parent: str | None
+
+    @classmethod
+    def from_json(cls, raw) -> "Lineage | None":
+        if not isinstance(raw, dict):
+            return None
+        parent = raw.get("parent")
+        return cls(str(raw["save_id"]), str(raw["chain"]),
+                   None if parent is None else str(parent))
+
+    def to_json(self) -> dict:
+        return {"save_id": self.save_id, "chain": self.chain, "parent": self.parent}
 
 
 def model_file(rank: int) -> str:
@@ -74,9 +101,7 @@ def resolve(path: Path | str) -> CheckpointFiles:
         return _scan_tag_dir(path, save_dir=None)
     latest = path / "latest"
     if latest.is_file():
-        tag = latest.read_text().strip()
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise CheckpointError(f"{latest}: does not name a tag dir (got {tag!r})")
+        tag = read_latest(latest)
         if not (path / tag).is_dir():
             raise CheckpointError(f"{latest}: names tag {tag!r} but {path / tag} is missing")
         if (path / tag / PARTIAL_MANIFEST).exists():
@@ -85,6 +110,34 @@ def resolve(path: Path | str) -> CheckpointFiles:
     raise CheckpointError(
         f"{path}: neither a DeepSpeed tag dir (zero_pp_rank_*_model_states.pt) nor a save dir "
         f"with a `latest` file; name the tag dir, e.g. {path}/global_stepN")
+
+
+def read_latest(latest: Path) -> str:
+    """The tag a `latest` file names; CheckpointError unless it is one plain dir name."""
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(MAX_TAG_BYTES + 2)
+        tag = raw.decode().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{latest}: unreadable ({e})") from None
+    if len(raw) > MAX_TAG_BYTES + 1:
+        raise CheckpointError(f"{latest}: longer than any tag name ({MAX_TAG_BYTES} bytes); "
+                              f"it should hold one tag such as global_step10")
+    if not tag or "/" in tag or "\0" in tag or tag in (".", ".."):
+        raise CheckpointError(f"{latest}: does not name a tag dir (got {tag!r})")
+    return tag
+
+
+def read_lineage(tag_dir: Path, partial: bool) -> Lineage | None:
+    """The save's lineage record, if mpitailor wrote one (None for plain DeepSpeed saves)."""
+    path = tag_dir / (PARTIAL_MANIFEST if partial else SAVE_RECORD)
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        return Lineage.from_json(raw.get("lineage") if partial else raw)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable save record ({e})") from None
 
 
 def _partial(tag_dir: Path, save_dir: Path | None) -> CheckpointFiles:
@@ -109,6 +162,12 @@ def _has_rank_files(path: Path) -> bool:
 
 def _scan_tag_dir(tag_dir: Path, save_dir: Path | None) -> CheckpointFiles:
     names = [p.name for p in tag_dir.iterdir()]
+    model_parallel = sorted(n for n in names if (m := MP_RANK_RE.fullmatch(n))
+                            and int(m.group(1)) != 0)
+    if model_parallel:
+        raise CheckpointError(
+            f"{tag_dir}: {model_parallel[0]} is a tensor/pipeline-parallel rank's file; "
+            f"mpitailor merges data-parallel ZeRO-3 checkpoints only (mp_world_size 1)")
     model_ranks = sorted(int(m.group(1)) for n in names if (m := MODEL_RE.fullmatch(n)))
     optim = [(bool(m.group(1)), int(m.group(2))) for n in names if (m := OPTIM_RE.fullmatch(n))]
     if not model_ranks and STAGE12_MODEL in names:

@@ -36,6 +36,7 @@ class CheckpointMeta:
     ds_version: str
     held_layers: frozenset[str] | None = None    # partial checkpoints: the layer keys saved
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE  # ZeRO-3 config: where sub-groups close
+    lineage: zfiles.Lineage | None = None        # place in a timeline (mpitailor saves)
 
     @property
     def world_size(self) -> int:
@@ -50,7 +51,7 @@ class CheckpointMeta:
 def read_meta(path: Path | str) -> CheckpointMeta:
     """Read a checkpoint's metadata from its rank-0 files (memory-mapped, tensors untouched)."""
     files = zfiles.resolve(path)
-    model = load(files.model_path(0))
+    model = load(files.model_path(0), opaque_ok=True)
     # Structure only (steps read below); a partial checkpoint's optim file has no buffers.
     optim = load(files.optim_path(0), index_only=not files.partial)
     _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
@@ -60,12 +61,16 @@ def read_meta(path: Path | str) -> CheckpointMeta:
     if stage != 3:
         raise CheckpointError(f"{files.optim_path(0)}: a ZeRO stage {stage} checkpoint; "
                               f"mpitailor supports ZeRO stage 3 only (not supported)")
+    if int(model.get("mp_world_size") or 1) > 1:
+        raise CheckpointError(f"{files.model_path(0)}: mp_world_size="
+                              f"{model['mp_world_size']}: a tensor/pipeline-parallel checkpoint; "
+                              f"mpitailor merges data-parallel ZeRO-3 checkpoints only")
     world = int(model["dp_world_size"])
     if world != files.world_size or int(osd.get("partition_count", world)) != world:
         raise CheckpointError(
             f"{files.tag_dir}: {files.world_size} rank files but dp_world_size={world} and "
             f"partition_count={osd.get('partition_count')}; files from different runs?")
-    layout = compute_layout(model["param_shapes"], world)
+    layout = compute_layout(_checked_shapes(files.model_path(0), model["param_shapes"]), world)
     inner = osd["optimizer_state_dict"]
     n_sub = len(layout.subgroup_sizes)
     flat = osd.get("fp32_flat_groups", [])
@@ -84,6 +89,7 @@ def read_meta(path: Path | str) -> CheckpointMeta:
         shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
         ds_version=str(model.get("ds_version", "")),
         held_layers=_held_layers(files) if files.partial else None,
+        lineage=zfiles.read_lineage(files.tag_dir, files.partial),
         sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
                            .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )
@@ -101,6 +107,38 @@ def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
     if missing:
         raise CheckpointError(f"{path}: missing key {missing[0]!r}; not a DeepSpeed ZeRO-3 "
                               f"checkpoint file")
+
+
+MAX_ELEMENTS = 1 << 48  # far beyond any parameter: a larger one is a damaged or crafted file
+
+
+def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
+    """param_shapes as DeepSpeed writes it (a list of name -> shape mappings), or a clear
+    CheckpointError: a crafted or damaged file must not reach the partition arithmetic."""
+    bad = f"{path}: param_shapes is malformed"
+    if not isinstance(raw, (list, tuple)):
+        raise CheckpointError(f"{bad} (not a list); not a DeepSpeed ZeRO-3 checkpoint file")
+    out, seen = [], set()
+    for g, shapes in enumerate(raw):
+        if not isinstance(shapes, dict):
+            raise CheckpointError(f"{bad} (sub-group {g} is not a mapping)")
+        group = {}
+        for name, shape in shapes.items():
+            if not isinstance(name, str) or name in seen:
+                raise CheckpointError(f"{bad} (parameter {name!r} is not a unique name)")
+            seen.add(name)
+            try:
+                dims = tuple(int(d) for d in shape)
+            except (TypeError, ValueError):
+                raise CheckpointError(f"{bad} ({name}: shape {shape!r})") from None
+            n = 1
+            for d in dims:
+                n *= d
+            if any(d < 0 for d in dims) or n > MAX_ELEMENTS:
+                raise CheckpointError(f"{bad} ({name}: shape {list(dims)})")
+            group[name] = dims
+        out.append(group)
+    return out
 
 
 def _model_dtype(model: dict) -> str:

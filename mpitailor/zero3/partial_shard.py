@@ -7,15 +7,18 @@ hold is a bug in the plan, and says so.
 """
 from __future__ import annotations
 
+import json
+import zlib
 from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 
 from mpitailor.errors import CheckpointError
+from mpitailor.zero3.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
 from mpitailor.zero3.layout import Slot
 from mpitailor.zero3.meta import CheckpointMeta
-from mpitailor.zero3.safeload import load
+from mpitailor.zero3.safeload import load, require_regular
 
 
 @dataclass
@@ -62,9 +65,45 @@ class PartialShard:
         self.close()
 
 
+def check_partial_rank(files: CheckpointFiles, rank: int, crc: bool) -> None:
+    """Rank `rank`'s files of a partial checkpoint against the sizes (and, with crc, the
+    CRC-32s) its manifest recorded when they were written: CheckpointError if one differs."""
+    manifest = files.tag_dir / PARTIAL_MANIFEST
+    try:
+        records = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest}: unreadable ({e}); the partial save is damaged") \
+            from None
+    for name in partial_files(rank).values():
+        path, want = files.tag_dir / name, records.get(name)
+        if not isinstance(want, dict):
+            raise CheckpointError(f"{manifest}: no record of {name}; the partial save is "
+                                  f"damaged")
+        require_regular(path)
+        size = path.stat().st_size
+        if size != want.get("bytes"):
+            raise CheckpointError(f"{path}: {size} bytes, but the partial save wrote "
+                                  f"{want.get('bytes')}; the file is truncated or damaged")
+        if crc and f"{_crc32(path):08x}" != want.get("crc32"):
+            raise CheckpointError(f"{path}: fails the CRC-32 its partial save recorded; the "
+                                  f"file is corrupt (re-copy it from the original save)")
+
+
+def _crc32(path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
+    """Rank `rank`'s part, checked whole against its manifest first (what is read must be
+    what was written: a partial save records a CRC-32 for every file)."""
     files = meta.files
-    model, optim = load(files.model_path(rank)), load(files.optim_path(rank))
+    check_partial_rank(files, rank, crc=True)
+    model = load(files.model_path(rank), opaque_ok=True)
+    optim = load(files.optim_path(rank))
     if int(model.get("global_steps", -1)) != meta.global_steps:
         raise CheckpointError(f"{files.model_path(rank)}: disagrees with rank 0 (global_steps); "
                               f"files from different saves?")
