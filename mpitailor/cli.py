@@ -33,23 +33,26 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_recover(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from mpitailor.errors import UserError
     from mpitailor.merge import plan_recipe, run_planned
     from mpitailor.recipe import parse_recipe
-    from mpitailor.recovery import recovery_recipe
+    from mpitailor.recovery import plan_recovery, recovery_recipe
 
+    comm = args.comm
     save_dir = Path(args.save_dir).resolve()
     out = Path(args.output).resolve() if args.output else None
-    if args.emit_recipe:
-        print(recovery_recipe(save_dir, out), end="")
-        return 0
-    comm = args.comm
-    if out is None:
-        from mpitailor.errors import UserError
+    if out is None and not (args.emit_recipe or args.dry_run):
         raise UserError("recover: give -o OUTPUT (or --emit-recipe to only print the recipe)")
-    recipe = comm.root_step(lambda: parse_recipe(recovery_recipe(save_dir, out),
-                                                 origin=f"recover {save_dir}",
-                                                 base_dir=save_dir,
-                                                 world_size=args.world_size))
+    chain = plan_recovery(comm, save_dir)
+    if out is None and args.dry_run:  # a dry run needs no output: plan for a default one
+        out = save_dir.parent / f"{save_dir.name}-recovered"
+    text = recovery_recipe(save_dir, chain, out)
+    if args.emit_recipe:
+        if comm.rank == 0:
+            print(text, end="", flush=True)
+        return 0
+    recipe = comm.root_step(parse_recipe, text, origin=f"recover {save_dir}",
+                            base_dir=save_dir, world_size=args.world_size)
     return run_planned(comm, *plan_recipe(comm, recipe), args)
 
 
@@ -89,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check every source record read against its zip CRC-32 (reads "
                         "those records whole)")
     export_options(m)
+    trust_option(m)
     common(m)
     m.set_defaults(func=cmd_merge, uses_mpi=True)
 
@@ -104,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_options(r)
     r.add_argument("--world-size", type=int, metavar="W2",
                    help="write the composite for W2 ranks (the job came back at another size)")
+    trust_option(r)
     common(r)
     r.set_defaults(func=cmd_recover, uses_mpi=True)
 
@@ -118,9 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe a ZeRO-3 checkpoint layer by layer")
     i.add_argument("checkpoint", help="tag dir, save dir with `latest`, or HF checkpoint-N/")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    trust_option(i)
     common(i)
     i.set_defaults(func=cmd_inspect, uses_mpi=False)
     return p
+
+
+def trust_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--safe-globals", metavar="MODULE.NAME,...",
+                   help="classes in the checkpoints' client state to import and build for "
+                        "real (you trust them). Without it, objects outside mpitailor's "
+                        "allow-list are carried through unbuilt, exactly as written")
 
 
 def export_options(p: argparse.ArgumentParser) -> None:
@@ -137,6 +150,8 @@ SUBCOMMANDS = ("merge", "recover", "inspect", "stats")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mpitailor import interrupt
+    interrupt.install()  # before MPI starts threads: they must all block SIGINT/SIGTERM
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
         argv.insert(0, "merge")
@@ -149,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
             from mpitailor.log import setup_logging
 
             comm = Comm.world()
+            interrupt.set_prefix(f"[rank {comm.rank}] " if comm.size > 1 else "")
             setup_logging(comm.rank, comm.size, verbosity)
             args.comm = comm
         else:
             from mpitailor.log import setup_logging
             setup_logging(0, 1, verbosity)
+        if getattr(args, "safe_globals", None):
+            from mpitailor.zero3.safeload import trust
+            trust([n.strip() for n in args.safe_globals.split(",") if n.strip()])
         return args.func(args)
     except MpitailorError as e:
         prefix = f"[rank {comm.rank}] " if comm is not None and comm.size > 1 else ""

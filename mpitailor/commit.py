@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import zlib
 import logging
 import os
 import shutil
+import time
+import zlib
 from pathlib import Path
 
+from mpitailor import interrupt
 from mpitailor.errors import MergeFailed, UserError
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ class Staging:
         self.dir = output.parent / f".{output.name}.mpitailor-staging"
         self.lock_path = output.parent / f".{output.name}.mpitailor-lock"
         self._lock_fd = -1
+        self._unwatch = None
 
     def acquire(self, tag: str) -> Path:
         """Take the lock and create the staging dir with an empty `tag` dir in it; reclaim a
@@ -33,7 +36,7 @@ class Staging:
         if os.path.lexists(self.output):
             raise UserError(f"{self.output}: output already exists; remove it or choose "
                             f"another output path (mpitailor never overwrites)")
-        self.output.parent.mkdir(parents=True, exist_ok=True)
+        _make_parent(self.output)
         try:
             fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
         except OSError as e:
@@ -58,6 +61,7 @@ class Staging:
             raise UserError(f"{self.output}: another mpitailor merge just finished writing "
                             f"this output; check it before merging again")
         self._lock_fd = fd
+        self._unwatch = interrupt.on_interrupt(self._interrupted)
         if os.path.lexists(self.dir):
             log.warning("reclaiming %s left by an interrupted merge", self.dir)
             _remove(self.dir)
@@ -79,7 +83,20 @@ class Staging:
         if self._lock_fd >= 0 and os.path.lexists(self.dir):
             _remove(self.dir)
 
+    def _interrupted(self) -> None:
+        """From the signal watcher, while the main thread may still be writing here."""
+        for _ in range(40):
+            try:
+                self.abandon()
+                break
+            except OSError:  # a file appeared while removing: go again
+                time.sleep(0.05)
+        self.release()
+
     def release(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         if self._lock_fd >= 0:
             try:
                 os.unlink(self.lock_path)
@@ -87,6 +104,32 @@ class Staging:
                 pass
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _make_parent(output: Path) -> None:
+    """Create the output's parent dirs; a file in their place is the user's to fix."""
+    for p in (output.parent, *output.parent.parents):
+        if os.path.lexists(p):
+            if not p.is_dir():
+                raise UserError(f"{output}: {p} is a file, not a directory; choose an output "
+                                f"path under a directory")
+            break
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{output}: cannot create its parent directory ({e.strerror})") from None
+
+
+def check_writable_file(path: Path, what: str) -> None:
+    """A file the run will write at its end (say --stats): refuse a bad path up front,
+    never after the merge is published."""
+    parent = path.parent
+    if path.is_dir():
+        raise UserError(f"{what} {path}: a directory; name a file")
+    if not parent.is_dir():
+        raise UserError(f"{what} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{what} {path}: directory {parent} is not writable")
 
 
 def _remove(path: Path) -> None:

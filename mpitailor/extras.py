@@ -2,9 +2,10 @@
 
 From the base source's save dir (an HF `checkpoint-N/` or a DeepSpeed save dir): trainer
 state, rng states, scheduler, training args, config, generation config, tokenizer files,
-`zero_to_fp32.py`. Torch files among them are safe-loaded first, so one carrying a pickle
-payload is refused rather than passed on. 16-bit weight files are not copied: they hold the
-base's weights, not the merged ones: the merge rebuilds them (export/hf_weights.py).
+`zero_to_fp32.py` -- known names only. Torch files among them are safe-loaded first, so one
+carrying a pickle payload is refused rather than passed on. 16-bit weight files are not
+copied: they hold the base's weights, not the merged ones: the merge rebuilds safetensors
+weights (export/hf_weights.py) and leaves `.bin` ones out, with a warning.
 """
 from __future__ import annotations
 
@@ -19,10 +20,18 @@ from mpitailor.zero3.safeload import load
 log = logging.getLogger(__name__)
 
 MANIFEST = "mpitailor_manifest.json"
-SKIP = {"latest", "latest_universal", MANIFEST}  # ours name our tags, not the base's
 WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)([-.].*)?\.(safetensors|bin)"
                          r"(\.index\.json)?")
+# What a checkpoint is made of besides its tag dir: DeepSpeed's scripts; HF Trainer's state,
+# rng, scheduler and args; the model's config and tokenizer. Anything else in a save dir
+# (logs, core dumps, a user's notes) is not carried over, and the manifest says so.
+KNOWN_FILE = re.compile(
+    r"zero_to_fp32\.py|zero_to_torch\.py|trainer_state\.json|training_args\.bin|"
+    r"rng_state(_\d+)?\.pth|scheduler\.pt|(generation_|adapter_|preprocessor_)?config\.json|"
+    r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|"
+    r"vocab\.(json|txt)|merges\.txt|spiece\.model|chat_template\.(jinja|json)")
 TORCH_SUFFIXES = (".pt", ".pth")
+OURS = {"latest", "latest_universal", MANIFEST}  # ours name our tags, not the base's
 
 
 def extras_dir(base: CheckpointMeta) -> Path | None:
@@ -36,35 +45,44 @@ def extras_dir(base: CheckpointMeta) -> Path | None:
     return None
 
 
-def extra_files(base: CheckpointMeta) -> list[Path]:
-    """The files to carry over from the base source's save dir, in name order."""
+def sort_extras(base: CheckpointMeta) -> tuple[list[Path], list[Path], list[str]]:
+    """The base save dir's files: (to copy, 16-bit weights to rebuild, left out), by name.
+    Left out: unknown names, links and non-regular files, weights mpitailor cannot rebuild."""
     save_dir = extras_dir(base)
     if save_dir is None:
-        return []
-    out = []
+        return [], [], []
+    copy, weights, left_out = [], [], []
     for p in sorted(save_dir.iterdir()):
-        if p.name in SKIP or WEIGHT_FILE.fullmatch(p.name) or p.is_dir():
+        if p.name in OURS or (p.is_dir() and not p.is_symlink()):
             continue
-        if p.is_symlink():
-            log.warning("not copying %s: a symbolic link", p)
-            continue
-        out.append(p)
-    return out
+        if p.is_symlink() or not p.is_file():
+            left_out.append(p.name)
+        elif WEIGHT_FILE.fullmatch(p.name):
+            # Rebuilt from the merged fp32 weights: safetensors only. The base's .bin would
+            # hold the base's weights, not the merged ones.
+            (weights if ".safetensors" in p.name else left_out).append(p)
+        elif KNOWN_FILE.fullmatch(p.name):
+            copy.append(p)
+        else:
+            left_out.append(p.name)
+    return copy, weights, [p.name if isinstance(p, Path) else p for p in left_out]
 
 
 def weight_files(base: CheckpointMeta) -> list[Path]:
-    """16-bit weight files beside the base's tag dir (to be rebuilt from merged weights)."""
-    save_dir = extras_dir(base)
-    if save_dir is None:
-        return []
-    return sorted(p for p in save_dir.iterdir() if WEIGHT_FILE.fullmatch(p.name))
+    """16-bit safetensors weights beside the base's tag dir (rebuilt from merged weights)."""
+    return sort_extras(base)[1]
 
 
-def copy_extras(base: CheckpointMeta, dest: Path) -> dict[str, dict]:
-    """Rank 0 only. Copy the extras into dest; {name: manifest record}."""
+def copy_extras(base: CheckpointMeta, dest: Path) -> tuple[dict[str, dict], list[str]]:
+    """Rank 0 only. Copy the extras into dest: ({name: manifest record}, names left out)."""
     records = {}
-    for p in extra_files(base):
+    copy, _, left_out = sort_extras(base)
+    if left_out:
+        log.warning("not carried over from %s (not part of a checkpoint, or 16-bit .bin weights "
+                    "that would not match the merged ones; --export safetensors writes merged "
+                    "HF weights): %s", extras_dir(base), ", ".join(left_out))
+    for p in copy:
         if p.suffix in TORCH_SUFFIXES:
             load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
         records[p.name] = copy_synced(p, dest / p.name)
-    return records
+    return records, left_out

@@ -10,8 +10,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
+import regex  # user patterns: its matches can be time-boxed, the standard library's cannot
+
+from mpitailor.errors import UserError
+
 AUX_KEYS = ("embed", "norm", "lm_head")
 OTHER = "other"
+LAYER_KEY = "layers.{i}"
+PATTERN_KEYS = (LAYER_KEY, *AUX_KEYS, OTHER)
+MATCH_SECONDS = 1.0  # per parameter name: a pattern that needs longer backtracks badly
 
 # Each pattern is matched against the whole parameter name; `{i}` in the key is the
 # pattern's first group. Order matters only within a family.
@@ -42,23 +49,63 @@ FAMILIES["qwen2"] = FAMILIES["llama"]
 _WRAPPERS = re.compile(r"^(?:module\.|_orig_mod\.)+")
 
 
+def check_patterns(patterns: Mapping[str, str], where: str = "layer_patterns") -> list:
+    """User patterns compiled, or a UserError naming the pattern and the fix."""
+    compiled = []
+    for pattern, key in patterns.items():
+        if key not in PATTERN_KEYS:
+            raise UserError(f"{where}: {pattern!r}: key {key!r} is not one of "
+                            f"{', '.join(PATTERN_KEYS)}")
+        try:
+            rx = regex.compile(pattern)
+        except regex.error as e:
+            raise UserError(f"{where}: {pattern!r} is not a valid regular expression "
+                            f"({e})") from None
+        if key == LAYER_KEY and rx.groups < 1:
+            raise UserError(f"{where}: {pattern!r} -> {key}: the pattern needs a group that "
+                            f"captures the layer number, e.g. 'model\\.decoder\\.layers\\."
+                            f"(\\d+)\\..*'")
+        compiled.append((rx, key))
+    return compiled
+
+
 class LayerClassifier:
-    """Maps parameter names to layer keys with user patterns first, then the families."""
+    """Maps parameter names to layer keys with user patterns first, then the families.
+
+    A pattern matches the whole parameter name (after `module.`/`_orig_mod.` wrappers are
+    stripped); for `layers.{i}` its first group is the layer number."""
 
     def __init__(self, extra: Mapping[str, str] | None = None,
                  families: Iterable[str] = ("llama", "gpt2", "gpt_neox")) -> None:
-        table: list[tuple[str, str]] = list((extra or {}).items())
-        for fam in families:
-            table.extend(FAMILIES[fam])
-        self._table = [(re.compile(p), key) for p, key in table]
+        self._user = check_patterns(extra or {})
+        self._table = [(re.compile(p), key) for fam in families for p, key in FAMILIES[fam]]
 
     def __call__(self, name: str) -> str:
         bare = _WRAPPERS.sub("", name)
+        for rx, key in self._user:
+            try:
+                m = rx.fullmatch(bare, timeout=MATCH_SECONDS)
+            except TimeoutError:
+                raise UserError(f"layer_patterns: {rx.pattern!r} took over {MATCH_SECONDS:g} s "
+                                f"on parameter {name!r}; simplify it (nested repetition "
+                                f"backtracks)") from None
+            if m:
+                return _key(key, m, name, rx.pattern)
         for pattern, key in self._table:
             m = pattern.fullmatch(bare)
             if m:
-                return key.format(i=int(m.group(1))) if "{i}" in key else key
+                return _key(key, m, name, pattern.pattern)
         return OTHER
+
+
+def _key(key: str, m, name: str, pattern: str) -> str:
+    if "{i}" not in key:
+        return key
+    try:
+        return key.format(i=int(m.group(1)))
+    except (TypeError, ValueError):
+        raise UserError(f"layer_patterns: {pattern!r} matched {name!r} but its first group "
+                        f"({m.group(1)!r}) is not a layer number") from None
 
 
 def layer_index(key: str) -> int | None:

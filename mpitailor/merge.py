@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mpitailor import __version__, failpoints
 from mpitailor.comm import Comm
-from mpitailor.commit import Staging, write_synced
+from mpitailor.commit import Staging, check_writable_file, write_synced
 from mpitailor.errors import UserError
 from mpitailor.export.hf_weights import export_hf, weights_dtype, write_hf_weights
 from mpitailor.export.universal import export_universal, plan_limits
@@ -24,6 +24,7 @@ from mpitailor.plan import MergePlan, make_plan, owned_partitions
 from mpitailor.plan_report import format_plan
 from mpitailor.recipe import Recipe, load_recipe
 from mpitailor.zero3 import CheckpointMeta, read_meta
+from mpitailor.zero3.safeload import trust
 from mpitailor.zero3.reshard_writer import new_target_buffers, write_resharded_partition
 from mpitailor.zero3.writer import new_buffers, write_partition
 
@@ -58,6 +59,8 @@ def plan_merge(comm: Comm, recipe_path: str, output: str | None = None,
 
 def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
     """Collective: read the recipe's sources and compute the plan."""
+    if recipe.safe_globals:
+        comm.step(trust, recipe.safe_globals)
     metas = read_sources(comm, recipe)
     return recipe, comm.root_step(make_plan, recipe, metas)
 
@@ -141,9 +144,11 @@ def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ra
     """Rank 0: extras, `latest`, manifest (last), then publish."""
     root = staging.dir
     base = plan.base_meta
-    files.update(copy_extras(base, root))
+    copied, left_out = copy_extras(base, root)
+    files.update(copied)
     files["latest"] = write_synced(root / "latest", base.files.tag.encode())
     manifest = build_manifest(plan, files, recipe_text, ranks, seconds)
+    manifest["left_out"] = left_out
     write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
     failpoints.hit("commit")
     staging.publish()
@@ -160,7 +165,8 @@ def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
         "world_size": plan.out_world_size,
         "source_world_size": plan.world_size,
         "base": plan.base,
-        "sources": {name: {"path": str(m.path), "global_steps": m.global_steps}
+        "sources": {name: {"path": str(m.path), "global_steps": m.global_steps,
+                           "save_id": m.lineage.save_id if m.lineage else None}
                     for name, m in plan.sources},
         "layers": {key: {"source": src, "global_steps": plan.meta(src).global_steps}
                    for key, src in plan.layer_source},
@@ -182,6 +188,8 @@ def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Name
     """Collective: dry-run report or merge + summary, as the CLI options say."""
     if args.verify and plan.target is not None:
         raise UserError("--verify is not supported together with resharding (--world-size)")
+    if args.stats:  # written at the end: a bad path must fail before anything is merged
+        comm.root_step(check_writable_file, Path(args.stats).resolve(), "--stats")
     exports = set(args.export or ())
     if args.export_dtype and "safetensors" not in exports:
         raise UserError("--export-dtype applies to --export safetensors; add that option")

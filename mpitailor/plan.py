@@ -8,6 +8,7 @@ g from the same place in source rank r's buffers.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from mpitailor.reshard import Target, target_layout
 from mpitailor.zero3 import CheckpointMeta
 from mpitailor.zero3.shard import BYTES_PER_ELEMENT
 
+log = logging.getLogger(__name__)
 DTYPE_ALIASES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16",
                  "float16": "fp16", "fp16": "fp16"}
 
@@ -106,6 +108,8 @@ def make_plan(recipe: Recipe, metas: dict[str, CheckpointMeta]) -> MergePlan:
         for g in range(len(ref.subgroup_sizes)))
     used = {param_source[n] for n in all_names} | {base}
     target = None
+    if recipe.world_size is not None:
+        _check_world_size(recipe, metas[names[0]])
     if recipe.world_size is not None and recipe.world_size != metas[names[0]].world_size:
         target = target_layout(metas[names[0]], recipe.world_size,
                                _step_rule(param_source, metas, recipe.adam_step, base))
@@ -135,6 +139,22 @@ def _step_rule(param_source, metas, rule: str, base: str):
             return metas[base].subgroup_steps[old_subgroup[names[0]]]
         return (min if rule == "oldest" else max)(cands)[1]
     return step_of
+
+
+def _check_world_size(recipe: Recipe, meta: CheckpointMeta) -> None:
+    """Refuse an output world size with more partitions than elements; warn when padding
+    would make up most of every partition."""
+    numels = [s.numel for s in meta.layout.slots]
+    total, w = sum(numels), recipe.world_size
+    if w > total:
+        raise UserError(f"{recipe.origin}: world size {w} is larger than the model's "
+                        f"{total} trainable elements; choose the number of ranks that will "
+                        f"resume (--world-size / output.world_size)")
+    padded = sum(-(-n // w) for n in numels) * w
+    if padded > 2 * total:
+        log.warning("world size %d: padding is %.0f%% of every partition (parameters smaller "
+                    "than the world size are padded to one element per rank); is %d the "
+                    "number of ranks that will resume?", w, 100 * (1 - total / padded), w)
 
 
 def _check_agree(recipe: Recipe, names: list[str], metas: dict[str, CheckpointMeta]) -> None:

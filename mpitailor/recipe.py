@@ -24,7 +24,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mpitailor.errors import UserError
+from mpitailor.layers import check_patterns
 
+MAX_RECIPE_BYTES = 4 << 20  # a recipe is a page of YAML; anything this big is the wrong file
 SELECTOR_RE = re.compile(r"(\d+)(?:-(\d+))?|even|odd|rest")
 
 
@@ -68,6 +70,7 @@ class RecipeModel(_Strict):
     adam_step: Literal["newest", "oldest", "base"] = "newest"
     output: str | OutputSpec | None = None
     layer_patterns: dict[str, str] | None = None
+    safe_globals: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,7 @@ class Recipe:
     layer_patterns: tuple[tuple[str, str], ...]
     dtype: str | None
     world_size: int | None = None                # reshard the output to this world size
+    safe_globals: tuple[str, ...] = ()           # client-state classes to build for real
 
     def source_path(self, name: str) -> Path:
         return dict(self.sources)[name]
@@ -95,9 +99,20 @@ def load_recipe(path: Path | str, output: str | None = None,
     """Read and validate a recipe file; UserError naming the file, line and key."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
     except OSError as e:
         raise UserError(f"{path}: cannot read recipe ({e.strerror})") from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise UserError(f"{path}: larger than {MAX_RECIPE_BYTES >> 20} MiB; a recipe is a short "
+                        f"YAML file (is this the right file?)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    if not text and raw or "\0" in text:
+        raise UserError(f"{path}: not a text (UTF-8) file; a recipe is YAML (is this the "
+                        f"right file?)")
     return parse_recipe(text, origin=str(path), base_dir=path.resolve().parent, output=output,
                         world_size=world_size)
 
@@ -105,8 +120,8 @@ def load_recipe(path: Path | str, output: str | None = None,
 def parse_recipe(text: str, origin: str, base_dir: Path, output: str | None = None,
                  world_size: int | None = None) -> Recipe:
     try:
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=_UniqueKeyLoader)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -123,12 +138,30 @@ def parse_recipe(text: str, origin: str, base_dir: Path, output: str | None = No
         what = "unknown key (check its spelling)" if err["type"] == "extra_forbidden" \
             else err["msg"].removeprefix("Value error, ")
         raise UserError(f"{origin}{_line_of(node, loc)}: {key}: {what}") from None
+    if model.layer_patterns:
+        check_patterns(model.layer_patterns, where=f"{origin}{_line_of(node, ('layer_patterns',))}"
+                                                   f": layer_patterns")
     recipe = _resolve(model, text, origin, base_dir, output)
     if world_size is not None:
         if world_size < 1:
             raise UserError(f"{origin}: --world-size must be >= 1, got {world_size}")
         recipe = dataclasses.replace(recipe, world_size=world_size)
     return recipe
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}: give each key once",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
@@ -166,7 +199,8 @@ def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
     return Recipe(origin=origin, text=text, sources=tuple(sources.items()), layer_rules=rules,
                   aux=aux, base=base, adam_step=m.adam_step, output=out_path,
                   layer_patterns=tuple((m.layer_patterns or {}).items()), dtype=m.dtype,
-                  world_size=m.output.world_size if isinstance(m.output, OutputSpec) else None)
+                  world_size=m.output.world_size if isinstance(m.output, OutputSpec) else None,
+                  safe_globals=tuple(m.safe_globals or ()))
 
 
 def _slices_to_rules(slices: list[Slice], origin: str) -> list[tuple[str, str]]:

@@ -1,0 +1,49 @@
+"""SIGTERM and SIGINT: every rank stops with one line, what it staged removed, exit non-zero.
+
+When `scancel`, a timeout or Ctrl-C signals a merge, the main thread may be inside an MPI
+collective or a long write, where a Python signal handler would not run until the call
+returns (never, if the peers are already gone). So both signals are blocked in every thread
+(before MPI starts any) and one watcher thread takes them with `sigwait`: it runs the
+registered clean-ups (rank 0: remove the staging dir, release the lock), writes one line,
+and ends the process at once with 128 + the signal's number.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_cleanups: list[Callable[[], None]] = []
+_prefix = [""]
+
+
+def install() -> None:
+    """Block SIGINT/SIGTERM in this and every later thread; watch for them. Call first."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    threading.Thread(target=_watch, name="mpitailor-signals", daemon=True).start()
+
+
+def set_prefix(prefix: str) -> None:
+    """What the line starts with ("[rank 3] " under MPI), once the rank is known."""
+    _prefix[0] = prefix
+
+
+def on_interrupt(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run fn if a signal ends the process; returns the function that unregisters it."""
+    _cleanups.append(fn)
+    return lambda: _cleanups.remove(fn) if fn in _cleanups else None
+
+
+def _watch() -> None:
+    sig = signal.sigwait(SIGNALS)
+    for fn in list(_cleanups):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - the process ends next; nothing better to do
+            pass
+    name = signal.Signals(sig).name
+    os.write(2, f"{_prefix[0]}mpitailor: interrupted by {name}: stopped, staged files "
+                f"removed, nothing published\n".encode())
+    os._exit(128 + sig)
