@@ -15,6 +15,7 @@ stand-in: a file naming them is refused, as before.
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import pickle
 import types
@@ -73,8 +74,9 @@ class Opaque(metaclass=_OpaqueMeta):
         return f"<opaque {type(self).global_name}>"
 
 
+@functools.cache
 def stand_in(full_name: str) -> type:
-    """A new stand-in class for global `module.name`."""
+    """The stand-in class for global `module.name` (one per name, so loads compare equal)."""
     return _OpaqueMeta(f"Opaque[{full_name}]", (Opaque,), {"global_name": full_name})
 
 

@@ -101,10 +101,10 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",), mmap: boo
         raise CheckpointError(f"{path}: file not found") from None
     except pickle.UnpicklingError as e:
         name = _culprit(str(e))
+        hint = f" (if you trust this file, --safe-globals {name} allows it)" if name else ""
         raise CheckpointError(
-            f"{path}: refused to load: it pickles {name}, outside mpitailor's allow-list; "
-            f"mpitailor never runs code from checkpoint files (if you trust this file, "
-            f"--safe-globals {name} allows it)") from None
+            f"{path}: refused to load: it pickles {name or 'an object'} outside mpitailor's "
+            f"allow-list; mpitailor never runs code from checkpoint files{hint}") from None
     except (RuntimeError, zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
         first = str(e).strip().split("\n")[0]
         raise CheckpointError(
@@ -112,10 +112,11 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",), mmap: boo
             f"re-copy it from the original save") from None
 
 
-def _culprit(message: str) -> str:
+def _culprit(message: str) -> str | None:
     """The global that torch's long refusal names."""
-    m = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"function <?([\w.]+)", message)
-    return m.group(1).rstrip(".") if m else "an unsupported global"
+    m = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"function <?([\w.]+)", message) \
+        or re.search(r"but got <class '([\w.]+)'>", message)
+    return m.group(1).rstrip(".") if m else None
 
 
 def require_regular(path: Path) -> None:
