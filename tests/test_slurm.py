@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 import ckpt_fixtures
+from mpitailor.tinytrain import TrainSpec
+from mpitailor.tinytrain.worker import client_state, shown_client_state
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"
@@ -72,8 +75,10 @@ def diagnose(job: str, out: Path, env) -> str:
 def test_requeued_training_resumes_from_the_recovered_checkpoint(env, tmp_path):
     save, out = tmp_path / "save", tmp_path / "train.out"
     # Steps slow enough (1.5 s) to requeue between the first partial save and the next.
+    # Every save carries ordinary objects in client_state (a Namespace, a numpy scalar, a
+    # dataclass), as real training scripts do: they must not turn the resume into a restart.
     job_env = {**env, "MPITAILOR_SAVE_DIR": str(save),
-               "MPITAILOR_TRAIN_ARGS": "--step-sleep 1.5"}
+               "MPITAILOR_TRAIN_ARGS": "--step-sleep 1.5 --client-state"}
     sub = run(["sbatch", "--parsable", f"--output={out}", SLURM / "train.sbatch"], job_env,
               timeout=30, cwd=REPO)
     assert sub.returncode == 0, sub.stderr
@@ -110,6 +115,8 @@ def check_resumed_run(text: str, root: Path) -> None:
     result = results[0]
     assert result["first_step"] == step and result["global_steps"] == 12
     assert len(result["losses"]) == 12 - step
+    spec = TrainSpec(save_dir=str(root), client_state=True)  # the job's lr and seed
+    assert result["client_state"] == shown_client_state(client_state(spec, step)), result
     assert all(math.isfinite(x) for x in result["losses"]), result
 
 
@@ -148,13 +155,39 @@ def test_prologue_twice_reuses_the_first_recovery(env, tmp_path):
     assert (tmp_path / "resume-from").read_text() == f"{recovered}\n"
 
 
-def test_prologue_refuses_a_foreign_dir_in_place_of_its_output(env, tmp_path):
+def test_prologue_leaves_a_foreign_dir_in_place_of_its_output_alone(env, tmp_path):
+    """recovered-step8 exists but is no recovery of this save (a recovery of an abandoned
+    timeline's step 8, say): it stays as it is, and the recovery takes the next name."""
     (tmp_path / "recovered-step8").mkdir()
-    (tmp_path / "resume-from").write_text("/an/earlier/answer\n")
+    (tmp_path / "recovered-step8" / "mine").write_text("keep")
     r = prologue(ckpt_fixtures.build("w2_parity"), tmp_path, env)
-    assert r.returncode == 1
-    assert "exists but is not a complete recovery" in r.stderr and r.stdout == ""
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"MPITAILOR_RESUME_FROM={tmp_path / 'recovered-step8.1'}\n"
+    assert (tmp_path / "recovered-step8" / "mine").read_text() == "keep"
+
+
+def test_prologue_fails_when_saves_exist_but_none_recovers(env, tmp_path):
+    """Saves exist, and the only full one is damaged: an error, never a fresh start."""
+    save = tmp_path / "save"
+    shutil.copytree(ckpt_fixtures.build("w2_parity"), save)
+    victim = save / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    (tmp_path / "resume-from").write_text("/an/earlier/answer\n")
+    r = prologue(save, tmp_path, env)
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert "no usable full checkpoint" in r.stderr and "cannot plan the recovery" in r.stderr
     assert not (tmp_path / "resume-from").exists()
+
+
+def test_prologue_after_a_first_save_killed_half_way_starts_from_scratch(env, tmp_path):
+    save = tmp_path / "save"
+    save.mkdir()
+    shutil.copytree(ckpt_fixtures.build("w2_parity") / "global_step2", save / "global_step2")
+    (save / "global_step2" / "mpitailor_save.json").unlink()  # written after DeepSpeed's
+    (save / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    r = prologue(save, tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "MPITAILOR_RESUME_FROM=\n" and "nothing to resume from" in r.stderr
 
 
 def test_prologue_without_checkpoints_has_nothing_to_resume(env, tmp_path):

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-tag", metavar="TAG", help="tag in DIR (default: DIR/latest)")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="sleep after each step (a run slow enough to interrupt)")
+    p.add_argument("--client-state", action="store_true",
+                   help="save ordinary objects in client_state (a Namespace, a numpy scalar, a "
+                        "dataclass), as training scripts do; a resume prints them back")
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="give up on the run after this long")
     return p
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                          save_at=args.save_at, grouping=args.grouping,
                          policy={"name": args.policy} if args.policy else None,
                          load_dir=args.resume_from, load_tag=args.resume_tag,
-                         step_sleep=args.step_sleep)
+                         step_sleep=args.step_sleep, client_state=args.client_state)
     except ValueError as e:
         print(f"tinytrain: error: {e}", file=sys.stderr)
         return 2

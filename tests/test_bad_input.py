@@ -1,0 +1,121 @@
+"""Every bad input of issue 13's list gets one clear line on every rank and exit 2, under
+mpiexec, with nothing written and the sources untouched (never a traceback or a hang)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import tree_digest
+from merging import RECIPES, run_cli
+from test_merge_errors import expect_clean_failure
+
+from mpitailor.zero3.safeload import load
+
+PARITY = (RECIPES / "parity.yml").read_text()
+
+
+def with_patterns(patterns: str) -> str:
+    return PARITY + f"layer_patterns:\n{patterns}\n"
+
+
+RECIPE_CASES = {
+    "invalid regex": (with_patterns("  'model\\.layers\\.(\\d+': layers.{i}"),
+                      "is not a valid regular expression"),
+    "unknown key": (with_patterns("  'model\\.layers\\.(\\d+)\\..*': block.{i}"),
+                    "is not one of layers.{i}, embed"),
+    "no layer group": (with_patterns("  'model\\.layers\\.\\d+\\..*': layers.{i}"),
+                       "needs a group that captures the layer number"),
+    "regex that runs for minutes": (with_patterns("  '((\\w|\\w\\w|\\.)+)+\\d{5}': embed"),
+                                    "took over 1 s on parameter"),
+    "duplicate key": (PARITY + "base: old\n", "duplicate key 'base'"),
+}
+
+
+@pytest.fixture
+def w2(ckpt_copy):
+    return ckpt_copy("w2_fp32_one")
+
+
+def merge(root, tmp_path, args, out=None, ranks=2):
+    out = out or tmp_path / "out" / "merged"
+    env = {"NEW": str(root / "global_step10"), "OLD": str(root / "global_step5"),
+           "OUT": str(out)}
+    return run_cli(args, env, ranks=ranks, timeout=120), out
+
+
+@pytest.mark.parametrize("case", list(RECIPE_CASES))
+def test_bad_recipe(w2, tmp_path, case):
+    text, message = RECIPE_CASES[case]
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text(text)
+    before = [tree_digest(w2)]
+    r, out = merge(w2, tmp_path, [str(recipe)])
+    expect_clean_failure(r, out, sources=[w2], before=before, message=message)
+
+
+@pytest.mark.parametrize("case", ["binary", "huge"])
+def test_a_recipe_that_is_not_one(w2, tmp_path, case):
+    recipe = tmp_path / "recipe.yml"
+    if case == "binary":
+        recipe.write_bytes(bytes(range(256)) * 8)
+        message = f"{recipe}: not a text (UTF-8) file"
+    else:
+        recipe.write_text(PARITY + "# " + "x" * (5 << 20) + "\n")
+        message = f"{recipe}: larger than 4 MiB"
+    r, out = merge(w2, tmp_path, [str(recipe)])
+    expect_clean_failure(r, out, sources=[w2], before=[tree_digest(w2)], message=message)
+
+
+def test_output_under_a_file(w2, tmp_path):
+    (tmp_path / "afile").write_text("not a dir")
+    out = tmp_path / "afile" / "merged"
+    r, _ = merge(w2, tmp_path, [str(RECIPES / "parity.yml")], out=out)
+    assert r.returncode == 2 and r.stderr.count("is a file, not a directory") == 2, r.stderr
+    assert (tmp_path / "afile").read_text() == "not a dir"
+
+
+def test_stats_to_a_bad_path_fails_before_merging(w2, tmp_path):
+    stats = tmp_path / "no" / "such" / "dir" / "stats.json"
+    r, out = merge(w2, tmp_path, [str(RECIPES / "parity.yml"), "--stats", str(stats)])
+    expect_clean_failure(r, out, sources=[w2], before=[tree_digest(w2)],
+                         message="does not exist; create it first")
+
+
+def test_crafted_param_shapes(w2, tmp_path):
+    path = w2 / "global_step10" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    states = load(path, mmap=False)
+    states["param_shapes"] = [{"model.embed_tokens.weight": [-3, 2 ** 62]}]
+    torch.save(states, path)
+    before = [tree_digest(w2)]
+    r, out = merge(w2, tmp_path, [str(RECIPES / "parity.yml")])
+    expect_clean_failure(r, out, sources=[w2], before=before,
+                         message="param_shapes is malformed")
+
+
+def test_absurd_world_size(w2, tmp_path):
+    r, out = merge(w2, tmp_path, [str(RECIPES / "parity.yml"), "--world-size", "10000000000"])
+    expect_clean_failure(r, out, sources=[w2], before=[tree_digest(w2)],
+                         message="is larger than the model's")
+    r, _ = merge(w2, tmp_path, [str(RECIPES / "parity.yml"), "--world-size", "20000",
+                                "--dry-run"])
+    assert r.returncode == 0 and "padding is" in r.stderr, r.stderr
+
+
+def test_a_huge_latest_file(w2, tmp_path):
+    (w2 / "latest").write_text("global_step10" + " " * 10_000_000)
+    recipe = tmp_path / "r.yml"
+    recipe.write_text(PARITY.replace("${NEW}", str(w2)))
+    r, out = merge(w2, tmp_path, [str(recipe)])
+    expect_clean_failure(r, out, sources=[w2], before=[tree_digest(w2)],
+                         message="longer than any tag name")
+
+
+def test_a_fifo_in_place_of_a_rank_file(w2, tmp_path):
+    victim = w2 / "global_step5" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    victim.unlink()
+    os.mkfifo(victim)  # opening it would block forever
+    r, out = merge(w2, tmp_path, [str(RECIPES / "parity.yml")])
+    assert r.returncode == 2 and r.stderr.count("not a regular file") == 2, r.stderr
+    assert not out.exists()
