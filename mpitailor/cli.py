@@ -17,10 +17,11 @@ log = logging.getLogger(__name__)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from mpitailor.inspect_ckpt import format_table, report
+    from mpitailor.inspect_ckpt import composite_manifest, format_table, report
     from mpitailor.zero3 import read_meta
 
-    rep = report(read_meta(args.checkpoint))
+    meta = read_meta(args.checkpoint)
+    rep = report(meta, composite_manifest(meta))
     print(json.dumps(rep, indent=2) if args.json else format_table(rep))
     return 0
 
@@ -46,7 +47,16 @@ def cmd_recover(args: argparse.Namespace) -> int:
     chain = plan_recovery(comm, save_dir)
     if out is None and args.dry_run:  # a dry run needs no output: plan for a default one
         out = save_dir.parent / f"{save_dir.name}-recovered"
-    text = recovery_recipe(save_dir, chain, out)
+    patterns = None
+    if args.layer_pattern:
+        patterns = {}
+        for item in args.layer_pattern:
+            regex, eq, key = item.rpartition("=")
+            if not eq or not regex:
+                raise UserError(f"--layer-pattern {item!r}: write REGEX=KEY, e.g. "
+                                f"'model\\.decoder\\.layers\\.(\\d+)\\..*=layers.{{i}}'")
+            patterns[regex] = key
+    text = recovery_recipe(save_dir, chain, out, patterns)
     if args.emit_recipe:
         if comm.rank == 0:
             print(text, end="", flush=True)
@@ -65,9 +75,35 @@ def cmd_stats_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def program_name() -> str:
+    """`mpitailor` when run as the installed command, else `python -m mpitailor`."""
+    called = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "mpitailor" if called == "mpitailor" else "python -m mpitailor"
+
+
+def cmd_paths(args: argparse.Namespace) -> int:
+    from mpitailor.shipped import KINDS, shipped_dir
+    for kind in KINDS:
+        print(f"{kind:<8} {shipped_dir(kind)}")
+    return 0
+
+
+def cmd_slurm_prologue(args: argparse.Namespace) -> int:
+    """Run the shipped resume prologue (bash) with the given arguments; its exit code."""
+    from mpitailor.shipped import shipped_dir
+    script = shipped_dir("slurm") / "resume-prologue.sh"
+    env = dict(os.environ)
+    env.setdefault("MPITAILOR_PYTHON", sys.executable)  # this installation's python
+    sys.stdout.flush()
+    from mpitailor import interrupt
+    interrupt.restore()
+    os.execvpe("bash", ["bash", str(script), *args.prologue_args], env)
+    return 1  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m mpitailor",
+        prog=program_name(),
         description="Assemble composite DeepSpeed ZeRO-3 checkpoints layer by layer, with MPI. "
                     "`python -m mpitailor RECIPE.yml` is short for `merge RECIPE.yml`.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -101,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "checkpoint-N/)")
     r.add_argument("-o", "--output", help="output dir of the composite checkpoint")
     r.add_argument("--emit-recipe", action="store_true", help="print the recipe, merge nothing")
+    r.add_argument("--layer-pattern", action="append", metavar="REGEX=KEY",
+                   help="parameter names -> layer key (layers.{i}, embed, norm, lm_head, "
+                        "other), tried before the built-in rules; repeatable. Default: the "
+                        "patterns the saves recorded")
     r.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--stats", metavar="FILE", help="per-rank I/O and memory as JSON")
@@ -119,6 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", default="stats.png", help="PNG to write")
     common(sp)
     sp.set_defaults(func=cmd_stats_plot, uses_mpi=False)
+
+    pa = sub.add_parser("paths", help="where the shipped recipes and Slurm scripts are")
+    common(pa)
+    pa.set_defaults(func=cmd_paths, uses_mpi=False)
+
+    sl = sub.add_parser("slurm-prologue",
+                        help="run the shipped Slurm resume prologue (recover before resuming)",
+                        description="Runs slurm/resume-prologue.sh SAVE_DIR [OUT_PARENT]: "
+                                    "prints MPITAILOR_RESUME_FROM=<dir> (empty: nothing to "
+                                    "resume). Settings: MPITAILOR_LAUNCH, "
+                                    "MPITAILOR_MERGE_RANKS, MPITAILOR_PYTHON (default: this "
+                                    "python).")
+    sl.add_argument("prologue_args", nargs="*", metavar="SAVE_DIR [OUT_PARENT]")
+    common(sl)
+    sl.set_defaults(func=cmd_slurm_prologue, uses_mpi=False)
 
     i = sub.add_parser("inspect", help="describe a ZeRO-3 checkpoint layer by layer")
     i.add_argument("checkpoint", help="tag dir, save dir with `latest`, or HF checkpoint-N/")
@@ -146,7 +201,7 @@ def export_options(p: argparse.ArgumentParser) -> None:
                    help="dtype of the exported weights (default: the model's)")
 
 
-SUBCOMMANDS = ("merge", "recover", "inspect", "stats")
+SUBCOMMANDS = ("merge", "recover", "inspect", "stats", "paths", "slurm-prologue")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,18 @@ import time
 from pathlib import Path
 
 from mpitailor.inspect_ckpt import human
+from mpitailor.shipped import shipped_dir
 from mpitailor.tinytrain import TrainSpec, launch
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "parity.yml"
+RECIPE = shipped_dir("recipes") / "parity.yml"
+
+
+def _shown(path: Path) -> str:
+    """The path relative to the current dir where it lies below it (the repo), else whole."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def du(path: Path) -> int:
@@ -52,7 +61,7 @@ def main() -> int:
                                        for p in sorted(run.glob("global_step*"))))
 
     print(f"2. merging by parity (even layers from step 10, odd from step 5) with "
-          f"`mpiexec -n {args.ranks} python -m mpitailor {RECIPE.relative_to(Path.cwd())}`",
+          f"`mpiexec -n {args.ranks} python -m mpitailor {_shown(RECIPE)}`",
           flush=True)
     env = {**os.environ, "NEW": str(run / "global_step10"), "OLD": str(run / "global_step5"),
            "OUT": str(merged)}

@@ -25,6 +25,12 @@ def install() -> None:
     threading.Thread(target=_watch, name="mpitailor-signals", daemon=True).start()
 
 
+def restore() -> None:
+    """Unblock the signals again: before exec'ing another program, which would inherit the
+    blocked mask and could then not be stopped."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
 def set_prefix(prefix: str) -> None:
     """What the line starts with ("[rank 3] " under MPI), once the rank is known."""
     _prefix[0] = prefix

@@ -2,8 +2,8 @@
 
 The unit of a layer-wise merge is a *layer key*. Decoder blocks are `layers.{i}`; the
 auxiliary layers are `embed` (token and position embeddings), `norm` (the final norm),
-`lm_head`; anything else is `other`. Families are plain regex tables in a registry; a
-recipe may add its own patterns, which are tried first.
+`lm_head`; anything else is `other`. One table of regexes covers the usual spellings of
+decoder-only models; a recipe, a checkpointer or `recover` may add patterns, tried first.
 """
 from __future__ import annotations
 
@@ -20,31 +20,20 @@ LAYER_KEY = "layers.{i}"
 PATTERN_KEYS = (LAYER_KEY, *AUX_KEYS, OTHER)
 MATCH_SECONDS = 1.0  # per parameter name: a pattern that needs longer backtracks badly
 
-# Each pattern is matched against the whole parameter name; `{i}` in the key is the
-# pattern's first group. Order matters only within a family.
-FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
-    # Llama, Mistral, Qwen2 and most HF decoder-only models share this naming.
-    "llama": (
-        (r"(?:model\.)?embed_tokens\..*", "embed"),
-        (r"(?:model\.)?layers\.(\d+)\..*", "layers.{i}"),
-        (r"(?:model\.)?norm\..*", "norm"),
-        (r"lm_head\..*", "lm_head"),
-    ),
-    "gpt2": (
-        (r"(?:transformer\.)?(?:wte|wpe)\..*", "embed"),
-        (r"(?:transformer\.)?h\.(\d+)\..*", "layers.{i}"),
-        (r"(?:transformer\.)?ln_f\..*", "norm"),
-        (r"lm_head\..*", "lm_head"),
-    ),
-    "gpt_neox": (
-        (r"(?:gpt_neox\.)?embed_in\..*", "embed"),
-        (r"(?:gpt_neox\.)?layers\.(\d+)\..*", "layers.{i}"),
-        (r"(?:gpt_neox\.)?final_layer_norm\..*", "norm"),
-        (r"embed_out\..*", "lm_head"),
-    ),
-}
-FAMILIES["mistral"] = FAMILIES["llama"]
-FAMILIES["qwen2"] = FAMILIES["llama"]
+# The spellings of HF decoder-only models (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi, Phi-3,
+# GPT-2, GPT-Neo, GPT-J, GPT-NeoX, GPT-BigCode, OPT, Falcon, BLOOM, StableLM, OLMo, MPT,
+# CodeGen, BioGPT, XGLM, Mamba, RWKV, ...): decoder blocks are `<container>.N.` under any
+# prefix, the first such container from the left; auxiliary modules by their usual names.
+# Each pattern is matched against the whole parameter name; `{i}` is the first group.
+_PREFIX = r"(?:\w+\.)*?"
+DECODER_RULES: tuple[tuple[str, str], ...] = (
+    (_PREFIX + r"(?:layers|h|blocks|layer)\.(\d+)\..*", LAYER_KEY),
+    (_PREFIX + r"(?:embed_tokens|embed_in|embed_positions|wte|wpe|word_embeddings|"
+               r"word_embeddings_layernorm|embeddings|project_in)\.\w+", "embed"),
+    (_PREFIX + r"(?:norm|ln_f|final_layer_norm|final_layernorm|final_norm|norm_f|ln_out|"
+               r"layer_norm|layernorm|project_out)\.\w+", "norm"),
+    (r"(?:lm_head|embed_out|output_projection|head)\.\w+", "lm_head"),
+)
 
 _WRAPPERS = re.compile(r"^(?:module\.|_orig_mod\.)+")
 
@@ -70,15 +59,15 @@ def check_patterns(patterns: Mapping[str, str], where: str = "layer_patterns") -
 
 
 class LayerClassifier:
-    """Maps parameter names to layer keys with user patterns first, then the families.
+    """Maps parameter names to layer keys: user patterns first, then DECODER_RULES.
 
     A pattern matches the whole parameter name (after `module.`/`_orig_mod.` wrappers are
     stripped); for `layers.{i}` its first group is the layer number."""
 
-    def __init__(self, extra: Mapping[str, str] | None = None,
-                 families: Iterable[str] = ("llama", "gpt2", "gpt_neox")) -> None:
-        self._user = check_patterns(extra or {})
-        self._table = [(re.compile(p), key) for fam in families for p, key in FAMILIES[fam]]
+    def __init__(self, extra: Mapping[str, str] | None = None) -> None:
+        self.patterns = dict(extra or {})
+        self._user = check_patterns(self.patterns)
+        self._table = [(re.compile(p), key) for p, key in DECODER_RULES]
 
     def __call__(self, name: str) -> str:
         bare = _WRAPPERS.sub("", name)

@@ -13,13 +13,16 @@ def format_plan(plan: MergePlan, mpi_size: int) -> str:
              f"tag          {base.files.tag}   world size {plan.world_size}   "
              f"base {plan.base} (step {base.global_steps})",
              "sources"]
-    lines += [f"  {name:<10} step {m.global_steps:<8} {m.path}" for name, m in plan.sources]
-    lines.append(f"{'layer':<12}{'source':<12}step")
-    lines += [f"{key:<12}{src:<12}{plan.meta(src).global_steps}"
+    width = max(10, *(len(name) for name, _ in plan.sources)) + 2
+    lines += [f"  {name:<{width}} step {m.global_steps:<8} {m.path}" for name, m in plan.sources]
+    lines.append(f"{'layer':<12}{'source':<{width}}step")
+    lines += [f"{key:<12}{src:<{width}}{plan.meta(src).global_steps}"
               for key, src in plan.layer_source]
     mixed = [g for g, sg in enumerate(plan.subgroups) if sg.step_rule != "single source"]
     lines.append(f"sub-groups   {len(plan.subgroups)}, {len(mixed)} mixing sources"
-                 + (f" (Adam step by rule '{plan.subgroups[mixed[0]].step_rule}')"
+                 + (f" (Adam step by rule '{plan.subgroups[mixed[0]].step_rule}': for exact "
+                    f"steps, train with one param group per layer: per_layer_param_groups, "
+                    f"or LayerwiseTrainer's default)"
                     if mixed else " (every Adam step exact)"))
     if plan.target is not None:
         lines.append(f"resharding   {plan.world_size} -> {plan.out_world_size} ranks "

@@ -30,7 +30,7 @@ from mpitailor.extras import MANIFEST
 from mpitailor.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
 from mpitailor.zero3 import CheckpointMeta, read_meta
 from mpitailor.zero3.files import (PARTIAL_MANIFEST, SAVE_RECORD, Lineage, read_latest,
-                                   read_lineage)
+                                   read_save_record)
 from mpitailor.zero3.partial_shard import check_partial_rank
 from mpitailor.zero3.shard import open_shard
 
@@ -95,7 +95,7 @@ def _lineage(child: Path) -> tuple[Lineage | None, str | None]:
     for tag_dir in (child, *(p for p in child.glob("global_step*") if p.is_dir())):
         for partial in (True, False):
             try:
-                found = read_lineage(tag_dir, partial)
+                found = read_save_record(tag_dir, partial)[0]
             except CheckpointError as e:
                 return None, str(e)
             if found is not None:
@@ -208,10 +208,14 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str]) -> Exce
                             + (f" (incomplete: {reasons})" if reasons else ""))
 
 
-def plan_recovery(comm: Comm, save_dir: Path) -> Chain:
+def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> Chain:
     """Collective: find, check and choose; partial saves the chain uses are checked against
-    their CRC-32s (a damaged one is skipped and the chain chosen again)."""
-    saves = check_saves(comm, comm.root_step(find_saves, save_dir))
+    their CRC-32s (a damaged one is skipped and the chain chosen again). until_step: leave
+    out saves after this step (resume from an older point)."""
+    found = comm.root_step(find_saves, save_dir)
+    if until_step is not None:
+        found = [s for s in found if s.step <= until_step]
+    saves = check_saves(comm, found)
     while True:
         chain = comm.root_step(choose, save_dir, saves)
         names = {s.name for s in chain.partials}
@@ -230,6 +234,9 @@ def recovery_recipe(save_dir: Path, chain: Chain, output: Path | None = None,
                     layer_patterns: dict[str, str] | None = None) -> str:
     """The YAML recipe that assembles the newest copy of every layer of the chain."""
     full, partials = chain.full, list(chain.partials)
+    if layer_patterns is None:  # as the run saved them: the newest save that recorded some
+        recorded = [s.meta.layer_patterns for s in [full, *partials] if s.meta.layer_patterns]
+        layer_patterns = dict(recorded[-1]) if recorded else {}
     classify = LayerClassifier(layer_patterns)
     keys = sort_keys({classify(s.name) for s in full.meta.layout.slots} |
                      {classify(n) for n, _ in full.meta.frozen_shapes})

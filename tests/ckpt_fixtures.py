@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mpitailor.tinytrain import TrainSpec, launch
 
-FIXTURE_VERSION = 2  # 2: saves record their lineage
+FIXTURE_VERSION = 4  # 2: saves record their lineage; 3: resume guards, HF per-layer groups
 CACHE = Path(os.environ.get("MPITAILOR_FIXTURES",
                             Path(__file__).resolve().parents[1] / ".cache" / "fixtures"))
 FROZEN = ("model.layers.1.mlp.up_proj.weight",)

@@ -5,34 +5,28 @@ import pytest
 import transformers
 
 from mpitailor.layers import LayerClassifier, classify, layer_index, sort_keys
+from mpitailor.tinytrain.model import build_model
+from mpitailor.tinytrain.spec import TrainSpec
 
-SMALL = dict(vocab_size=64, num_hidden_layers=3, num_attention_heads=2, hidden_size=16,
-             intermediate_size=32)
-
-
-def tiny(family: str):
-    t = transformers
-    if family == "gpt2":
-        return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=64, n_layer=3, n_head=2, n_embd=16))
-    if family == "gpt_neox":
-        return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**SMALL))
-    cfg, cls = {"llama": (t.LlamaConfig, t.LlamaForCausalLM),
-                "mistral": (t.MistralConfig, t.MistralForCausalLM),
-                "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM)}[family]
-    return cls(cfg(**SMALL, num_key_value_heads=1, tie_word_embeddings=False))
+# Decoder-only architectures, built tiny from their HF configs (random init, no download).
+ARCHS = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+         "phi", "phi3", "gpt2", "gpt_neo", "gptj", "gpt_neox", "gpt_bigcode", "opt", "falcon",
+         "bloom", "stablelm", "olmo", "olmo2", "mpt", "codegen", "starcoder2", "mamba"]
+NO_FINAL_NORM_WEIGHTS = {"olmo"}  # its final LayerNorm has no parameters
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2", "gpt_neox"])
-def test_every_parameter_of_a_real_model_gets_its_layer(family):
-    model = tiny(family)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_parameter_of_a_real_model_gets_its_layer(arch):
+    transformers.logging.set_verbosity_error()
+    model = build_model(TrainSpec(save_dir="unused", arch=arch, layers=3))
     keys = {}
     for name, _ in model.named_parameters():
         keys.setdefault(classify(name), []).append(name)
     assert "other" not in keys, keys.get("other")
-    expect = {"embed", "norm", "layers.0", "layers.1", "layers.2"}
-    if family != "gpt2":  # GPT-2 always ties lm_head to wte: no separate parameter
-        expect.add("lm_head")
-    assert set(keys) == expect
+    expect = {"embed", "norm", "lm_head", "layers.0", "layers.1", "layers.2"}
+    if arch in NO_FINAL_NORM_WEIGHTS:
+        expect.discard("norm")
+    assert set(keys) == expect, sorted(keys)
     # Every block holds the same number of parameters: nothing leaked to the wrong layer.
     assert len({len(keys[f"layers.{i}"]) for i in range(3)}) == 1
 

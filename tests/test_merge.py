@@ -11,7 +11,7 @@ from merging import merge_in_process, recipe_env
 
 from mpitailor.zero3.safeload import load
 
-RECIPES = {"parity.yml": parity, "filter.yml": filter_first_last}
+RECIPES = {"parity.yml": parity, "filter.yml": filter_first_last, "layer-patterns.yml": parity}
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

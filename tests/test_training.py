@@ -42,8 +42,10 @@ def test_recover_takes_the_newest_copy_of_every_layer_and_resumes(tmp_path, name
     check_merge(out, expected, base=root / f"{prefix}8")  # incl. counters and scheduler
     assert tree_digest(root) == before
     hf = VARIANTS[name][1] == HF_MODULE
+    # HF resumes with the LayerwiseTrainer that saved (its one-group-per-layer optimizer).
     spec = replace(spec_for(name, tmp_path / "resumed"), steps=11,
-                   save_at=(1000,) if hf else (), policy=None, stats=None,
+                   save_at=(1000,) if hf else (), stats=None,
+                   policy=VARIANTS[name][0]["policy"] if hf else None,
                    load_dir=str(out), load_tag=None if hf else "global_step8")
     result = launch(spec, module=VARIANTS[name][1] or "mpitailor.tinytrain.worker")
     assert result["global_steps"] == 11

@@ -1,12 +1,12 @@
 """One rank of a tiny HF Trainer + DeepSpeed ZeRO-3 run (the `checkpoint-N/` layout).
 
 argv: spec.json result.json. Saves at spec.save_at into spec.save_dir/checkpoint-N;
-with spec.load_dir set, resumes with `trainer.train(resume_from_checkpoint=load_dir)`.
+with spec.load_dir set, resumes with `trainer.train(resume_from_checkpoint=load_dir)`
+("last": `resume_from_checkpoint=True`).
 """
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -14,27 +14,8 @@ import torch
 
 from mpitailor.tinytrain.model import batch, build_model
 from mpitailor.tinytrain.spec import TrainSpec
-from mpitailor.tinytrain.worker import shutdown, skip_shm_build
-
-
-def patch_for_cpu(bf16: bool) -> None:
-    """Two things stop HF Trainer + DeepSpeed on a CPU-only box; undo just those."""
-    import accelerate.state
-    import transformers.training_args as ta
-    from accelerate.utils import DistributedType
-
-    orig = accelerate.state.PartialState.__init__
-
-    def init(self, cpu: bool = False, **kwargs):
-        # accelerate finds no backend without a GPU and falls back to a world of one.
-        if "LOCAL_RANK" in os.environ and not kwargs.get("backend"):
-            kwargs["backend"] = "gloo"
-        orig(self, cpu, **kwargs)
-        if self.distributed_type == DistributedType.NO and int(os.environ["WORLD_SIZE"]) > 1:
-            self.distributed_type = DistributedType.MULTI_CPU
-    accelerate.state.PartialState.__init__ = init
-    if bf16:
-        ta.is_torch_bf16_gpu_available = lambda: True
+from mpitailor.tinytrain.worker import shutdown
+from mpitailor.training.cpu import enable_cpu_training
 
 
 class TokenData(torch.utils.data.Dataset):
@@ -50,13 +31,12 @@ class TokenData(torch.utils.data.Dataset):
 
 def main(spec_path: str, result_path: str) -> None:
     spec = TrainSpec.from_json(Path(spec_path).read_text())
-    skip_shm_build()
-    patch_for_cpu(spec.dtype == "bf16")
+    enable_cpu_training(bf16=spec.dtype == "bf16")
     import transformers
 
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "train_batch_size": "auto", "gradient_clipping": "auto",
-          "zero_optimization": {"stage": 3, "sub_group_size": spec.sub_group_size,
+          "zero_optimization": {"stage": spec.zero_stage, "sub_group_size": spec.sub_group_size,
                                 "stage3_gather_16bit_weights_on_model_save": spec.save_16bit},
           "bf16": {"enabled": "auto"}, "zero_allow_untested_optimizer": True,
           "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9}
@@ -69,20 +49,23 @@ def main(spec_path: str, result_path: str) -> None:
         dataloader_num_workers=0, save_only_model=False, use_cpu=False)
     model = build_model(spec)
     data = TokenData(spec, spec.steps * spec.micro_batch * spec.world_size * 2)
-    if spec.policy is not None:
+    if spec.policy is not None and spec.hf_trainer == "layerwise":
         from mpitailor.training.hf import LayerwiseTrainer
         from mpitailor.training.policies import make_policy
         options = dict(spec.policy)
         trainer = LayerwiseTrainer(policy=make_policy(options.pop("name"), **options),
-                                   stats=spec.stats, model=model, args=args, train_dataset=data)
+                                   stats=spec.stats, layer_patterns=spec.layer_patterns,
+                                   per_layer_groups=spec.per_layer_groups, model=model,
+                                   args=args, train_dataset=data)
     else:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    trainer.train(resume_from_checkpoint=spec.load_dir)
+    trainer.train(resume_from_checkpoint=True if spec.load_dir == "last" else spec.load_dir)
     if trainer.args.process_index == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         Path(result_path).write_text(json.dumps(
             {"losses": losses, "global_steps": trainer.state.global_step,
-             "world_size": trainer.args.world_size}))
+             "world_size": trainer.args.world_size,
+             "param_groups": len(getattr(trainer.optimizer, "param_groups", ()))}))
     shutdown()
 
 

@@ -6,22 +6,40 @@ import torch
 from mpitailor.tinytrain.spec import TrainSpec
 
 
+def tiny_config(spec: TrainSpec):
+    """A tiny config of architecture `spec.arch` (any HF model type), sizes from the spec.
+    Configs name their sizes differently; the common names are set where the config has
+    them (or maps them: GPT-2's n_embd answers to hidden_size)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(spec.arch)
+    sizes = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                 num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                 intermediate_size=spec.intermediate, ffn_dim=spec.intermediate,
+                 n_inner=spec.intermediate, max_position_embeddings=max(64, spec.seq_len),
+                 n_positions=max(64, spec.seq_len), head_dim=spec.hidden // spec.heads,
+                 rotary_dim=spec.hidden // spec.heads,
+                 word_embed_proj_dim=spec.hidden, tie_word_embeddings=spec.tie)
+    for key, value in sizes.items():
+        if key == "tie_word_embeddings" or hasattr(config, key) or \
+                key in getattr(config, "attribute_map", {}):
+            try:
+                setattr(config, key, value)
+            except AttributeError:  # derived (a read-only property): follows the others
+                pass
+    for i, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):
+        if (getattr(config, key, None) or 0) >= spec.vocab:  # a default for a big vocabulary
+            setattr(config, key, i)
+    return config
+
+
 def build_model(spec: TrainSpec) -> torch.nn.Module:
     import transformers
 
-    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden,
-                  intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
-                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                  max_position_embeddings=max(64, spec.seq_len),
-                  tie_word_embeddings=spec.tie)
-    if spec.arch == "llama":
-        config = transformers.LlamaConfig(**common)
-        cls = transformers.LlamaForCausalLM
-    else:
-        config = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
+    config = tiny_config(spec)
+    cls = transformers.AutoModelForCausalLM
     torch.manual_seed(spec.seed)
-    model = cls(config)
+    model = cls.from_config(config)
     for name, p in model.named_parameters():
         if name in spec.frozen:
             p.requires_grad_(False)

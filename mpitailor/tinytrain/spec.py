@@ -6,7 +6,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2")
 DTYPES = ("fp32", "bf16")
 GROUPINGS = ("one", "decay", "per_layer")
 
@@ -17,7 +16,7 @@ class TrainSpec:
 
     save_dir: str
     world_size: int = 2
-    arch: str = "llama"
+    arch: str = "llama"       # any HF model type that builds tiny (tiny_config)
     layers: int = 4
     hidden: int = 64
     intermediate: int = 128
@@ -47,11 +46,12 @@ class TrainSpec:
     eval_batches: int = 0     # held-out batches scored after training (copy task)
     step_sleep: float = 0.0  # seconds after each step: a run slow enough to interrupt
     client_state: bool = False  # save ordinary objects (Namespace, numpy, dataclass) too
+    layer_patterns: dict | None = None  # layer-wise saving: {regex: layer key}
+    hf_trainer: str = "layerwise"  # HF runs with a policy: "layerwise" or plain "trainer"
+    per_layer_groups: bool = True  # LayerwiseTrainer's default: one param group per layer
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.grouping not in GROUPINGS:

@@ -126,7 +126,7 @@ def main(spec_path: str, result_path: str) -> None:
         options = dict(spec.policy)
         ckpt = LayerwiseCheckpointer(engine, spec.save_dir, make_policy(options.pop("name"),
                                                                         **options),
-                                     stats=spec.stats)
+                                     stats=spec.stats, layer_patterns=spec.layer_patterns)
         on_save = lambda engine, spec, step: ckpt.save(  # noqa: E731
             tag=f"global_step{step}", client_state=client_state(spec, step))
     losses = train(spec, engine, first, on_save)

@@ -18,12 +18,13 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
 
-from mpitailor.layers import classify as default_classify
+from mpitailor.errors import UserError
+from mpitailor.layers import LayerClassifier, layer_index
 from mpitailor.training.partial_save import save_layers
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
@@ -34,9 +35,14 @@ from mpitailor.zero3.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 class LayerwiseCheckpointer:
     def __init__(self, engine, save_dir: str | os.PathLike, policy: Policy,
                  stats: str | os.PathLike | None = None,
-                 classify: Callable[[str], str] = default_classify) -> None:
+                 layer_patterns: Mapping[str, str] | None = None) -> None:
+        """layer_patterns: `{regex: layer key}` for parameter names the built-in rules do not
+        know (see `mpitailor.layers`); recorded in every save, so `recover` needs no flag."""
         self.engine, self.save_dir, self.policy = engine, save_dir, policy
+        refuse_unsupported(engine)
+        classify = LayerClassifier(layer_patterns)
         self.keys = model_layer_keys(engine, classify)
+        refuse_no_layers(engine, self.keys)
         policy.validate(self.keys)
         self.tracker = UpdateTracker(engine, classify) if (policy.needs_stats or stats) else None
         self.classify = classify
@@ -65,7 +71,8 @@ class LayerwiseCheckpointer:
         also writes its lineage record into the tag dir (DeepSpeed's files are complete)."""
         if lineage is not None:
             if decision.full and self.engine.global_rank == 0:
-                write_save_record(Path(tag_dir), lineage, self.engine.global_steps)
+                write_save_record(Path(tag_dir), lineage, self.engine.global_steps,
+                                  self.classify.patterns)
             self.lineage = lineage
         for k in self.keys:
             self.staleness[k] = 0 if k in decision.layers else self.staleness[k] + 1
@@ -100,9 +107,34 @@ class LayerwiseCheckpointer:
             dist.barrier()
 
 
-def write_save_record(tag_dir: Path, lineage: Lineage, global_steps: int) -> None:
-    """Rank 0: the lineage of a full save, beside DeepSpeed's files (which ignore it)."""
-    record = {"format": "mpitailor-save", **lineage.to_json(), "global_steps": global_steps}
+def refuse_unsupported(engine) -> None:
+    """Layer-wise saving reads ZeRO-3's partitioned flat buffers: refuse any other engine
+    when the checkpointer is made, not at its first partial save."""
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") \
+        else None
+    if stage != 3:
+        raise UserError(f"layer-wise saving needs DeepSpeed ZeRO stage 3; this engine runs "
+                        f"stage {stage}. Use stage 3, or save with engine.save_checkpoint")
+
+
+def refuse_no_layers(engine, keys: list[str]) -> None:
+    """A classifier that finds no decoder layers would make every 'partial' save a full one
+    under the key `other`: refuse, showing a parameter name to write a pattern for."""
+    if any(layer_index(k) is not None for k in keys):
+        return
+    names = [n for g in engine._get_zero_param_shapes() for n in g]
+    sample = next((n for n in names if any(c.isdigit() for c in n)), names[0] if names else "")
+    raise UserError(f"no decoder layers recognised in the parameter names (e.g. {sample!r}); "
+                    f"pass layer_patterns={{r'<regex with (\\d+) for the layer number>': "
+                    f"'layers.{{i}}'}} (see recipes/layer-patterns.yml)")
+
+
+def write_save_record(tag_dir: Path, lineage: Lineage, global_steps: int,
+                      layer_patterns: dict[str, str]) -> None:
+    """Rank 0: the lineage of a full save, beside DeepSpeed's files (which ignore it), and
+    the layer patterns the run saves with."""
+    record = {"format": "mpitailor-save", **lineage.to_json(), "global_steps": global_steps,
+              "layer_patterns": layer_patterns}
     tmp = tag_dir / f".{SAVE_RECORD}.tmp"
     if tmp.exists():
         tmp.unlink()

@@ -1,34 +1,106 @@
 """HF Trainer integration: `LayerwiseTrainer`, a Trainer whose checkpoints follow a policy.
 
     trainer = LayerwiseTrainer(policy=Parity(full_every=8), model=..., args=..., ...)
+    trainer.train(resume_from_checkpoint=True)     # after a failure: recovers, then resumes
 
 At each of the Trainer's own save steps the policy decides: a full save is the Trainer's
 usual `checkpoint-N/`; a partial save writes `checkpoint-N/` with the trainer state, rng
 states, config and training args, and a partial DeepSpeed tag dir (`save_layers`). `latest`
 is written last, so a `checkpoint-N/` without it is an interrupted save and is skipped by
-`mpitailor recover`. Requires DeepSpeed ZeRO-3; keep `save_total_limit` unset so the
-partial chain is not rotated away.
+`mpitailor recover`. `train(resume_from_checkpoint=True | path)` assembles the composite of
+the newest saves on the training ranks first (training/resume.py) and resumes from it.
+
+By default the optimizer gets one param group per layer (HF's optimizer, hyper-parameters
+and decay/no-decay split otherwise unchanged), so that every Adam step of a composite is
+exact; `per_layer_groups=False` keeps HF's two groups. Requires DeepSpeed ZeRO-3 with the
+optimizer made by the Trainer (no "optimizer" section in the DeepSpeed config: DeepSpeed
+would build its own from one group); keep `save_total_limit` unset so the partial chain is
+not rotated away.
 """
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import transformers
 from accelerate.utils import DeepSpeedSchedulerWrapper
 
+from mpitailor.errors import UserError
+from mpitailor.layers import LayerClassifier, layer_index
 from mpitailor.training.checkpointer import LayerwiseCheckpointer
 from mpitailor.training.partial_save import save_layers
 from mpitailor.training.policies import Policy
+from mpitailor.training.resume import recover_for_resume
+from mpitailor.zero3.files import PARTIAL_MANIFEST
 
 
 class LayerwiseTrainer(transformers.Trainer):
     def __init__(self, *args, policy: Policy, stats: str | os.PathLike | None = None,
-                 **kwargs) -> None:
+                 layer_patterns: Mapping[str, str] | None = None,
+                 per_layer_groups: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.layerwise_policy, self.layerwise_stats = policy, stats
+        self.layer_patterns = dict(layer_patterns or {})
+        self.per_layer_groups = per_layer_groups
+        self._classify = LayerClassifier(self.layer_patterns)
         self._layerwise: LayerwiseCheckpointer | None = None
+        self._refuse_early()
+
+    def _refuse_early(self) -> None:
+        """What would fail at the first partial save, said when the Trainer is made."""
+        config = getattr(self.args, "hf_deepspeed_config", None)
+        stage = ((config.config if config is not None else {}).get("zero_optimization") or
+                 {}).get("stage") if config is not None else None
+        if stage != 3:
+            raise UserError(f"LayerwiseTrainer needs DeepSpeed ZeRO stage 3 (TrainingArguments"
+                            f"(deepspeed=...) with zero_optimization.stage 3); got "
+                            f"{'no DeepSpeed config' if config is None else f'stage {stage}'}")
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        if not any(layer_index(self._classify(n)) is not None for n in names):
+            sample = next((n for n in names if any(c.isdigit() for c in n)), names[0])
+            raise UserError(f"LayerwiseTrainer: no decoder layers recognised in the parameter "
+                            f"names (e.g. {sample!r}); pass layer_patterns={{r'<regex with "
+                            f"(\\d+) for the layer number>': 'layers.{{i}}'}}")
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """HF's optimizer, its groups split by layer (each keeps its hyper-parameters)."""
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if not (fresh and self.per_layer_groups):
+            return optimizer
+        names = {id(p): n for n, p in (model or self.model).named_parameters()}
+        groups = []
+        for group in optimizer.param_groups:
+            by_layer: dict[str, list] = {}
+            for p in group["params"]:
+                by_layer.setdefault(self._classify(names[id(p)]), []).append(p)
+            groups += [{**group, "params": ps} for ps in by_layer.values()]
+        # Regrouped in place (no step taken yet, so no state): any torch optimizer allows it.
+        optimizer.param_groups = []
+        for group in groups:
+            optimizer.add_param_group(group)
+        return optimizer
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """As Trainer.train; resume_from_checkpoint=True or the path of a (partial)
+        checkpoint-N first assembles the composite to resume from (collective)."""
+        if resume_from_checkpoint:
+            resume_from_checkpoint = str(self._resume_point(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _resume_point(self, wanted: str | bool) -> Path:
+        if wanted is True:
+            return recover_for_resume(self.args.output_dir)
+        path = Path(wanted)
+        if any(path.glob(f"global_step*/{PARTIAL_MANIFEST}")):  # a partial checkpoint-N
+            step = int(path.name.rpartition("-")[2])
+            return recover_for_resume(path.parent, until_step=step)
+        if any(path.glob("checkpoint-*")):  # the run's output dir
+            return recover_for_resume(path)
+        return path  # a full checkpoint: HF resumes from it as it is
 
     def _save_checkpoint(self, model, trial) -> None:
         if self.deepspeed is None:
@@ -37,7 +109,8 @@ class LayerwiseTrainer(transformers.Trainer):
         run_dir = Path(self._get_output_dir(trial=trial))
         if self._layerwise is None:
             self._layerwise = LayerwiseCheckpointer(self.deepspeed, run_dir,
-                                                    self.layerwise_policy, self.layerwise_stats)
+                                                    self.layerwise_policy, self.layerwise_stats,
+                                                    self.layer_patterns)
         decision = self._layerwise.decide()
         lineage = self._layerwise.next_lineage(decision)
         out = run_dir / f"checkpoint-{self.state.global_step}"
@@ -48,6 +121,16 @@ class LayerwiseTrainer(transformers.Trainer):
         self._layerwise.record(decision, lineage, out / f"global_step{self.state.global_step}")
 
     def _save_partial(self, out: Path, layers, lineage) -> None:
+        """A partial checkpoint-N; on failure, nothing of it is left (it had no `latest`)."""
+        created = not out.exists()
+        try:
+            self._write_partial(out, layers, lineage)
+        except BaseException:
+            if self.args.should_save and created:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+
+    def _write_partial(self, out: Path, layers, lineage) -> None:
         tag = f"global_step{self.state.global_step}"
         if self.args.should_save:
             out.mkdir(parents=True, exist_ok=True)
@@ -59,6 +142,7 @@ class LayerwiseTrainer(transformers.Trainer):
                 torch.save(self.lr_scheduler.state_dict(), out / "scheduler.pt")
         self.accelerator.wait_for_everyone()
         self._save_rng_state(str(out))
-        save_layers(self.deepspeed, out, tag, layers, lineage=lineage)
+        save_layers(self.deepspeed, out, tag, layers, classify=self._layerwise.classify,
+                    lineage=lineage)
         if self.args.should_save:
             (out / "latest").write_text(tag)

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from mpitailor.commit import fsync_and_record, fsync_dir, fsync_tree
-from mpitailor.layers import classify as default_classify
+from mpitailor.layers import LayerClassifier
 from mpitailor.stwrite import write_safetensors
-from mpitailor.zero3.files import PARTIAL_MANIFEST, Lineage, partial_files
+from mpitailor.zero3.files import PARTIAL_MANIFEST, Lineage, model_file, partial_files
 from mpitailor.zero3.layout import compute_layout
 from mpitailor.zero3.shard import KINDS, without_flat_buffers
 
@@ -38,6 +38,32 @@ class PartialSaveFailed(RuntimeError):
     """Some rank could not write its part; nothing was published."""
 
 
+class PartialCheckpointError(RuntimeError):
+    """DeepSpeed was asked to resume from a partial checkpoint alone."""
+
+
+def refuse_partial_resume(tag_dir: str):
+    """Raise the error that tells a user DeepSpeed is loading a partial checkpoint.
+
+    Each rank of a partial save also writes a guard file where DeepSpeed looks for its model
+    states; DeepSpeed's own loader unpickles it and so calls this (mpitailor's loaders never
+    read it). Without it, a plain Trainer or engine pointed at a partial checkpoint fails
+    deep inside DeepSpeed (`assert len(self.ckpt_list) > 0`) with no hint."""
+    raise PartialCheckpointError(
+        f"{tag_dir} is a partial checkpoint (only some layers were saved): DeepSpeed cannot "
+        f"resume from it alone. Assemble a full one first with `python -m mpitailor recover "
+        f"SAVE_DIR -o OUT` (SAVE_DIR: the dir of the run's saves) and resume from OUT, or use "
+        f"mpitailor's LayerwiseTrainer.train(resume_from_checkpoint=True)")
+
+
+class _ResumeGuard:
+    def __init__(self, tag_dir: str) -> None:
+        self.tag_dir = tag_dir
+
+    def __reduce__(self):
+        return (refuse_partial_resume, (self.tag_dir,))
+
+
 def model_states(engine, client_state: dict | None = None) -> dict:
     """The dict DeepSpeed itself writes as zero_pp_rank_*_model_states.pt (small)."""
     state = engine._common_checkpoint_state(engine.module_state_dict(), True, True)
@@ -46,7 +72,7 @@ def model_states(engine, client_state: dict | None = None) -> dict:
 
 
 def layer_slices(engine, param_shapes, layers: set[str],
-                 classify: Callable[[str], str] = default_classify) -> dict[str, torch.Tensor]:
+                 classify: Callable[[str], str]) -> dict[str, torch.Tensor]:
     """`{kind}/{name}` -> this rank's slice (padding included) for the chosen layers."""
     osd = engine.optimizer.state_dict()
     flats = osd["fp32_flat_groups"]
@@ -78,21 +104,23 @@ def rng_state() -> dict:
 
 def save_layers(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
                 client_state: dict | None = None,
-                classify: Callable[[str], str] = default_classify,
+                classify: LayerClassifier | None = None,
                 lineage: Lineage | None = None) -> Path:
     """Collective: publish `save_dir/tag` holding `layers` (layer keys, e.g. 'layers.3',
     'embed'). Returns the published path. Raises PartialSaveFailed on every rank if any
     rank failed; then nothing is published.
     lineage: the save's chain and parent (rank 0's is recorded), so that `recover` never
-    combines saves of two timelines; LayerwiseCheckpointer passes it."""
+    combines saves of two timelines; LayerwiseCheckpointer passes it.
+    classify: parameter name -> layer key; its patterns are recorded, so `recover` finds the
+    same layers without being told."""
     opt = engine.optimizer
     # As in engine.save_checkpoint: partition even the persistent (small) parameters so the
     # module's state dict holds placeholders, and gather them back afterwards (collective).
     if hasattr(opt, "checkpoint_event_prologue"):
         opt.checkpoint_event_prologue()
     try:
-        return _save_layers(engine, Path(save_dir), tag, set(layers), client_state, classify,
-                            lineage)
+        return _save_layers(engine, Path(save_dir), tag, set(layers), client_state,
+                            classify or LayerClassifier(), lineage)
     finally:
         if hasattr(opt, "checkpoint_event_epilogue"):
             opt.checkpoint_event_epilogue()
@@ -111,7 +139,7 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
         states = model_states(engine, client_state)
         records = _write_rank(staging, rank, states,
                               layer_slices(engine, states["param_shapes"], layers, classify),
-                              optimizer_meta(engine))
+                              optimizer_meta(engine), final)
     except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
         records, error = {}, f"rank {rank}: {type(e).__name__}: {e}"
     _agree(error, cleanup=staging if rank == 0 else None)
@@ -126,6 +154,7 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
                         "layers": sorted(layers),
                         "layout_sha256": _layout_hash(states["param_shapes"]),
                         "lineage": lineage.to_json() if lineage else None,
+                        "layer_patterns": classify.patterns,
                         "files": {k: v for part in all_records for k, v in part.items()}}
             _write_json(staging / PARTIAL_MANIFEST, manifest)
             fsync_tree(staging)
@@ -165,9 +194,12 @@ def _prepare(final: Path, staging: Path) -> str | None:
     return None
 
 
-def _write_rank(staging: Path, rank: int, states: dict, slices: dict, optim: dict) -> dict:
+def _write_rank(staging: Path, rank: int, states: dict, slices: dict, optim: dict,
+                final: Path) -> dict:
     names = partial_files(rank)
-    records = {}
+    guard = staging / model_file(rank)  # where DeepSpeed's loader looks (see _ResumeGuard)
+    torch.save(_ResumeGuard(str(final)), guard)
+    records = {guard.name: fsync_and_record(guard)}
     for key, obj in (("model", states), ("optim", optim), ("rng", rng_state())):
         path = staging / names[key]
         torch.save(obj, path)

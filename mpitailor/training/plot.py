@@ -11,7 +11,10 @@ from mpitailor.errors import UserError
 
 def plot_stats(path: Path, out: Path) -> None:
     import h5py
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("stats plot needs matplotlib: pip install 'mpitailor[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

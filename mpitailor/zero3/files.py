@@ -128,14 +128,19 @@ def read_latest(latest: Path) -> str:
     return tag
 
 
-def read_lineage(tag_dir: Path, partial: bool) -> Lineage | None:
-    """The save's lineage record, if mpitailor wrote one (None for plain DeepSpeed saves)."""
+def read_save_record(tag_dir: Path, partial: bool) -> tuple[Lineage | None, dict[str, str]]:
+    """(lineage, layer patterns) that mpitailor recorded for a save; (None, {}) for plain
+    DeepSpeed saves."""
     path = tag_dir / (PARTIAL_MANIFEST if partial else SAVE_RECORD)
     if not path.is_file():
-        return None
+        return None, {}
     try:
         raw = json.loads(path.read_text())
-        return Lineage.from_json(raw.get("lineage") if partial else raw)
+        lineage = Lineage.from_json(raw.get("lineage") if partial else raw)
+        patterns = raw.get("layer_patterns") or {}
+        if not isinstance(patterns, dict):
+            raise TypeError("layer_patterns is not a mapping")
+        return lineage, {str(k): str(v) for k, v in patterns.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: unreadable save record ({e})") from None
 

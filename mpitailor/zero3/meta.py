@@ -37,6 +37,7 @@ class CheckpointMeta:
     held_layers: frozenset[str] | None = None    # partial checkpoints: the layer keys saved
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE  # ZeRO-3 config: where sub-groups close
     lineage: zfiles.Lineage | None = None        # place in a timeline (mpitailor saves)
+    layer_patterns: tuple[tuple[str, str], ...] = ()  # the patterns the run saved with
 
     @property
     def world_size(self) -> int:
@@ -78,6 +79,7 @@ def read_meta(path: Path | str) -> CheckpointMeta:
             t.numel() != n for t, n in zip(flat, layout.subgroup_sizes))):
         raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
                               f"param_shapes of {files.model_path(0)}; files from different runs?")
+    lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial)
     return CheckpointMeta(
         files=files, layout=layout, dtype=_model_dtype(model),
         global_steps=int(model["global_steps"]),
@@ -89,7 +91,7 @@ def read_meta(path: Path | str) -> CheckpointMeta:
         shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
         ds_version=str(model.get("ds_version", "")),
         held_layers=_held_layers(files) if files.partial else None,
-        lineage=zfiles.read_lineage(files.tag_dir, files.partial),
+        lineage=lineage, layer_patterns=tuple(patterns.items()),
         sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
                            .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )

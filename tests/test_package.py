@@ -1,0 +1,82 @@
+"""The built wheel, installed into a fresh venv outside the checkout, has everything the
+README names: the `mpitailor` command, the demo, the recipes and the Slurm prologue.
+
+Offline: the wheel is built here, and the fresh venv finds the dependencies (torch,
+DeepSpeed, ...) through a .pth file pointing at this venv's site-packages, which does not
+make the checkout's own (editable) mpitailor importable there."""
+from __future__ import annotations
+
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_fixtures import build
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(cmd, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
+                          **kwargs)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pkg")
+    wheels = root / "wheels"
+    r = sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+            "-w", wheels, REPO])
+    assert r.returncode == 0, r.stderr
+    venv = root / "venv"
+    assert sh([sys.executable, "-m", "venv", venv]).returncode == 0
+    lib = next((venv / "lib").glob("python3*/site-packages"))
+    (lib / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    r = sh([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+            *wheels.glob("mpitailor-*.whl")])
+    assert r.returncode == 0, r.stderr
+    away = root / "elsewhere"  # outside the checkout: nothing of it is on the path
+    away.mkdir()
+    # MPICH (`mpitailor[mpi]`) as this venv has it: mpiexec on PATH, libmpi where the loader
+    # looks (mpi4py would find it in the new venv's lib/ had pip put it there).
+    dev = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{dev}:{os.environ['PATH']}",
+           "LD_LIBRARY_PATH": str(dev.parent / "lib")}
+    env.pop("PYTHONPATH", None)
+    return venv, away, env, lib
+
+
+def test_the_command_names_itself_and_finds_its_files(installed):
+    venv, away, env, lib = installed
+    r = sh([venv / "bin" / "mpitailor", "--help"], cwd=away, env=env)
+    assert r.returncode == 0 and r.stdout.startswith("usage: mpitailor "), r.stdout
+    r = sh([venv / "bin" / "mpitailor", "paths"], cwd=away, env=env)
+    assert r.returncode == 0, r.stderr
+    dirs = dict(line.split(None, 1) for line in r.stdout.splitlines())
+    for kind, name in (("recipes", "parity.yml"), ("slurm", "resume-prologue.sh")):
+        assert Path(dirs[kind]).is_relative_to(lib) and (Path(dirs[kind]) / name).is_file()
+    r = sh([venv / "bin" / "python", "-c", "import mpitailor; print(mpitailor.__file__)"],
+           cwd=away, env=env)
+    assert Path(r.stdout.strip()).is_relative_to(lib), r.stdout  # the wheel's, not the repo's
+
+
+def test_the_demo_runs_from_the_installed_package(installed):
+    venv, away, env, _ = installed
+    r = sh([venv / "bin" / "python", "-m", "mpitailor.demo", "--out", away / "demo"],
+           cwd=away, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed" in r.stdout.lower(), r.stdout
+
+
+def test_the_prologue_runs_from_the_installed_package(installed):
+    venv, away, env, _ = installed
+    save = build("w2_parity")
+    env = {**env, "MPITAILOR_LAUNCH": f"{Path(sys.executable).parent / 'mpiexec'} -n 2"}
+    r = sh([venv / "bin" / "mpitailor", "slurm-prologue", save, away / "resume"], cwd=away,
+           env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"MPITAILOR_RESUME_FROM={away / 'resume' / 'recovered-step8'}\n"
+    assert "written by 2 rank(s)" in r.stderr
