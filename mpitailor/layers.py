@@ -28,11 +28,13 @@ MATCH_SECONDS = 1.0  # per parameter name: a pattern that needs longer backtrack
 _PREFIX = r"(?:\w+\.)*?"
 DECODER_RULES: tuple[tuple[str, str], ...] = (
     (_PREFIX + r"(?:layers|h|blocks|layer)\.(\d+)\..*", LAYER_KEY),
-    (_PREFIX + r"(?:embed_tokens|embed_in|embed_positions|wte|wpe|word_embeddings|"
-               r"word_embeddings_layernorm|embeddings|project_in)\.\w+", "embed"),
-    (_PREFIX + r"(?:norm|ln_f|final_layer_norm|final_layernorm|final_norm|norm_f|ln_out|"
-               r"layer_norm|layernorm|project_out)\.\w+", "norm"),
-    (r"(?:lm_head|embed_out|output_projection|head)\.\w+", "lm_head"),
+    # Heads before embeddings: GPT-NeoX's head is `embed_out`.
+    (r"(?:lm_head|embed_out|output_projection|head)\..*", "lm_head"),
+    # Any module named *embed* (embed_tokens, embeddings, word_embeddings_layernorm,
+    # layernorm_embedding, ...), GPT-2's wte/wpe, OPT's project_in.
+    (_PREFIX + r"(?:\w*embed\w*|wte|wpe|project_in)\..*", "embed"),
+    # Outside the blocks, any module named *norm* (norm, ln_f, final_layer_norm, norm_f, ...).
+    (_PREFIX + r"(?:\w*norm\w*|ln_f|ln_out|project_out)\..*", "norm"),
 )
 
 _WRAPPERS = re.compile(r"^(?:module\.|_orig_mod\.)+")

@@ -157,7 +157,7 @@ def choose(save_dir: Path, saves: list[Save]) -> Chain:
             continue
         if not s.partial:
             skipped[s.name] = (f"a full save not named by {save_dir / 'latest'}"
-                               if latest_tag else "a full save older than the one used")
+                               if latest_tag else f"another full save of step {s.step}")
         else:
             skipped[s.name] = (f"another timeline: it does not build on {start.name} "
                                f"(an abandoned run, or a save that was replaced)")

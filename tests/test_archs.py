@@ -20,22 +20,21 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3",
          "gpt_neox", "gptj", "opt", "falcon", "bloom", "stablelm", "olmo", "gpt_neo"]
 
 
-def train_and_recover(tmp_path, **spec_changes) -> tuple[TrainSpec, dict, str]:
+def train_and_recover(tmp_path, **spec_changes) -> tuple[TrainSpec, dict]:
     spec = TrainSpec(save_dir=str(tmp_path / "save"), world_size=2, layers=2,
                      grouping="per_layer", steps=4, save_at=(2, 4),
                      policy={"name": "parity"}, **spec_changes)
     launch(spec)
     assert read_meta(tmp_path / "save" / "global_step4").held_layers is not None  # partial
     out = tmp_path / "recovered"
-    recipe = run_cli(["recover", spec.save_dir, "--emit-recipe"], {}).stdout
     r = run_cli(["recover", spec.save_dir, "-o", str(out)], {}, ranks=2)
     assert r.returncode == 0, r.stderr
-    return spec, json.loads((out / "mpitailor_manifest.json").read_text()), recipe
+    return spec, json.loads((out / "mpitailor_manifest.json").read_text())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layerwise_save_recover_resume(tmp_path, arch):
-    spec, manifest, _ = train_and_recover(tmp_path, arch=arch)
+    spec, manifest = train_and_recover(tmp_path, arch=arch)
     steps = {k: v["global_steps"] for k, v in manifest["layers"].items()}
     assert steps["layers.1"] == 4 and steps["layers.0"] == 2, steps  # a composite
     assert "other" not in steps, steps
@@ -49,8 +48,8 @@ def test_recover_uses_the_layer_patterns_the_saves_recorded(tmp_path):
     """A run that files its layers' norms under `other`: the saves record that, so recover
     (no flag) classifies as the run did; `--layer-pattern` replaces the recorded patterns."""
     patterns = {r"model\.layers\.\d+\..*layernorm\..*": "other"}
-    spec, manifest, recipe = train_and_recover(tmp_path, layer_patterns=patterns)
-    assert yaml.safe_load(recipe)["layer_patterns"] == patterns
+    spec, manifest = train_and_recover(tmp_path, layer_patterns=patterns)
+    assert yaml.safe_load(manifest["recipe"])["layer_patterns"] == patterns
     assert manifest["layers"]["other"]["global_steps"] == 4  # saved at every save
     r = run_cli(["recover", spec.save_dir, "-o", str(tmp_path / "x"),
                  "--layer-pattern", r"nothing\.matches=embed"], {}, ranks=2)

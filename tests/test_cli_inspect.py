@@ -30,3 +30,43 @@ def test_inspect_table_and_clear_error(ckpt, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"mpitailor: error: {tmp_path / 'missing'}: "
                                              "no such checkpoint; check the path"]
+
+
+def test_inspect_tells_full_partial_and_composite(tmp_path):
+    from ckpt_fixtures import build
+    save = build("w2_parity")  # full save at 2, partial saves at 4, 6, 8
+    full = json.loads(run("inspect", "--json", str(save / "global_step2")).stdout)
+    partial = json.loads(run("inspect", "--json", str(save / "global_step4")).stdout)
+    assert full["kind"] == "full" and len(full["layers"]) == 7
+    assert partial["kind"] == "partial"
+    assert set(partial["layers"]) == {"layers.1", "layers.3", "embed", "norm", "lm_head"}
+    out = tmp_path / "recovered"
+    assert run("recover", str(save), "-o", str(out)).returncode == 0
+    composite = json.loads(run("inspect", "--json", str(out)).stdout)
+    assert composite["kind"] == "composite"
+    assert {k: v["from"] for k, v in composite["layers"].items()} == {
+        "embed": "global_step8", "layers.0": "global_step6", "layers.1": "global_step8",
+        "layers.2": "global_step6", "layers.3": "global_step8", "norm": "global_step8",
+        "lm_head": "global_step8"}
+    table = run("inspect", str(out)).stdout
+    assert "kind         composite" in table and "global_step6 (6)" in table
+
+
+def test_recover_prints_its_recipe_once_and_dry_runs_without_output(tmp_path):
+    from ckpt_fixtures import build
+    from merging import run_cli
+    save = build("w2_parity")
+    r = run_cli(["recover", str(save), "--emit-recipe"], {}, ranks=2)
+    assert r.returncode == 0 and r.stdout.count("sources:") == 1, r.stdout
+    r = run_cli(["recover", str(save), "--dry-run"], {}, ranks=2)
+    assert r.returncode == 0 and "layers.0    global_step6" in r.stdout, r.stdout
+
+
+def test_stats_plot_without_matplotlib_says_which_extra(tmp_path, monkeypatch):
+    import pytest
+    from ckpt_fixtures import build
+    from mpitailor.errors import UserError
+    from mpitailor.training.plot import plot_stats
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(UserError, match=r"pip install 'mpitailor\[plot\]'"):
+        plot_stats(build("w2_adaptive") / "stats.h5", tmp_path / "x.png")
