@@ -35,6 +35,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mpitailor.errors import UserError
+    from mpitailor.layers import check_patterns
     from mpitailor.merge import plan_recipe, run_planned
     from mpitailor.recipe import parse_recipe
     from mpitailor.recovery import plan_recovery, recovery_recipe
@@ -44,9 +45,6 @@ def cmd_recover(args: argparse.Namespace) -> int:
     out = Path(args.output).resolve() if args.output else None
     if out is None and not (args.emit_recipe or args.dry_run):
         raise UserError("recover: give -o OUTPUT (or --emit-recipe to only print the recipe)")
-    chain = plan_recovery(comm, save_dir)
-    if out is None and args.dry_run:  # a dry run needs no output: plan for a default one
-        out = save_dir.parent / f"{save_dir.name}-recovered"
     patterns = None
     if args.layer_pattern:
         patterns = {}
@@ -56,6 +54,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
                 raise UserError(f"--layer-pattern {item!r}: write REGEX=KEY, e.g. "
                                 f"'model\\.decoder\\.layers\\.(\\d+)\\..*=layers.{{i}}'")
             patterns[regex] = key
+        check_patterns(patterns, where="--layer-pattern")
+    chain = plan_recovery(comm, save_dir)
+    if out is None and args.dry_run:  # a dry run needs no output: plan for a default one
+        out = save_dir.parent / f"{save_dir.name}-recovered"
     text = recovery_recipe(save_dir, chain, out, patterns)
     if args.emit_recipe:
         if comm.rank == 0:
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             from mpitailor.log import setup_logging
 
             comm = Comm.world()
-            interrupt.set_prefix(f"[rank {comm.rank}] " if comm.size > 1 else "")
+            interrupt.set_rank(comm.rank, comm.size)
             setup_logging(comm.rank, comm.size, verbosity)
             args.comm = comm
         else:

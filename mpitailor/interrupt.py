@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _cleanups: list[Callable[[], None]] = []
 _prefix = [""]
+_linger = [0.0]
 
 
 def install() -> None:
@@ -31,9 +33,12 @@ def restore() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
-def set_prefix(prefix: str) -> None:
-    """What the line starts with ("[rank 3] " under MPI), once the rank is known."""
-    _prefix[0] = prefix
+def set_rank(rank: int, size: int) -> None:
+    """Once the rank is known: the line's prefix ("[rank 3] " under MPI), and how long a
+    rank with nothing to clean up waits before it exits. A launcher that sees one rank exit
+    kills the others (MPICH's mpiexec does), and rank 0 must first remove what it staged."""
+    _prefix[0] = f"[rank {rank}] " if size > 1 else ""
+    _linger[0] = 0.5 if rank > 0 else 0.0
 
 
 def on_interrupt(fn: Callable[[], None]) -> Callable[[], None]:
@@ -52,4 +57,5 @@ def _watch() -> None:
     name = signal.Signals(sig).name
     os.write(2, f"{_prefix[0]}mpitailor: interrupted by {name}: stopped, staged files "
                 f"removed, nothing published\n".encode())
+    time.sleep(_linger[0])
     os._exit(128 + sig)

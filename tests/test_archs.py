@@ -1,12 +1,13 @@
 """Layer-wise saving, recovery and resume for popular decoder-only architectures (issue 18),
 each a real DeepSpeed ZeRO-3 run of a tiny random-init model built from its HF config: a
-full save at step 2, a partial (parity) save at 4, `recover` under mpiexec, and DeepSpeed
-resuming the composite. Plus layer patterns recorded in the saves and used by `recover`."""
+full save at step 2, a partial (parity) save at 4, recovery on the training ranks, and
+DeepSpeed resuming the composite. Plus layer patterns recorded in the saves and used by
+`recover` under mpiexec."""
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -34,12 +35,21 @@ def train_and_recover(tmp_path, **spec_changes) -> tuple[TrainSpec, dict]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layerwise_save_recover_resume(tmp_path, arch):
-    spec, manifest = train_and_recover(tmp_path, arch=arch)
+    """One launch per architecture: train with a full save at 2 and a partial save at 4, then
+    the same ranks recover the saves (`recover_for_resume`, collective over torch.distributed),
+    load the composite with DeepSpeed's `load_checkpoint` and train on."""
+    spec = TrainSpec(save_dir=str(tmp_path / "save"), world_size=2, layers=2,
+                     grouping="per_layer", steps=4, save_at=(2, 4), policy={"name": "parity"},
+                     arch=arch, then_resume=1)
+    result = launch(spec)
+    assert read_meta(tmp_path / "save" / "global_step4").held_layers is not None  # partial
+    resumed = result["resumed"]
+    composite = Path(resumed["from"])
+    assert composite.parent == tmp_path / "save" / ".mpitailor-resume"
+    manifest = json.loads((composite / "mpitailor_manifest.json").read_text())
     steps = {k: v["global_steps"] for k, v in manifest["layers"].items()}
     assert steps["layers.1"] == 4 and steps["layers.0"] == 2, steps  # a composite
     assert "other" not in steps, steps
-    resumed = launch(replace(spec, save_dir=str(tmp_path / "resumed"), steps=5, save_at=(),
-                             policy=None, load_dir=str(tmp_path / "recovered")))
     assert resumed["first_step"] == 4 and resumed["global_steps"] == 5
     assert all(math.isfinite(x) for x in resumed["losses"]), resumed
 

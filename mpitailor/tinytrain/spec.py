@@ -49,6 +49,7 @@ class TrainSpec:
     layer_patterns: dict | None = None  # layer-wise saving: {regex: layer key}
     hf_trainer: str = "layerwise"  # HF runs with a policy: "layerwise" or plain "trainer"
     per_layer_groups: bool = True  # LayerwiseTrainer's default: one param group per layer
+    then_resume: int = 0  # after training: recover the own saves, load them, train N steps
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -131,12 +131,27 @@ def main(spec_path: str, result_path: str) -> None:
             tag=f"global_step{step}", client_state=client_state(spec, step))
     losses = train(spec, engine, first, on_save)
     eval_loss = held_out_loss(spec, engine) if spec.eval_batches else None
+    resumed = resume_own_saves(spec, engine) if spec.then_resume else None
     if engine.global_rank == 0:
         Path(result_path).write_text(json.dumps(
             {"losses": losses, "first_step": first, "global_steps": engine.global_steps,
              "world_size": engine.world_size, "eval_loss": eval_loss,
-             "client_state": shown_client_state(client)}))
+             "client_state": shown_client_state(client), "resumed": resumed}))
     shutdown()
+
+
+def resume_own_saves(spec: TrainSpec, engine) -> dict:
+    """Recover this run's saves on its own ranks (mpitailor.training.recover_for_resume),
+    load the composite into the engine as a resume would, train spec.then_resume steps."""
+    from mpitailor.training import recover_for_resume
+    path = recover_for_resume(spec.save_dir)
+    loaded, _ = engine.load_checkpoint(str(path))
+    if loaded is None:
+        raise SystemExit(f"DeepSpeed loaded nothing from {path}")
+    start = engine.global_steps
+    losses = train(replace(spec, steps=start + spec.then_resume, save_at=()), engine, start)
+    return {"from": str(path), "first_step": start, "global_steps": engine.global_steps,
+            "losses": losses}
 
 
 def shutdown() -> None:

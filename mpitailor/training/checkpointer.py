@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mpitailor.commit import fsync_dir, write_synced
 from mpitailor.errors import UserError
 from mpitailor.layers import LayerClassifier, layer_index
 from mpitailor.training.partial_save import save_layers
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
-from mpitailor.commit import fsync_dir, write_synced
 from mpitailor.zero3.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 
 

@@ -3,7 +3,7 @@
 `torch.load(weights_only=True)` refuses every global outside an allow-list. DeepSpeed's
 optimizer files pickle two small classes of its own; they are allowed by name. Model-states
 files may also hold the training script's own objects (client state): loaded with
-`opaque=True`, those become stand-ins that are carried through unbuilt (see opaque.py).
+`opaque_ok=True`, those become stand-ins that are carried through unbuilt (see opaque.py).
 Classes the user names with `trust()` (`--safe-globals`) are imported and built for real.
 Files are memory-mapped, so only the pages of the tensors a caller touches are read.
 """
@@ -101,7 +101,8 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",), mmap: boo
         raise CheckpointError(f"{path}: file not found") from None
     except pickle.UnpicklingError as e:
         name = _culprit(str(e))
-        hint = f" (if you trust this file, --safe-globals {name} allows it)" if name else ""
+        hint = f" (if you trust this file, --safe-globals {name} allows it)" \
+            if name and opaque.may_stand_in(name) else ""
         raise CheckpointError(
             f"{path}: refused to load: it pickles {name or 'an object'} outside mpitailor's "
             f"allow-list; mpitailor never runs code from checkpoint files{hint}") from None
