@@ -79,28 +79,27 @@ def find_saves(save_dir: Path) -> list[Save]:
             continue  # staging dirs of interrupted saves, files
         if (child / MANIFEST).exists():
             continue  # an earlier composite written here is not a save of this run
-        lineage, problem = _lineage(child)
         try:
-            meta = read_meta(child)
+            meta = read_meta(child)  # reads the save's lineage record too
         except CheckpointError as e:
             if child.name.startswith(SAVE_NAMES) or (child / PARTIAL_MANIFEST).exists():
-                found.append(Save(child.name, child, None, lineage, str(e)))
+                found.append(Save(child.name, child, None, _lineage(child), str(e)))
             continue
-        found.append(Save(child.name, child, meta, lineage or meta.lineage, problem))
+        found.append(Save(child.name, child, meta, meta.lineage))
     return sorted(found, key=lambda s: (s.step, s.name))
 
 
-def _lineage(child: Path) -> tuple[Lineage | None, str | None]:
-    """A save's lineage, read even when the save itself cannot be (its children need it)."""
+def _lineage(child: Path) -> Lineage | None:
+    """The lineage of a save that cannot be read as a whole (its successors still need it)."""
     for tag_dir in (child, *(p for p in child.glob("global_step*") if p.is_dir())):
         for partial in (True, False):
             try:
                 found = read_save_record(tag_dir, partial)[0]
-            except CheckpointError as e:
-                return None, str(e)
+            except CheckpointError:
+                return None
             if found is not None:
-                return found, None
-    return None, None
+                return found
+    return None
 
 
 def check_saves(comm: Comm, saves: list[Save], crc_of: set[str] = frozenset()) -> list[Save]:
