@@ -13,11 +13,11 @@ import logging
 import os
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 from mpitailor import interrupt
 from mpitailor.errors import MergeFailed, UserError
+from mpitailor.filerecord import FileRecord
 
 log = logging.getLogger(__name__)
 
@@ -153,23 +153,6 @@ def fsync_dir(path: Path) -> None:
 def fsync_tree(root: Path) -> None:
     for dirpath, _, _ in os.walk(root):
         fsync_dir(Path(dirpath))
-
-
-class FileRecord:
-    """Size and CRC-32 of a file, accumulated as it is written (one pass, no re-read).
-
-    CRC-32 detects corruption (as zip's own record CRCs do) at 2-3x the speed of sha256;
-    it is not a defence against tampering, which nothing here claims to be."""
-
-    def __init__(self) -> None:
-        self.n, self.crc = 0, 0
-
-    def update(self, data) -> None:
-        self.crc = zlib.crc32(data, self.crc)
-        self.n += len(data)
-
-    def record(self) -> dict:
-        return {"bytes": self.n, "crc32": f"{self.crc:08x}"}
 
 
 def write_synced(path: Path, data: bytes) -> dict:

@@ -5,8 +5,7 @@ import json
 
 from mpitailor.extras import MANIFEST
 from mpitailor.layers import LayerClassifier, sort_keys
-from mpitailor.zero3 import CheckpointMeta
-from mpitailor.zero3.shard import BYTES_PER_ELEMENT
+from mpitailor.zero3 import BYTES_PER_ELEMENT, CheckpointMeta
 
 
 

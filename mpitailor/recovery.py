@@ -28,10 +28,11 @@ from mpitailor.comm import Comm
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
 from mpitailor.extras import MANIFEST
 from mpitailor.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
-from mpitailor.zero3 import CheckpointMeta, read_meta
+from mpitailor.zero3 import CheckpointMeta
 from mpitailor.zero3.files import (PARTIAL_MANIFEST, SAVE_RECORD, Lineage, read_latest,
                                    read_save_record)
 from mpitailor.zero3.partial_shard import check_partial_rank
+from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.shard import open_shard
 
 log = logging.getLogger(__name__)

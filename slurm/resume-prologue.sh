@@ -48,7 +48,7 @@ announce() {
 is_recovery_of() {
     [[ -f $1/mpitailor_manifest.json && -f $1/latest ]] || return 1
     "$PY" -c 'import json, sys
-from mpitailor.zero3 import read_meta
+from mpitailor.zero3.read import read_meta
 m = json.load(open(sys.argv[1] + "/mpitailor_manifest.json"))
 base = m["sources"][m["base"]]
 lineage = read_meta(sys.argv[2]).lineage

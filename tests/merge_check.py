@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from mpitailor.layers import classify
-from mpitailor.zero3 import KINDS, open_shard, read_meta
+from mpitailor.zero3 import KINDS
+from mpitailor.zero3.read import read_meta
+from mpitailor.zero3.shard import open_shard
 
 
 def check_merge(out: Path, expected: dict[str, Path], base: Path) -> None:

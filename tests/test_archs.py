@@ -15,7 +15,7 @@ import yaml
 from merging import run_cli
 
 from mpitailor.tinytrain import TrainSpec, launch
-from mpitailor.zero3 import read_meta
+from mpitailor.zero3.read import read_meta
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "gpt2",
          "gpt_neox", "gptj", "opt", "falcon", "bloom", "stablelm", "olmo", "gpt_neo"]

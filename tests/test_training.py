@@ -17,7 +17,8 @@ from merge_check import check_merge
 from merging import run_cli
 
 from mpitailor.tinytrain import launch
-from mpitailor.zero3 import open_shard, read_meta
+from mpitailor.zero3.read import read_meta
+from mpitailor.zero3.shard import open_shard
 
 AUX = ("embed", "norm", "lm_head")
 

@@ -17,7 +17,7 @@ from merging import RECIPES, run_cli
 
 from mpitailor.tinytrain import launch
 from mpitailor.tinytrain.worker import client_state, shown_client_state
-from mpitailor.zero3 import read_meta
+from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.safeload import load
 
 AUX = ("embed", "norm", "lm_head")

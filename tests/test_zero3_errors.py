@@ -9,8 +9,10 @@ import torch
 
 from ckpt_fixtures import tag_dir as fixture_tag_dir
 from mpitailor.errors import CheckpointError
-from mpitailor.zero3 import open_shard, read_meta, resolve
+from mpitailor.zero3 import resolve
+from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.safeload import load
+from mpitailor.zero3.shard import open_shard
 
 
 class Payload:

@@ -6,8 +6,10 @@ import torch
 from deepspeed.utils import zero_to_fp32 as z2f
 
 from ckpt_fixtures import ZERO3_VARIANTS
-from mpitailor.zero3 import compute_layout, open_shard, read_meta
+from mpitailor.zero3 import compute_layout
 from mpitailor.zero3.consolidate import consolidate
+from mpitailor.zero3.read import read_meta
+from mpitailor.zero3.shard import open_shard
 
 
 def deepspeed_moments(tag_dir, meta, kind: str) -> dict[str, torch.Tensor]:

@@ -27,8 +27,8 @@ from mpitailor.commit import fsync_and_record, fsync_dir, fsync_tree
 from mpitailor.layers import LayerClassifier
 from mpitailor.stwrite import write_safetensors
 from mpitailor.zero3.files import PARTIAL_MANIFEST, Lineage, model_file, partial_files
-from mpitailor.zero3.layout import compute_layout
-from mpitailor.zero3.shard import KINDS, without_flat_buffers
+from mpitailor.zero3.layout import KINDS, compute_layout
+from mpitailor.zero3.shard import without_flat_buffers
 
 FORMAT = "mpitailor-partial"
 VERSION = 1

@@ -1,10 +1,21 @@
-"""Reading and writing DeepSpeed ZeRO-3 checkpoints: layout, files, safe loading."""
+"""Reading and writing DeepSpeed ZeRO-3 checkpoints: layout, files, safe loading.
+
+The package re-exports only its torch-free records (files, layout, meta), so the planner
+can import them without torch. Reading needs torch: `read_meta` is in `zero3.read`,
+`open_shard`/`RankShard` in `zero3.shard`; import them from there.
+"""
 from __future__ import annotations
 
 from mpitailor.zero3.files import CheckpointFiles, resolve
-from mpitailor.zero3.layout import Layout, Slot, compute_layout
-from mpitailor.zero3.meta import CheckpointMeta, read_meta
-from mpitailor.zero3.shard import KINDS, RankShard, open_shard
+from mpitailor.zero3.layout import (
+    BYTES_PER_ELEMENT,
+    KINDS,
+    MOMENTS,
+    Layout,
+    Slot,
+    compute_layout,
+)
+from mpitailor.zero3.meta import CheckpointMeta
 
-__all__ = ["KINDS", "CheckpointFiles", "CheckpointMeta", "Layout", "RankShard", "Slot",
-           "compute_layout", "open_shard", "read_meta", "resolve"]
+__all__ = ["BYTES_PER_ELEMENT", "KINDS", "MOMENTS", "CheckpointFiles", "CheckpointMeta",
+           "Layout", "Slot", "compute_layout", "resolve"]

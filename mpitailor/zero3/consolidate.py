@@ -5,9 +5,9 @@ from collections.abc import Sequence
 
 import torch
 
-from mpitailor.zero3.layout import Slot
+from mpitailor.zero3.layout import KINDS, Slot
 from mpitailor.zero3.meta import CheckpointMeta
-from mpitailor.zero3.shard import KINDS, RankShard, open_all_shards
+from mpitailor.zero3.shard import RankShard, open_all_shards
 
 
 def full_tensor(shards: Sequence[RankShard], slot: Slot, kind: str) -> torch.Tensor:

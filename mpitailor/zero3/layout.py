@@ -12,6 +12,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+KINDS = ("fp32",) + MOMENTS  # the flat buffers of each sub-group, all fp32, one layout
+BYTES_PER_ELEMENT = 4 * len(KINDS)  # fp32 master + exp_avg + exp_avg_sq, per element
+
 
 @dataclass(frozen=True, slots=True)
 class Slot:

@@ -172,7 +172,7 @@ def test_flipped_bytes_inside_a_tensor_record(run, tmp_path):
     merge cannot see a flipped bit inside a record it reads only part of."""
     root, env = run
     victim = root / "global_step5" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    from mpitailor.zero3 import read_meta
+    from mpitailor.zero3.read import read_meta
     from mpitailor.zero3.shard import open_shard
     with open_shard(read_meta(root / "global_step5"), 1) as shard:
         at = shard.offsets["exp_avg", 0] + 1000

@@ -1,0 +1,131 @@
+"""Read a checkpoint's `CheckpointMeta` (meta.py) from its rank-0 files, and check them.
+
+Apart from the record so that the record stays torch-free: the files are torch pickles,
+so reading them needs torch (memory-mapped; big tensors are never touched).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mpitailor.errors import CheckpointError
+from mpitailor.zero3 import files as zfiles
+from mpitailor.zero3.files import CheckpointFiles
+from mpitailor.zero3.layout import compute_layout
+from mpitailor.zero3.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
+from mpitailor.zero3.rawio import materialize
+from mpitailor.zero3.safeload import load
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def read_meta(path: Path | str) -> CheckpointMeta:
+    """Read a checkpoint's metadata from its rank-0 files (memory-mapped, tensors untouched)."""
+    files = zfiles.resolve(path)
+    model = load(files.model_path(0), opaque_ok=True)
+    # Structure only (steps read below); a partial checkpoint's optim file has no buffers.
+    optim = load(files.optim_path(0), index_only=not files.partial)
+    _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
+    _require_keys(files.optim_path(0), optim, ("optimizer_state_dict",))
+    osd = optim["optimizer_state_dict"]
+    stage = int(osd.get("zero_stage", 3))
+    if stage != 3:
+        raise CheckpointError(f"{files.optim_path(0)}: a ZeRO stage {stage} checkpoint; "
+                              f"mpitailor supports ZeRO stage 3 only (not supported)")
+    if int(model.get("mp_world_size") or 1) > 1:
+        raise CheckpointError(f"{files.model_path(0)}: mp_world_size="
+                              f"{model['mp_world_size']}: a tensor/pipeline-parallel checkpoint; "
+                              f"mpitailor merges data-parallel ZeRO-3 checkpoints only")
+    world = int(model["dp_world_size"])
+    if world != files.world_size or int(osd.get("partition_count", world)) != world:
+        raise CheckpointError(
+            f"{files.tag_dir}: {files.world_size} rank files but dp_world_size={world} and "
+            f"partition_count={osd.get('partition_count')}; files from different runs?")
+    layout = compute_layout(_checked_shapes(files.model_path(0), model["param_shapes"]), world)
+    inner = osd["optimizer_state_dict"]
+    n_sub = len(layout.subgroup_sizes)
+    flat = osd.get("fp32_flat_groups", [])
+    if not files.partial and (len(flat) != n_sub or any(
+            t.numel() != n for t, n in zip(flat, layout.subgroup_sizes))):
+        raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
+                              f"param_shapes of {files.model_path(0)}; files from different runs?")
+    lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial)
+    return CheckpointMeta(
+        files=files, layout=layout, dtype=_model_dtype(model),
+        global_steps=int(model["global_steps"]),
+        global_samples=int(model.get("global_samples", 0)),
+        param_groups=tuple(tuple(int(i) for i in g["params"]) for g in inner["param_groups"]),
+        subgroup_steps=_read_steps(files.optim_path(0), inner["state"], n_sub),
+        frozen_shapes=tuple((n, tuple(int(d) for d in s))
+                            for n, s in (model.get("frozen_param_shapes") or {}).items()),
+        shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
+        ds_version=str(model.get("ds_version", "")),
+        held_layers=_held_layers(files) if files.partial else None,
+        lineage=lineage, layer_patterns=tuple(patterns.items()),
+        sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
+                           .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
+    )
+
+
+def _held_layers(files: CheckpointFiles) -> frozenset[str]:
+    manifest = json.loads((files.tag_dir / zfiles.PARTIAL_MANIFEST).read_text())
+    return frozenset(manifest["layers"])
+
+
+def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a DeepSpeed checkpoint dict")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise CheckpointError(f"{path}: missing key {missing[0]!r}; not a DeepSpeed ZeRO-3 "
+                              f"checkpoint file")
+
+
+MAX_ELEMENTS = 1 << 48  # far beyond any parameter: a larger one is a damaged or crafted file
+
+
+def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
+    """param_shapes as DeepSpeed writes it (a list of name -> shape mappings), or a clear
+    CheckpointError: a crafted or damaged file must not reach the partition arithmetic."""
+    bad = f"{path}: param_shapes is malformed"
+    if not isinstance(raw, (list, tuple)):
+        raise CheckpointError(f"{bad} (not a list); not a DeepSpeed ZeRO-3 checkpoint file")
+    out, seen = [], set()
+    for g, shapes in enumerate(raw):
+        if not isinstance(shapes, dict):
+            raise CheckpointError(f"{bad} (sub-group {g} is not a mapping)")
+        group = {}
+        for name, shape in shapes.items():
+            if not isinstance(name, str) or name in seen:
+                raise CheckpointError(f"{bad} (parameter {name!r} is not a unique name)")
+            seen.add(name)
+            try:
+                dims = tuple(int(d) for d in shape)
+            except (TypeError, ValueError):
+                raise CheckpointError(f"{bad} ({name}: shape {shape!r})") from None
+            n = 1
+            for d in dims:
+                n *= d
+            if any(d < 0 for d in dims) or n > MAX_ELEMENTS:
+                raise CheckpointError(f"{bad} ({name}: shape {list(dims)})")
+            group[name] = dims
+        out.append(group)
+    return out
+
+
+def _model_dtype(model: dict) -> str:
+    for t in model.get("module", {}).values():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return DTYPE_NAMES.get(t.dtype, str(t.dtype))
+    return "fp32"
+
+
+def _read_steps(path: Path, state: dict, n_sub: int) -> tuple[float, ...]:
+    if n_sub == 0:
+        return ()
+    with open(path, "rb") as f:
+        state = materialize({i: state.get(i, {}).get("step", 0) for i in range(n_sub)},
+                            f.fileno())
+    return tuple(float(s.item() if isinstance(s, torch.Tensor) else s) for s in state.values())
