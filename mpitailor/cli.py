@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from mpitailor.inspect_ckpt import composite_manifest, format_table, report
-    from mpitailor.zero3 import read_meta
+    from mpitailor.zero3.read import read_meta
 
     meta = read_meta(args.checkpoint)
     rep = report(meta, composite_manifest(meta))
@@ -201,6 +201,17 @@ def export_options(p: argparse.ArgumentParser) -> None:
                         "OUT/latest_universal. Repeat the option for both")
     p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
                    help="dtype of the exported weights (default: the model's)")
+    p.add_argument("--max-shard-size", type=_shard_size, metavar="SIZE",
+                   help="largest safetensors shard of --export safetensors, as transformers' "
+                        "save_pretrained cuts them: 5GB (the default), 500MB, 2GiB or bytes")
+
+
+def _shard_size(text: str) -> int:
+    from mpitailor.export.hf_layout import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 SUBCOMMANDS = ("merge", "recover", "inspect", "stats", "paths", "slurm-prologue")

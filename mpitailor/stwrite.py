@@ -9,32 +9,40 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-from mpitailor.commit import FileRecord
+from mpitailor.filerecord import FileRecord
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> dict:
-    """Write contiguous CPU tensors to a new file; return its manifest record."""
+def header_prefix(entries: Iterable[tuple[str, str, Sequence[int], int]],
+                  metadata: dict[str, str] | None = None) -> bytes:
+    """The bytes before the data: header length, then the JSON header padded to 8 bytes.
+    entries: (name, safetensors dtype such as "BF16", shape, bytes), in data order."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape),
+    for name, dtype, shape, n in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape),
                         "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> dict:
+    """Write contiguous CPU tensors to a new file; return its manifest record."""
+    prefix = header_prefix([(name, DTYPES[t.dtype], t.shape, t.numel() * t.element_size())
+                            for name, t in tensors.items()], metadata)
     rec = FileRecord()
     with open(path, "xb") as f:
-        for chunk in (len(raw).to_bytes(8, "little"), raw,
-                      *(_bytes(t) for t in tensors.values())):
+        for chunk in (prefix, *(as_bytes(t) for t in tensors.values())):
             rec.update(chunk)
             f.write(chunk)
         f.flush()
@@ -42,7 +50,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
     return rec.record()
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("write_safetensors needs contiguous CPU tensors")
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")

@@ -2,8 +2,6 @@
 DeepSpeed's own zero_to_fp32 consolidation of the same merged checkpoint."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers
@@ -21,9 +19,8 @@ def test_safetensors_export_loads_and_equals_zero_to_fp32(ckpt, tmp_path, dtype,
     assert r.returncode == 0, r.stderr
     hf = out / "hf"
     assert (hf / "config.json").exists()
-    if ranks > 1:  # one shard per rank, with an index
-        index = json.loads((hf / "model.safetensors.index.json").read_text())
-        assert len(set(index["weight_map"].values())) == ranks
+    # One file below the default 5GB shard size, whatever the number of ranks.
+    assert {p.name for p in hf.glob("model*")} == {"model.safetensors"}
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype="auto")
     oracle = get_fp32_state_dict_from_zero_checkpoint(str(out))
     want = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

@@ -1,77 +1,83 @@
 """Consolidated HF weights (safetensors) from a ZeRO-3 checkpoint, written by all ranks.
 
-Parameters are split, in model order, into one contiguous chunk per MPI rank of about equal
-bytes; each rank reads its parameters' slices from every partition file (byte ranges only),
-casts them to the target dtype and writes its own safetensors file. Rank 0 writes the index
-when there is more than one file. Tied aliases are left out, as `save_pretrained` does.
+The files do not depend on how many ranks write them: hf_layout.py plans them (which files,
+every tensor's byte offset) from names, shapes and the dtype. Rank 0 creates each file with
+its header; every rank then casts its share of the model-order stream of elements (one
+contiguous byte range of each file it touches) and writes it in place, reading the slices
+from the partition files (byte ranges only) a bounded chunk at a time. A file's CRC-32 is
+combined from the ranks' CRCs of their ranges. Tied aliases are left out, as
+`save_pretrained` does.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mpitailor.comm import Comm
 from mpitailor.commit import copy_synced, write_synced
-from mpitailor.export import contiguous_chunks
-from mpitailor.stwrite import write_safetensors
-from mpitailor.zero3 import CheckpointMeta
-from mpitailor.zero3.consolidate import frozen_tensor, full_tensor
-from mpitailor.zero3.shard import open_all_shards
+from mpitailor.crc import crc32_combine
+from mpitailor.errors import CheckpointError, MergeFailed
+from mpitailor.export.hf_layout import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX,
+    ITEMSIZE,
+    SINGLE,
+    WeightsPlan,
+    by_size,
+    like_base,
+    plan_weights,
+    share,
+)
+from mpitailor.extras import weight_files
+from mpitailor.stwrite import as_bytes
+from mpitailor.zero3 import CheckpointMeta, Slot
+from mpitailor.zero3.shard import RankShard, open_all_shards
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HF_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+CHUNK = 1 << 24  # elements read, cast and written at a time: 64 MiB of fp32 at most
+_SHARD_FILE = re.compile(r"\w[\w.-]*\.safetensors")
 
 
-def chunk_names(meta: CheckpointMeta, parts: int) -> list[list[str]]:
-    """Parameter names (trainable and frozen, model order) in `parts` contiguous chunks."""
-    return contiguous_chunks([(s.name, s.numel) for s in meta.layout.slots] +
-                             [(n, int(torch.Size(shape).numel()))
-                              for n, shape in meta.frozen_shapes], parts)
+@dataclass(frozen=True, slots=True)
+class BaseWeights:
+    """The base's 16-bit HF weights: their dtype and, if sharded, its index's weight_map."""
+
+    dtype: str
+    weight_map: tuple[tuple[str, str], ...] | None
 
 
-def file_name(i: int, n: int) -> str:
-    return SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+def base_weights(base: CheckpointMeta) -> BaseWeights | None:
+    """Rank 0 only. The 16-bit safetensors weights beside the base's tag dir, if any."""
+    found = weight_files(base)
+    if not found:
+        return None
+    index = next((p for p in found if p.name == INDEX), None)
+    return BaseWeights(weights_dtype(found[0]), _weight_map(index) if index else None)
 
 
-def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, dtype: str) -> dict:
-    """Collective: write consolidated weights of `meta` into dest; {file: manifest record}."""
-    chunks = chunk_names(meta, comm.size)
-    dt = DTYPES[dtype]
-
-    def write_mine() -> dict[str, dict]:
-        if comm.rank >= len(chunks):
-            return {}
-        name = file_name(comm.rank, len(chunks))
-        return {name: _write_chunk(meta, chunks[comm.rank], dest / name, dt)}
-
-    records = {k: v for part in comm.allgather(comm.step(write_mine)) for k, v in part.items()}
-    if len(chunks) > 1:
-        def write_index() -> dict[str, dict]:
-            weight_map = {n: file_name(i, len(chunks)) for i, c in enumerate(chunks) for n in c}
-            total = sum(r["tensor_bytes"] for r in records.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            return {INDEX: write_synced(dest / INDEX, json.dumps(index, indent=2).encode())}
-        records.update(comm.root_step(write_index))
-    return records
-
-
-def _write_chunk(meta: CheckpointMeta, names: list[str], path: Path, dtype) -> dict:
-    slots = meta.layout.by_name()
-    frozen = dict(meta.frozen_shapes)
-    tensors = {}
-    with open_all_shards(meta) as shards:
-        for n in names:
-            t = full_tensor(shards, slots[n], "fp32") if n in slots else \
-                frozen_tensor(shards, n, frozen[n])
-            tensors[n] = t.to(dtype).contiguous()
-    rec = write_safetensors(path, tensors, metadata={"format": "pt"})  # CRC in the same pass
-    rec["tensor_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
-    return rec
+def _weight_map(path: Path) -> tuple[tuple[str, str], ...]:
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        ok = isinstance(weight_map, dict) and weight_map and all(
+            isinstance(k, str) and isinstance(v, str) and _SHARD_FILE.fullmatch(v)
+            for k, v in weight_map.items())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: not a safetensors index (a `weight_map` of tensor names "
+                              f"to .safetensors files beside it); fix it or remove the base's "
+                              f"16-bit weights")
+    return tuple(weight_map.items())
 
 
 SAFETENSORS_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
@@ -87,15 +93,142 @@ def weights_dtype(path: Path) -> str:
         return SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype(), "fp32")
 
 
+def _tensors(meta: CheckpointMeta) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter, trainable then frozen: the order of the files."""
+    return [(s.name, s.shape) for s in meta.layout.slots] + list(meta.frozen_shapes)
+
+
+def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWeights) -> dict:
+    """Collective: rebuild the base's 16-bit weights from `meta` (the merged checkpoint) into
+    dest, in the base's layout: one model.safetensors, or the base's shard files holding
+    the same tensors each, with an index. Returns {file: manifest record}."""
+    def plan() -> WeightsPlan:
+        tensors = _tensors(meta)
+        names = [n for n, _ in tensors]
+        if base.weight_map is None:
+            return plan_weights(tensors, base.dtype, [(SINGLE, names)], index=False)
+        return plan_weights(tensors, base.dtype, like_base(names, dict(base.weight_map)),
+                            index=True)
+    return write_planned(comm, meta, dest, comm.root_step(plan))
+
+
+def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPlan) -> dict:
+    """Collective: the files of `plan` in dest, each rank writing its share; {file: record}."""
+    comm.root_step(_create, plan, dest)
+    mine = comm.step(_write_share, meta, plan, dest, comm.rank, comm.size)
+    gathered = comm.allgather(mine)
+
+    def finish() -> dict[str, dict]:
+        records = _records(plan, gathered)
+        if plan.index is not None:
+            records[INDEX] = write_synced(dest / INDEX, plan.index)
+        return records
+    return comm.root_step(finish)
+
+
+def _create(plan: WeightsPlan, dest: Path) -> None:
+    """Rank 0 only: every file at its full size, its header written."""
+    for f in plan.files:
+        with open(dest / f.name, "xb") as out:
+            out.write(f.prefix)
+            out.truncate(f.size)
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
+                 size: int) -> list[tuple[str, int, int, int]]:
+    """This rank's share of the files: [(file, first byte, bytes, CRC-32 of those bytes)]."""
+    work = list(share(plan, rank, size))
+    if not work:
+        return []
+    dtype, slots, done = DTYPES[plan.dtype], meta.layout.by_name(), []
+    with open_all_shards(meta) as shards:
+        for f, runs in work:
+            first = runs[0][0].offset + runs[0][1] * plan.itemsize
+            pos, crc = first, 0
+            fd = os.open(dest / f.name, os.O_WRONLY)
+            try:
+                for piece, a, b in runs:
+                    for chunk in _elements(shards, slots.get(piece.name), piece.name, a, b):
+                        data = as_bytes(chunk.to(dtype))
+                        _pwrite(fd, data, pos)
+                        crc, pos = zlib.crc32(data, crc), pos + len(data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            done.append((f.name, first, pos - first, crc))
+    return done
+
+
+def _elements(shards: Sequence[RankShard], slot: Slot | None, name: str, a: int,
+              b: int) -> Iterator[torch.Tensor]:
+    """Elements [a, b) of parameter `name`, flattened, CHUNK at a time (the fp32 master
+    weights of a trainable one, a frozen one's fragments as saved)."""
+    buf = torch.empty(min(CHUNK, b - a), dtype=torch.float32) if slot is not None else None
+    for lo in range(a, b, CHUNK):
+        hi = min(b, lo + CHUNK)
+        if slot is None:
+            yield _frozen_range(shards, name, lo, hi)
+            continue
+        out = buf[: hi - lo]
+        for s in shards:  # rank r holds elements [r * length, r * length + valid(r))
+            first = s.rank * slot.length
+            x, y = max(lo, first), min(hi, first + slot.valid(s.rank))
+            if x < y:
+                s.read_into("fp32", slot.subgroup, slot.offset + x - first, out[x - lo: y - lo])
+        yield out
+
+
+def _frozen_range(shards: Sequence[RankShard], name: str, a: int, b: int) -> torch.Tensor:
+    parts, pos = [], 0
+    for s in shards:  # the fragments in rank order, padded at the end
+        frag = s.model["frozen_param_fragments"][name].reshape(-1)
+        x, y = max(a, pos), min(b, pos + frag.numel())
+        if x < y:
+            parts.append(frag[x - pos: y - pos])
+        pos += frag.numel()
+    return torch.cat(parts)
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _records(plan: WeightsPlan, gathered: list[list[tuple[str, int, int, int]]]
+             ) -> dict[str, dict]:
+    """Each file's manifest record, its CRC-32 combined from the header's and the ranks'."""
+    ranges: dict[str, list[tuple[int, int, int]]] = {f.name: [] for f in plan.files}
+    for part in gathered:
+        for name, first, n, crc in part:
+            ranges[name].append((first, n, crc))
+    records = {}
+    for f in plan.files:
+        crc, pos = zlib.crc32(f.prefix), len(f.prefix)
+        for first, n, part_crc in sorted(ranges[f.name]):
+            if first != pos:
+                break
+            crc, pos = crc32_combine(crc, part_crc, n), pos + n
+        if pos != f.size:
+            raise MergeFailed(f"{f.name}: bytes from {pos} on were written by no rank "
+                              f"(a bug in the work split)")
+        records[f.name] = {"bytes": f.size, "crc32": f"{crc:08x}"}
+    return records
+
+
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: Path,
-              dtype: str) -> dict:
-    """Collective: `--export safetensors`: consolidated weights in `dtype` into dest (one
-    file per rank, with an index), plus config and tokenizer files from side_dir."""
+              dtype: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> dict:
+    """Collective: `--export safetensors`: consolidated weights in `dtype` into dest, in
+    shards of at most max_shard_size bytes as `save_pretrained` cuts them (one
+    model.safetensors if they fit, else an index too), plus config and tokenizer files from
+    side_dir."""
     def prepare() -> dict:
         dest.mkdir()
         records = {}
@@ -112,6 +245,12 @@ def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: P
             else:
                 records[name] = copy_synced(src, dest / name)
         return records
+
+    def plan() -> WeightsPlan:
+        tensors = _tensors(staged)
+        sizes = [(n, math.prod(shape) * ITEMSIZE[dtype]) for n, shape in tensors]
+        files = by_size(sizes, max_shard_size)
+        return plan_weights(tensors, dtype, files, index=len(files) > 1)
     records = comm.root_step(prepare)
-    records.update(write_hf_weights(comm, staged, dest, dtype))
+    records.update(write_planned(comm, staged, dest, comm.root_step(plan)))
     return records
