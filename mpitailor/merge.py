@@ -16,17 +16,17 @@ from mpitailor import __version__, failpoints
 from mpitailor.comm import Comm
 from mpitailor.commit import Staging, check_writable_file, write_synced
 from mpitailor.errors import UserError
-from mpitailor.export.hf_weights import export_hf, weights_dtype, write_hf_weights
+from mpitailor.execute import write_partitions
+from mpitailor.export.hf_layout import DEFAULT_MAX_SHARD_SIZE
+from mpitailor.export.hf_weights import base_weights, export_hf, write_hf_weights
 from mpitailor.export.universal import export_universal, plan_limits
-from mpitailor.extras import MANIFEST, copy_extras, extras_dir, weight_files
-from mpitailor.iostats import snapshot
-from mpitailor.plan import MergePlan, make_plan, owned_partitions
+from mpitailor.extras import MANIFEST, copy_extras, extras_dir
+from mpitailor.plan import MergePlan, make_plan
 from mpitailor.plan_report import format_plan
 from mpitailor.recipe import Recipe, load_recipe
-from mpitailor.zero3 import CheckpointMeta, read_meta
+from mpitailor.zero3 import CheckpointMeta
+from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.safeload import trust
-from mpitailor.zero3.reshard_writer import new_target_buffers, write_resharded_partition
-from mpitailor.zero3.writer import new_buffers, write_partition
 
 log = logging.getLogger(__name__)
 
@@ -67,28 +67,29 @@ def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
 
 def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
           verify: bool = False, export_dtype: str | None = None,
-          universal: bool = False) -> MergeResult:
+          universal: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> MergeResult:
     """Collective: write the merged checkpoint and publish it atomically.
     verify: check source records against their CRC-32 first (reads them whole).
     export_dtype: also write consolidated HF safetensors weights in this dtype to OUT/hf/.
+    max_shard_size: the export's shards hold at most this many bytes (HF's rule).
     universal: also write DeepSpeed's Universal layout into OUT/TAG/zero/."""
     t0 = time.perf_counter()
     staging = Staging(plan.output)
     tag = plan.base_meta.files.tag
     try:
         root = comm.root_step(staging.acquire, tag)
-        records, mine = comm.step(_write_owned, comm, plan, root / tag, progress, verify)
+        records, mine = write_partitions(comm, plan, root / tag, verify, progress)
         stats = comm.allgather(mine)
         files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
                  part.items()}
-        rebuild_dtype = comm.root_step(_base_weights_dtype, plan)
-        if rebuild_dtype is not None or export_dtype is not None or universal:
+        rebuild = comm.root_step(base_weights, plan.base_meta)
+        if rebuild is not None or export_dtype is not None or universal:
             staged = comm.root_step(read_meta, root / tag)  # only when something reads it
-            if rebuild_dtype is not None:  # the base carried 16-bit weights: rebuild them
-                files.update(write_hf_weights(comm, staged, root, rebuild_dtype))
+            if rebuild is not None:  # the base carried 16-bit weights: rebuild them
+                files.update(write_hf_weights(comm, staged, root, rebuild))
             if export_dtype is not None:
                 exported = export_hf(comm, staged, extras_dir(plan.base_meta), root / "hf",
-                                     export_dtype)
+                                     export_dtype, max_shard_size)
                 files.update({f"hf/{name}": rec for name, rec in exported.items()})
             if universal:
                 files.update(export_universal(comm, staged, root))
@@ -102,41 +103,6 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
         if comm.rank == 0:
             staging.release()
     return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats))
-
-
-def _write_owned(comm: Comm, plan: MergePlan, tag_dir: Path, progress: bool,
-                 verify: bool) -> tuple[dict, dict]:
-    """This rank's partitions: (manifest records, I/O and memory stats)."""
-    before = snapshot()
-    mine = owned_partitions(plan.out_world_size, comm.rank, comm.size)
-    records: dict[str, dict] = {}
-    bar = _progress_bar(len(mine), progress and comm.rank == 0)
-    if plan.target is None:
-        buffers = new_buffers(plan) if mine else None
-        write = lambda r: write_partition(plan, r, tag_dir, buffers, verify)  # noqa: E731
-    else:
-        buffers = new_target_buffers(plan) if mine else None
-        write = lambda r: write_resharded_partition(plan, r, tag_dir, buffers)  # noqa: E731
-    for r in mine:
-        records.update(write(r))
-        bar.update(1)
-    bar.close()
-    return records, {"partitions": mine,
-                     "bytes_written": sum(r["bytes"] for r in records.values()),
-                     **snapshot().since(before)}
-
-
-def _base_weights_dtype(plan: MergePlan) -> str | None:
-    """Rank 0: the dtype of the base's 16-bit HF weights, if it carries any. They are
-    rebuilt from the merged fp32 master weights, so weights and optimizer agree."""
-    found = weight_files(plan.base_meta)
-    return weights_dtype(found[0]) if found else None
-
-
-def _progress_bar(total: int, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="partition", desc="rank 0 partitions", disable=not enabled
-                or None, leave=False)
 
 
 def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ranks: int,
@@ -193,6 +159,8 @@ def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Name
     exports = set(args.export or ())
     if args.export_dtype and "safetensors" not in exports:
         raise UserError("--export-dtype applies to --export safetensors; add that option")
+    if args.max_shard_size is not None and "safetensors" not in exports:
+        raise UserError("--max-shard-size applies to --export safetensors; add that option")
     if args.dry_run:
         limits = comm.root_step(plan_limits, plan) if "universal" in exports else None
         if comm.rank == 0:
@@ -205,7 +173,9 @@ def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Name
         else None
     result = merge(comm, plan, recipe.text, progress=not args.no_progress,
                    verify=args.verify, export_dtype=export_dtype,
-                   universal="universal" in exports)
+                   universal="universal" in exports,
+                   max_shard_size=DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
+                   else args.max_shard_size)
     if comm.rank == 0 and args.stats:
         Path(args.stats).write_text(json.dumps(
             {"output": str(result.output), "seconds": result.seconds,

@@ -16,8 +16,7 @@ from mpitailor.errors import UserError
 from mpitailor.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
 from mpitailor.recipe import SELECTOR_RE, Recipe
 from mpitailor.reshard import Target, target_layout
-from mpitailor.zero3 import CheckpointMeta
-from mpitailor.zero3.shard import BYTES_PER_ELEMENT
+from mpitailor.zero3 import BYTES_PER_ELEMENT, CheckpointMeta
 
 log = logging.getLogger(__name__)
 DTYPE_ALIASES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16",
@@ -77,11 +76,6 @@ class MergePlan:
             for run in sg.runs:
                 out[run.source] += run.length * BYTES_PER_ELEMENT
         return out
-
-
-def owned_partitions(world_size: int, mpi_rank: int, mpi_size: int) -> list[int]:
-    """Output ZeRO partitions written by MPI rank `mpi_rank` (round-robin)."""
-    return list(range(mpi_rank, world_size, mpi_size))
 
 
 def make_plan(recipe: Recipe, metas: dict[str, CheckpointMeta]) -> MergePlan:

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from mpitailor.inspect_ckpt import human
-from mpitailor.plan import MergePlan, owned_partitions
-from mpitailor.reshard import pieces_for
-from mpitailor.zero3.shard import BYTES_PER_ELEMENT
+from mpitailor import program
+from mpitailor.plan import MergePlan
 
 
 def format_plan(plan: MergePlan, mpi_size: int) -> str:
@@ -27,23 +26,37 @@ def format_plan(plan: MergePlan, mpi_size: int) -> str:
     if plan.target is not None:
         lines.append(f"resharding   {plan.world_size} -> {plan.out_world_size} ranks "
                      f"({len(plan.target.layout.subgroup_sizes)} sub-groups at the new size)")
-        lines.append(f"{'mpi rank':<10}{'partitions':<16}{'reads':>12}")
-        ps = dict(plan.param_source)
-        for r in range(mpi_size):
-            mine = owned_partitions(plan.out_world_size, r, mpi_size)
-            reads = sum(p.length * BYTES_PER_ELEMENT for part in mine
-                        for p in pieces_for(plan.target, part, plan.base_meta.layout, ps))
-            lines.append(f"{r:<10}{','.join(map(str, mine)) or '(idle)':<16}{human(reads):>12}")
         return "\n".join(lines)
     per_part = plan.bytes_per_partition()
     write_part = sum(per_part.values())
     lines.append("per output partition: reads " + ", ".join(
         f"{n} {human(b)}" for n, b in per_part.items()) + f"; writes {human(write_part)}"
         " (+ small model-states file)")
-    lines.append(f"{'mpi rank':<10}{'partitions':<16}{'reads':>12}{'writes':>12}")
-    for r in range(mpi_size):
-        mine = owned_partitions(plan.world_size, r, mpi_size)
-        span = ",".join(map(str, mine)) if mine else "(idle)"
-        lines.append(f"{r:<10}{span:<16}{human(write_part * len(mine)):>12}"
-                     f"{human(write_part * len(mine)):>12}")
+    lines += _rank_table(plan, mpi_size)
     return "\n".join(lines)
+
+
+def _rank_table(plan: MergePlan, mpi_size: int) -> list[str]:
+    """What each MPI rank copies (program.split): the partitions it writes into (* where it
+    writes only part of one), the bytes it reads and writes."""
+    bufs = program.buffers(plan)
+    work = program.split(bufs, mpi_size)
+    pieces: dict[int, dict] = {}
+    whole: dict[int, int] = {}
+    for b in bufs:
+        whole[b.partition] = whole.get(b.partition, 0) + b.nbytes
+    lines = [f"{'mpi rank':<10}{'partitions':<20}{'reads':>12}{'writes':>12}"]
+    for r, tasks in enumerate(work):
+        parts: dict[int, int] = {}
+        reads = 0
+        for t in tasks:
+            b = bufs[t.buffer]
+            parts[b.partition] = parts.get(b.partition, 0) + t.hi - t.lo
+            if b.partition not in pieces:
+                pieces[b.partition] = program.pieces(plan, b.partition)
+            reads += 4 * sum(p.length for p in program.clip(
+                pieces[b.partition].get(b.subgroup, []), t.lo // 4, t.hi // 4))
+        span = ",".join(f"{p}{'' if n == whole[p] else '*'}" for p, n in parts.items())
+        lines.append(f"{r:<10}{span or '(idle)':<20}{human(reads):>12}"
+                     f"{human(sum(parts.values())):>12}")
+    return lines

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_fixtures import build
 from conftest import tree_digest
 from merging import RECIPES, run_cli
 

@@ -27,10 +27,10 @@ from mpitailor.commit import write_synced
 from mpitailor.export import contiguous_chunks
 from mpitailor.plan import MergePlan
 from mpitailor.reshard import close_subgroups
-from mpitailor.zero3 import CheckpointMeta, open_shard
+from mpitailor.zero3 import KINDS, CheckpointMeta
 from mpitailor.zero3.consolidate import full_tensor
-from mpitailor.zero3.shard import KINDS, open_all_shards, without_flat_buffers
-from mpitailor.zero3.writer import save_synced
+from mpitailor.zero3.ptzip import write_torch_file
+from mpitailor.zero3.shard import open_all_shards, open_shard, without_flat_buffers
 
 log = logging.getLogger(__name__)
 LATEST = "latest_universal"
@@ -64,7 +64,7 @@ def _write_optimizer_state(staged: CheckpointMeta, zero: Path) -> dict[str, dict
         groups = osd["optimizer_state_dict"]["param_groups"]
         osd["param_groups"] = groups  # unread by load_universal; ds_to_universal writes it
         limits = loader_limits(staged, shard, staged.subgroup_steps)
-        record = save_synced(osd, zero / OPTIMIZER_STATE)
+        record = write_torch_file(zero / OPTIMIZER_STATE, osd)
     if limits:
         log.warning("--export universal: the files are complete, but DeepSpeed's "
                     "load_universal restores this checkpoint inexactly: %s. A native "
@@ -81,7 +81,7 @@ def _write_params(staged: CheckpointMeta, names: list[str], zero: Path) -> dict[
             (zero / name).mkdir()
             for kind in KINDS:
                 t = full_tensor(shards, slots[name], kind).reshape(-1)
-                records[f"{name}/{kind}.pt"] = save_synced(t, zero / name / f"{kind}.pt")
+                records[f"{name}/{kind}.pt"] = write_torch_file(zero / name / f"{kind}.pt", t)
             failpoints.hit("export")
     return records
 

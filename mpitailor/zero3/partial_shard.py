@@ -1,21 +1,23 @@
 """One rank's part of a partial checkpoint, read with the same interface as `RankShard`.
 
 A partial checkpoint stores, per rank, each saved parameter's slice (padding included) as
-safetensors records `{kind}/{name}`. `read_into` serves a run of a sub-group's flat buffer
-by walking the parameters that overlap it; asking for a parameter the checkpoint does not
-hold is a bug in the plan, and says so.
+safetensors records `{kind}/{name}` (fp32). `byte_ranges` (and `read_into`) serve a run of a
+sub-group's flat buffer by walking the parameters that overlap it; asking for a parameter the
+checkpoint does not hold is a bug in the plan, and says so. The safetensors header is parsed
+here (8-byte length, JSON): the copy program needs each record's byte offset in the file.
 """
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
 
 from mpitailor.errors import CheckpointError
 from mpitailor.zero3.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
+from mpitailor.zero3 import rawio
 from mpitailor.zero3.layout import Slot
 from mpitailor.zero3.meta import CheckpointMeta
 from mpitailor.zero3.safeload import load, require_regular
@@ -27,27 +29,46 @@ class PartialShard:
     rank: int
     model: dict
     optim: dict   # DeepSpeed's optimizer state without its flat buffers
-    _file: object = field(repr=False)
+    fd: int
+    records: dict[str, tuple[int, int]]  # "{kind}/{name}" -> (byte offset, byte count)
     _by_subgroup: dict[int, list[Slot]] = field(repr=False, default_factory=dict)
 
     @property
     def inner(self) -> dict:
         return self.optim["optimizer_state_dict"]["optimizer_state_dict"]
 
-    def read_into(self, kind: str, g: int, start: int, out: torch.Tensor) -> None:
-        end = start + out.numel()
+    def byte_ranges(self, kind: str, g: int, start: int, n: int) -> list[tuple[int, int, int]]:
+        """Where elements [start, start + n) of sub-group g's `kind` buffer lie:
+        (open file descriptor, byte offset, byte count) runs, in order."""
+        end, out = start + n, []
         for slot in self._by_subgroup[g]:
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.length)
             if lo >= hi:
                 continue
             key = f"{kind}/{slot.name}"
-            try:
-                part = self._file.get_slice(key)[lo - slot.offset: hi - slot.offset]
-            except Exception:  # noqa: BLE001 - safetensors raises its own error types
+            if key not in self.records:
                 raise CheckpointError(
                     f"{self.meta.files.layers_path(self.rank)}: no record {key!r}; this partial "
-                    f"checkpoint does not hold that layer") from None
-            out[lo - start: hi - start].copy_(part)
+                    f"checkpoint does not hold that layer")
+            offset, size = self.records[key]
+            if (hi - slot.offset) * 4 > size:
+                raise CheckpointError(f"{self.meta.files.layers_path(self.rank)}: record {key!r} "
+                                      f"is shorter than the parameter's slice; the file is damaged")
+            out.append((self.fd, offset + (lo - slot.offset) * 4, (hi - lo) * 4))
+        return out
+
+    def path_of(self, fd: int) -> str:
+        return str(self.meta.files.layers_path(self.rank))
+
+    def read_into(self, kind: str, g: int, start: int, out: torch.Tensor) -> None:
+        pos = 0
+        for fd, offset, nbytes in self.byte_ranges(kind, g, start, out.numel()):
+            try:
+                rawio.read_into(fd, offset, out[pos: pos + nbytes // 4])
+            except (OSError, EOFError) as e:
+                raise CheckpointError(f"{self.path_of(fd)}: read failed ({e}); the file is "
+                                      f"damaged or truncated") from None
+            pos += nbytes // 4
 
     def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
         size = self.meta.layout.subgroup_sizes[g]
@@ -56,7 +77,9 @@ class PartialShard:
         return out
 
     def close(self) -> None:
-        self._file = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self) -> "PartialShard":
         return self
@@ -107,12 +130,36 @@ def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
     if int(model.get("global_steps", -1)) != meta.global_steps:
         raise CheckpointError(f"{files.model_path(rank)}: disagrees with rank 0 (global_steps); "
                               f"files from different saves?")
+    path = files.layers_path(rank)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        handle = safe_open(str(files.layers_path(rank)), "pt")
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{files.layers_path(rank)}: unreadable ({e}); the partial "
-                              f"checkpoint is damaged") from None
+        records = _safetensors_records(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
     groups: dict[int, list[Slot]] = {}
     for slot in meta.layout.slots:
         groups.setdefault(slot.subgroup, []).append(slot)
-    return PartialShard(meta, rank, model, optim, handle, groups)
+    return PartialShard(meta, rank, model, optim, fd, records, groups)
+
+
+def _safetensors_records(path, fd: int) -> dict[str, tuple[int, int]]:
+    """{record name: (byte offset in the file, byte count)} of an fp32 safetensors file."""
+    size = os.fstat(fd).st_size
+    try:
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"header length {n}")
+        header = json.loads(os.pread(fd, n, 8))
+        out = {}
+        for key, rec in header.items():
+            if key == "__metadata__":
+                continue
+            a, b = (int(x) for x in rec["data_offsets"])
+            if rec["dtype"] != "F32" or not 0 <= a <= b <= size - 8 - n:
+                raise ValueError(f"record {key!r}: {rec['dtype']} at {a}-{b}")
+            out[key] = (8 + n + a, b - a)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a readable fp32 safetensors file ({e}); the partial "
+                              f"checkpoint is damaged") from None
+    return out

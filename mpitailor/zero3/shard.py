@@ -15,12 +15,9 @@ import torch
 
 from mpitailor.errors import CheckpointError
 from mpitailor.zero3 import rawio
+from mpitailor.zero3.layout import KINDS
 from mpitailor.zero3.meta import CheckpointMeta
 from mpitailor.zero3.safeload import load
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-KINDS = ("fp32",) + MOMENTS
-BYTES_PER_ELEMENT = 4 * len(KINDS)  # fp32 master + exp_avg + exp_avg_sq, per element
 
 
 @dataclass
@@ -46,6 +43,15 @@ class RankShard:
         except (OSError, EOFError) as e:
             raise CheckpointError(f"{self.meta.files.optim_path(self.rank)}: read failed "
                                   f"({e}); the file is damaged or truncated") from None
+
+    def byte_ranges(self, kind: str, g: int, start: int, n: int) -> list[tuple[int, int, int]]:
+        """Where elements [start, start + n) of sub-group g's `kind` buffer lie:
+        (open file descriptor, byte offset, byte count) runs, in order."""
+        return [(self.fd, self.offsets[kind, g] + start * 4, n * 4)]
+
+    def path_of(self, fd: int) -> str:
+        """The file behind one of this shard's descriptors (for error messages)."""
+        return str(self.meta.files.optim_path(self.rank))
 
     def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
         size = self.meta.layout.subgroup_sizes[g]

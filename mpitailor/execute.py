@@ -1,0 +1,258 @@
+"""The executor: runs the copy program of a merge or reshard on every MPI rank.
+
+Collective throughout (`write_partitions` is called on every rank). Three steps:
+1. Lay out: each partition's home rank builds its optimizer dict with placeholder flat
+   buffers, lays out the torch zip container (`zero3/ptzip.py`), creates the file at its
+   final size (zeros: the padding needs no write) and writes the small records. The data
+   offset of every flat buffer is shared with all ranks.
+2. Copy: every rank fills its byte ranges of the flat buffers (program.split) straight at
+   their final offsets, in bounded chunks: pread from the source, CRC-32, pwrite. No buffer
+   larger than a chunk is ever held. Each range's CRC is shared.
+3. Finish: the home rank joins the CRCs of each record in order (crc32_combine), writes the
+   local headers, data descriptors and central directory, fsyncs, and writes the
+   partition's model-states file.
+The output bytes depend only on the program, never on how the ranks shared it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from mpitailor import failpoints, program
+from mpitailor.comm import Comm
+from mpitailor.crc import crc32, crc32_combine, crc32_zeros
+from mpitailor.errors import CheckpointError
+from mpitailor.iostats import snapshot
+from mpitailor.partition_states import (merged_model_states, merged_optim, placeholders,
+                                        rank0_model_states, resharded_model_states,
+                                        resharded_optim)
+from mpitailor.plan import MergePlan
+from mpitailor.zero3 import opaque, ptzip
+from mpitailor.zero3.files import model_file, optim_file
+from mpitailor.zero3.safeload import load
+from mpitailor.zero3.shard import open_shard
+
+CHUNK = 8 << 20  # bytes per read/write: the executor's whole buffer
+
+
+@dataclass
+class _Laid:
+    """A partition's optimizer file as its home rank laid it out."""
+
+    name: str
+    layout: ptzip.Layout
+    crcs: list[int | None]            # per record; None where the copy step supplies it
+    flat_records: dict[int, int]      # program buffer index -> record index
+    model: dict                       # the model states, written after the optimizer file
+
+
+def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = False,
+                     progress: bool = False) -> tuple[dict[str, dict], dict]:
+    """Collective: write every output partition into tag_dir, fsynced.
+    Returns ({file name: manifest record} of the files this rank finished, its stats).
+    verify: first check every source record read against its CRC (reads them whole).
+    progress: a progress bar of rank 0's bytes."""
+    before = snapshot()
+    bufs = program.buffers(plan)
+    work = program.split(bufs, comm.size)
+    homes = program.home_ranks(bufs, work)
+    mine = [p for p, r in homes.items() if r == comm.rank]
+    laid = comm.step(_lay_out, plan, bufs, mine, tag_dir)
+    offsets: dict[int, int] = {}   # buffer index -> data offset in its file
+    for part in comm.allgather({b: lay.layout.entries[i].data_offset
+                                for lay in laid.values() for b, i in lay.flat_records.items()}):
+        offsets.update(part)
+    crcs, written = comm.step(_copy, plan, bufs, work[comm.rank], offsets, tag_dir, verify,
+                              progress and comm.rank == 0)
+    joined: dict[int, list[tuple[int, int, int]]] = {}
+    for part in comm.allgather(crcs):
+        for b, pieces in part.items():
+            joined.setdefault(b, []).extend(pieces)
+    records = comm.step(_finish, laid, bufs, joined, tag_dir)
+    stats = {"partitions": sorted({bufs[t.buffer].partition for t in work[comm.rank]}),
+             "homes": mine, "bytes_written": written + sum(r["bytes"] for r in records.values()),
+             **snapshot().since(before)}
+    return records, stats
+
+
+def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path) -> dict[int, _Laid]:
+    out = {}
+    if plan.target is not None and mine:  # what every partition of a reshard starts from
+        with open_shard(plan.base_meta, 0) as base0:
+            rank0 = rank0_model_states(plan)
+            for p in mine:
+                flats = placeholders(plan.target.layout.subgroup_sizes)
+                out[p] = _lay_out_one(plan, bufs, p, tag_dir, flats,
+                                      resharded_optim(plan, base0, flats),
+                                      resharded_model_states(plan, p, base0, rank0))
+        return out
+    for p in mine:
+        flats = placeholders(plan.base_meta.layout.subgroup_sizes)
+        with open_shard(plan.base_meta, p) as base:
+            models = {name: SimpleNamespace(model=base.model if name == plan.base else
+                                            load(meta.files.model_path(p), opaque_ok=True))
+                      for name, meta in plan.sources}
+            out[p] = _lay_out_one(plan, bufs, p, tag_dir, flats, merged_optim(plan, base, flats),
+                                  merged_model_states(plan, models))
+    return out
+
+
+def _lay_out_one(plan: MergePlan, bufs, p: int, tag_dir: Path, flats: dict, optim: dict,
+                 model: dict) -> _Laid:
+    """Lay out partition p's optimizer file, create it, write its small records."""
+    kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(optim) else {}
+    tf = ptzip.describe(optim, **kwargs)
+    layout = tf.layout()
+    # Placeholders are found by their memory; empty ones (no bytes to copy, no memory to
+    # tell them apart) are written like any small record.
+    by_ptr = {t.untyped_storage().data_ptr(): key for key, t in flats.items() if t.numel()}
+    index = {(b.kind, b.subgroup): i for i, b in enumerate(bufs) if b.partition == p}
+    crcs: list[int | None] = [None] * len(tf.records)
+    flat_records = {}
+    name = optim_file(p, plan.base_meta.files.bf16_prefix)
+    fd = os.open(tag_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, layout.size)
+        for i, rec in enumerate(tf.records):
+            key = by_ptr.get(rec.storage.data_ptr()) if rec.storage is not None else None
+            if key is not None:
+                flat_records[index[key]] = i
+                continue
+            data = rec.data if rec.storage is None else ptzip.storage_bytes(rec.storage)
+            _pwrite_all(fd, data, layout.entries[i].data_offset)
+            crcs[i] = crc32(data)
+    finally:
+        os.close(fd)
+    return _Laid(name, layout, crcs, flat_records, model)
+
+
+def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, int],
+          tag_dir: Path, verify: bool,
+          progress: bool) -> tuple[dict[int, list[tuple[int, int, int]]], int]:
+    """This rank's byte ranges: ({buffer: [(lo, hi, crc)]}, bytes written)."""
+    from tqdm import tqdm
+    pieces_of: dict[int, dict] = {}
+    shards: dict[tuple[str, int], object] = {}
+    outs: dict[str, int] = {}
+    buf = bytearray(CHUNK)
+    crcs: dict[int, list[tuple[int, int, int]]] = {}
+    written = 0
+    try:
+        plans = []
+        for t in tasks:
+            b = bufs[t.buffer]
+            if b.partition not in pieces_of:
+                pieces_of[b.partition] = program.pieces(plan, b.partition)
+            ps = program.clip(pieces_of[b.partition].get(b.subgroup, []), t.lo // 4, t.hi // 4)
+            for p in ps:
+                if (p.source, p.src_rank) not in shards:
+                    shards[p.source, p.src_rank] = open_shard(plan.meta(p.source), p.src_rank)
+            plans.append((t, b, ps))
+        if verify:
+            _verify(shards, plans)
+        failpoints.hit("read")
+        bar = tqdm(total=sum(t.hi - t.lo for t in tasks), unit="B", unit_scale=True,
+                   desc="rank 0 copies", disable=not progress or None, leave=False)
+        for t, b, ps in plans:
+            name = optim_file(b.partition, plan.base_meta.files.bf16_prefix)
+            if name not in outs:
+                outs[name] = os.open(tag_dir / name, os.O_WRONLY)
+            base = offsets[t.buffer]  # file offset of the buffer's byte 0
+            crc, pos = 0, t.lo
+            for p in ps:
+                start = p.dst_start * 4
+                crc = crc32_zeros(start - pos, crc)  # padding: the file is zeros there
+                shard = shards[p.source, p.src_rank]
+                dst = base + start
+                for fd, off, n in shard.byte_ranges(b.kind, p.src_group, p.src_start, p.length):
+                    crc = _copy_range(fd, off, n, outs[name], dst, buf, crc, shard.path_of(fd))
+                    dst += n
+                written += p.length * 4
+                pos = start + p.length * 4
+            crc = crc32_zeros(t.hi - pos, crc)
+            crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
+            bar.update(t.hi - t.lo)
+        bar.close()
+        for fd in outs.values():
+            os.fsync(fd)
+    finally:
+        for fd in outs.values():
+            os.close(fd)
+        for s in shards.values():
+            s.close()
+    return crcs, written
+
+
+def _copy_range(src: int, off: int, n: int, dst: int, dst_off: int, buf: bytearray,
+                crc: int, path: str) -> int:
+    """Copy n bytes in chunks; return the CRC-32 continued over them."""
+    view = memoryview(buf)
+    done = 0
+    while done < n:
+        k = min(CHUNK, n - done)
+        try:
+            got = os.preadv(src, [view[:k]], off + done)
+        except OSError as e:
+            raise CheckpointError(f"{path}: read failed ({e}); the file is damaged") from None
+        if got <= 0:
+            raise CheckpointError(f"{path}: ends {n - done} bytes early at offset {off + done}; "
+                                  f"the file is truncated")
+        crc = crc32(view[:got], crc)
+        _pwrite_all(dst, view[:got], dst_off + done)
+        done += got
+    return crc
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _verify(shards: dict, plans) -> None:
+    used: dict[tuple[str, int], set] = {}
+    for _, b, ps in plans:
+        for p in ps:
+            used.setdefault((p.source, p.src_rank), set()).add((b.kind, p.src_group))
+    for key, kinds in used.items():
+        if not shards[key].meta.files.partial:
+            shards[key].verify(kinds)
+
+
+def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int, int]]],
+            tag_dir: Path) -> dict[str, dict]:
+    """Home ranks: headers and central directory of each optimizer file, then its model
+    states; {file name: manifest record}."""
+    records = {}
+    for p, lay in laid.items():
+        crcs = list(lay.crcs)
+        for b, i in lay.flat_records.items():
+            crcs[i] = _join(joined.get(b, []), bufs[b].nbytes, lay.name)
+        fd = os.open(tag_dir / lay.name, os.O_WRONLY)
+        try:
+            for offset, data in lay.layout.pieces(crcs):
+                _pwrite_all(fd, data, offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        records[lay.name] = {"bytes": lay.layout.size, "crc32": f"{lay.layout.file_crc(crcs):08x}"}
+        failpoints.hit("write")
+        name = model_file(p)
+        kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(lay.model) else {}
+        records[name] = ptzip.write_torch_file(tag_dir / name, lay.model, **kwargs)
+    return records
+
+
+def _join(pieces: list[tuple[int, int, int]], nbytes: int, name: str) -> int:
+    """CRC-32 of a whole buffer from the CRCs of its ranges (which must tile it)."""
+    crc, pos = 0, 0
+    for lo, hi, c in sorted(pieces):
+        if lo != pos:
+            raise RuntimeError(f"internal error: {name}: bytes {pos}-{lo} of a buffer unwritten")
+        crc, pos = crc32_combine(crc, c, hi - lo), hi
+    if pos != nbytes:
+        raise RuntimeError(f"internal error: {name}: a buffer ends at {pos}, not {nbytes}")
+    return crc

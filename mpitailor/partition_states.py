@@ -1,0 +1,142 @@
+"""The two state dicts of one output partition, as DeepSpeed will load them, minus the bytes
+of the flat buffers.
+
+The optimizer dict comes from the base source's files with its flat buffers (fp32 master,
+exp_avg, exp_avg_sq of every sub-group) replaced by placeholders: tensors of the right size
+whose memory is never touched, so pickling the dict costs no partition-sized buffer. The
+executor fills their bytes in the output file from the copy program. At a new world size the
+optimizer's fields are rewritten for it (steps per new sub-group, renumbered param groups,
+partition count); the model states get new parameter shapes, re-sliced frozen fragments and
+tied aliases on rank 0 only.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from mpitailor.plan import MergePlan
+from mpitailor.zero3.layout import KINDS
+from mpitailor.zero3.safeload import load
+
+Placeholders = dict[tuple[str, int], torch.Tensor]  # (kind, sub-group) -> placeholder
+
+
+def placeholders(sizes: tuple[int, ...]) -> Placeholders:
+    """Untouched fp32 tensors, one per (kind, sub-group): virtual memory only."""
+    return {(k, g): torch.empty(n, dtype=torch.float32) for g, n in enumerate(sizes)
+            for k in KINDS}
+
+
+def merged_optim(plan: MergePlan, base, flats: Placeholders) -> dict:
+    """Output partition's optimizer dict (same world size): the base's, with the plan's Adam
+    step per sub-group and the flat buffers `flats`."""
+    osd = dict(base.optim["optimizer_state_dict"])
+    inner = dict(osd["optimizer_state_dict"])
+    inner["state"] = {g: {"step": step_like(inner["state"][g]["step"], sg.step),
+                          "exp_avg": flats["exp_avg", g], "exp_avg_sq": flats["exp_avg_sq", g]}
+                      for g, sg in enumerate(plan.subgroups)}
+    osd["optimizer_state_dict"] = inner
+    osd["fp32_flat_groups"] = [flats["fp32", g] for g in range(len(plan.subgroups))]
+    return {**base.optim, "optimizer_state_dict": osd}
+
+
+def resharded_optim(plan: MergePlan, base0, flats: Placeholders) -> dict:
+    """Output partition's optimizer dict at the target world size, from the base's rank 0."""
+    target = plan.target
+    osd = dict(base0.optim["optimizer_state_dict"])
+    inner = dict(osd["optimizer_state_dict"])
+    step_t = inner["state"][0]["step"]
+    n_groups = len(target.layout.subgroup_sizes)
+    inner["state"] = {g: {"step": step_like(step_t, target.steps[g]),
+                          "exp_avg": flats["exp_avg", g], "exp_avg_sq": flats["exp_avg_sq", g]}
+                      for g in range(n_groups)}
+    inner["param_groups"] = [{**pg, "params": list(ids)}
+                             for pg, ids in zip(inner["param_groups"], target.param_groups)]
+    osd.update(optimizer_state_dict=inner, fp32_flat_groups=[flats["fp32", g]
+                                                             for g in range(n_groups)],
+               partition_count=target.world_size)
+    return {**base0.optim, "optimizer_state_dict": osd}
+
+
+def step_like(template, value: float):
+    """An Adam step of `value` in the form the source stores it (0-d tensor, int or float)."""
+    if isinstance(template, torch.Tensor):
+        return torch.tensor(value, dtype=template.dtype)
+    return type(template)(value)
+
+
+def merged_model_states(plan: MergePlan, shards: dict) -> dict:
+    """The base's model states with frozen fragments and buffers from their layers' sources;
+    `shards`: source name -> an object with `.model` (that source's model states)."""
+    base = shards[plan.base].model
+    model = dict(base)
+    if plan.frozen_source:
+        model["frozen_param_fragments"] = type(base["frozen_param_fragments"])(
+            (name, shards[src].model["frozen_param_fragments"][name])
+            for name, src in plan.frozen_source)
+    buffers = set(base.get("buffer_names") or ())
+    if buffers:
+        key_source = dict(plan.layer_source)
+        classify = plan.classifier()
+        module = type(base["module"])()
+        for name in base["module"]:
+            src = key_source.get(classify(name), plan.base) if name in buffers else plan.base
+            module[name] = shards[src].model["module"][name]
+        model["module"] = module
+    return model
+
+
+def rank0_model_states(plan: MergePlan) -> dict:
+    """Every source's rank-0 model states, in the form merged_model_states takes."""
+    return {name: SimpleNamespace(model=load(meta.files.model_path(0), opaque_ok=True))
+            for name, meta in plan.sources}
+
+
+def resharded_model_states(plan: MergePlan, rank: int, base0, rank0: dict) -> dict:
+    """Output partition `rank`'s model states at the target world size; rank0: the sources'
+    rank-0 model states (rank0_model_states)."""
+    target = plan.target
+    model = merged_model_states(plan, rank0)
+    model["param_shapes"] = [
+        type(base0.model["param_shapes"][0])((s.name, torch.Size(s.shape))
+                                             for s in target.layout.subgroup_slots(g))
+        for g in range(len(target.layout.subgroup_sizes))]
+    model["dp_world_size"] = target.world_size
+    if rank != 0:
+        model["shared_params"] = {}
+    if plan.frozen_source:
+        states: dict[tuple[str, int], dict] = {}
+        model["frozen_param_fragments"] = type(base0.model["frozen_param_fragments"])(
+            (name, _frozen_slice(plan, name, src, rank, states))
+            for name, src in plan.frozen_source)
+    return model
+
+
+def _frozen_slice(plan: MergePlan, name: str, src: str, rank: int,
+                  states: dict[tuple[str, int], dict]) -> torch.Tensor:
+    """Rank `rank`'s fragment of a frozen parameter at the new world size (zero padded),
+    copied from the source ranks whose fragments overlap it (memory-mapped: only those
+    pages are read)."""
+    meta = plan.meta(src)
+    numel = math.prod(dict(meta.frozen_shapes)[name])
+    pn1 = math.ceil(numel / meta.world_size)
+    pn2 = math.ceil(numel / plan.target.world_size)
+    lo, hi = rank * pn2, min((rank + 1) * pn2, numel)
+    out = None
+    e = lo
+    while e < hi:
+        r1, within = divmod(e, pn1)
+        n = min(hi - e, pn1 - within)
+        if (src, r1) not in states:
+            states[src, r1] = load(meta.files.model_path(r1), opaque_ok=True)
+        frag = states[src, r1]["frozen_param_fragments"][name].reshape(-1)
+        if out is None:
+            out = torch.zeros(pn2, dtype=frag.dtype)
+        out[e - lo: e - lo + n] = frag[within: within + n]
+        e += n
+    if out is None:  # this rank holds only padding of it
+        first = load(meta.files.model_path(0), opaque_ok=True)["frozen_param_fragments"][name]
+        out = torch.zeros(pn2, dtype=first.dtype)
+    return out

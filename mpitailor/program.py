@@ -1,0 +1,116 @@
+"""The copy program of a merge or reshard: what every byte of every output flat buffer is
+made of, and which MPI rank makes it. Pure: no torch, no MPI, no I/O.
+
+An output partition's optimizer file holds three fp32 flat buffers per sub-group (fp32
+master, exp_avg, exp_avg_sq; one layout). Each buffer is a sequence of `Piece`s, element runs
+copied from a source rank's buffer of the same kind, with zeros where nothing is copied (the
+padding a reshard recomputes). A merge is the case where the output layout is the sources'
+(piece = a run of the plan, same rank, same place); a reshard maps the elements of each
+parameter to their source ranks (`reshard.pieces_for`). Everything else in the files
+(pickled metadata, small tensors, container headers) is small and computed by the
+partition's home rank.
+
+Work is the concatenation of every output buffer's bytes, partition by partition, cut into
+one contiguous range per MPI rank, balanced by bytes. With fewer ranks than partitions a
+rank's range covers whole consecutive partitions (at most two shared with a neighbour), so a
+rank reads the source files of a block of consecutive partitions: the same block of training
+ranks whose files a node keeps under node-local storage when Slurm places consecutive ranks
+on a node. With more ranks than partitions, partitions are split and several ranks write
+one file: every rank is busy for any rank count, a world-size-1 checkpoint included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpitailor.plan import MergePlan
+from mpitailor.reshard import Piece, pieces_for
+from mpitailor.zero3.layout import KINDS
+
+ELEMENT = 4  # bytes of one fp32 element: ranges are cut at element boundaries
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One flat buffer of an output partition."""
+
+    partition: int
+    kind: str
+    subgroup: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """Bytes [lo, hi) of buffers[buffer], made by one rank."""
+
+    buffer: int
+    lo: int
+    hi: int
+
+
+def buffers(plan: MergePlan) -> tuple[Buffer, ...]:
+    """Every output flat buffer, partition by partition, in file order within one."""
+    layout = plan.target.layout if plan.target else plan.base_meta.layout
+    return tuple(Buffer(p, kind, g, n * ELEMENT)
+                 for p in range(layout.world_size)
+                 for g, n in enumerate(layout.subgroup_sizes) for kind in KINDS)
+
+
+def split(bufs: tuple[Buffer, ...], ranks: int) -> list[list[Task]]:
+    """rank -> its tasks: the byte stream of all buffers cut into `ranks` contiguous ranges
+    of (nearly) equal size, at element boundaries."""
+    total = sum(b.nbytes for b in bufs) // ELEMENT
+    cuts = [total * m // ranks * ELEMENT for m in range(ranks + 1)]
+    work: list[list[Task]] = [[] for _ in range(ranks)]
+    start, first = 0, 0
+    for i, b in enumerate(bufs):
+        end = start + b.nbytes
+        while first < ranks and cuts[first + 1] <= start:
+            first += 1
+        for m in range(first, ranks):
+            if cuts[m] >= end:
+                break
+            lo, hi = max(cuts[m], start), min(cuts[m + 1], end)
+            if lo < hi:
+                work[m].append(Task(i, lo - start, hi - start))
+        start = end
+    return work
+
+
+def home_ranks(bufs: tuple[Buffer, ...], work: list[list[Task]]) -> dict[int, int]:
+    """partition -> the rank that builds its files (pickles, headers, model states): the
+    one that makes the first byte of the partition's first non-empty buffer (rank 0 for a
+    partition without bytes)."""
+    homes: dict[int, int] = {}
+    for rank, tasks in enumerate(work):
+        for t in tasks:
+            homes.setdefault(bufs[t.buffer].partition, rank)
+    for b in bufs:
+        homes.setdefault(b.partition, 0)
+    return dict(sorted(homes.items()))
+
+
+def pieces(plan: MergePlan, partition: int) -> dict[int, list[Piece]]:
+    """Output sub-group -> the element pieces of output `partition`'s buffers, in order."""
+    out: dict[int, list[Piece]] = {}
+    if plan.target is None:
+        for g, sg in enumerate(plan.subgroups):
+            out[g] = [Piece(r.source, partition, g, r.start, g, r.start, r.length)
+                      for r in sg.runs]
+        return out
+    for p in pieces_for(plan.target, partition, plan.base_meta.layout, dict(plan.param_source)):
+        out.setdefault(p.dst_group, []).append(p)
+    for g in out:
+        out[g].sort(key=lambda p: p.dst_start)
+    return out
+
+
+def clip(ps: list[Piece], lo: int, hi: int) -> list[Piece]:
+    """The parts of pieces `ps` that fall in output elements [lo, hi)."""
+    out = []
+    for p in ps:
+        a, b = max(lo, p.dst_start), min(hi, p.dst_start + p.length)
+        if a < b:
+            out.append(Piece(p.source, p.src_rank, p.src_group, p.src_start + a - p.dst_start,
+                             p.dst_group, a, b - a))
+    return out
