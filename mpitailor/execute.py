@@ -3,22 +3,28 @@
 Collective throughout (`write_partitions` is called on every rank). Three steps:
 1. Lay out: each partition's home rank builds its optimizer dict with placeholder flat
    buffers, lays out the torch zip container (`zero3/ptzip.py`), creates the file at its
-   final size (zeros: the padding needs no write) and writes the small records. The data
-   offset of every flat buffer is shared with all ranks.
+   final size (zeros: the padding needs no write) and writes the small records; a Universal
+   file (one whole parameter) is laid out the same way. The data offset of every buffer is
+   shared with all ranks.
 2. Copy: every rank fills its byte ranges of the flat buffers (program.split) straight at
    their final offsets, in bounded chunks: pread from the source, CRC-32, pwrite. No buffer
    larger than a chunk is ever held. Each range's CRC is shared.
 3. Finish: the home rank joins the CRCs of each record in order (crc32_combine), writes the
    local headers, data descriptors and central directory, fsyncs, and writes the
    partition's model-states file.
+Universal files are copied straight from the sources (the pieces of program.param_pieces),
+not read back from the merged partitions.
 The output bytes depend only on the program, never on how the ranks shared it.
 """
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+
+import torch
 
 from mpitailor import failpoints, program
 from mpitailor.comm import Comm
@@ -49,13 +55,15 @@ class _Laid:
 
 
 def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = False,
-                     progress: bool = False) -> tuple[dict[str, dict], dict]:
-    """Collective: write every output partition into tag_dir, fsynced.
+                     progress: bool = False,
+                     universal: bool = False) -> tuple[dict[str, dict], dict]:
+    """Collective: write every output partition into tag_dir, fsynced (and, with
+    `universal`, every parameter's files of the Universal export under tag_dir/zero/).
     Returns ({file name: manifest record} of the files this rank finished, its stats).
     verify: first check every source record read against its CRC (reads them whole).
     progress: a progress bar of rank 0's bytes."""
     before = snapshot()
-    bufs = program.buffers(plan)
+    bufs = program.buffers(plan, universal)
     work = program.split(bufs, comm.size)
     homes = program.home_ranks(bufs, work)
     mine = [p for p, r in homes.items() if r == comm.rank]
@@ -64,27 +72,40 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
     for part in comm.allgather({b: lay.layout.entries[i].data_offset
                                 for lay in laid.values() for b, i in lay.flat_records.items()}):
         offsets.update(part)
-    crcs, written = comm.step(_copy, plan, bufs, work[comm.rank], offsets, tag_dir, verify,
+    crcs, (written, unchanged) = comm.step(_copy, plan, bufs, work[comm.rank], offsets, tag_dir, verify,
                               progress and comm.rank == 0)
     joined: dict[int, list[tuple[int, int, int]]] = {}
     for part in comm.allgather(crcs):
         for b, pieces in part.items():
             joined.setdefault(b, []).extend(pieces)
     records = comm.step(_finish, laid, bufs, joined, tag_dir)
-    stats = {"partitions": sorted({bufs[t.buffer].partition for t in work[comm.rank]}),
+    stats = {"partitions": sorted({b.unit for t in work[comm.rank]
+                                   if program.is_partition(b := bufs[t.buffer])}),
              "homes": mine, "bytes_written": written + sum(r["bytes"] for r in records.values()),
+             "bytes_copied_unchanged": unchanged,
              **snapshot().since(before)}
     return records, stats
 
 
 def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path) -> dict[int, _Laid]:
     out = {}
+    first = {}  # unit -> its first buffer
+    for i, b in enumerate(bufs):
+        first.setdefault(b.unit, i)
+    for u in mine:
+        b = bufs[first[u]]
+        if not program.is_partition(b):
+            flats = {(b.kind, -1): torch.empty(b.nbytes // 4, dtype=torch.float32)}
+            (tag_dir / "zero" / b.param).mkdir(parents=True, exist_ok=True)
+            out[u] = _lay_out_one(bufs, u, tag_dir / _file(plan, b), flats,
+                                  flats[b.kind, -1], None)
+    mine = [u for u in mine if program.is_partition(bufs[first[u]])]
     if plan.target is not None and mine:  # what every partition of a reshard starts from
         with open_shard(plan.base_meta, 0) as base0:
             rank0 = rank0_model_states(plan)
             for p in mine:
                 flats = placeholders(plan.target.layout.subgroup_sizes)
-                out[p] = _lay_out_one(plan, bufs, p, tag_dir, flats,
+                out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
                                       resharded_optim(plan, base0, flats),
                                       resharded_model_states(plan, p, base0, rank0))
         return out
@@ -94,25 +115,25 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path) -> dict[int,
             models = {name: SimpleNamespace(model=base.model if name == plan.base else
                                             load(meta.files.model_path(p), opaque_ok=True))
                       for name, meta in plan.sources}
-            out[p] = _lay_out_one(plan, bufs, p, tag_dir, flats, merged_optim(plan, base, flats),
+            out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
+                                  merged_optim(plan, base, flats),
                                   merged_model_states(plan, models))
     return out
 
 
-def _lay_out_one(plan: MergePlan, bufs, p: int, tag_dir: Path, flats: dict, optim: dict,
-                 model: dict) -> _Laid:
-    """Lay out partition p's optimizer file, create it, write its small records."""
-    kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(optim) else {}
-    tf = ptzip.describe(optim, **kwargs)
+def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | None) -> _Laid:
+    """Lay out the torch file of `obj` (holding the placeholders `flats` of unit's buffers),
+    create it at path, write its small records."""
+    kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(obj) else {}
+    tf = ptzip.describe(obj, **kwargs)
     layout = tf.layout()
     # Placeholders are found by their memory; empty ones (no bytes to copy, no memory to
     # tell them apart) are written like any small record.
     by_ptr = {t.untyped_storage().data_ptr(): key for key, t in flats.items() if t.numel()}
-    index = {(b.kind, b.subgroup): i for i, b in enumerate(bufs) if b.partition == p}
+    index = {(b.kind, b.subgroup): i for i, b in enumerate(bufs) if b.unit == unit}
     crcs: list[int | None] = [None] * len(tf.records)
     flat_records = {}
-    name = optim_file(p, plan.base_meta.files.bf16_prefix)
-    fd = os.open(tag_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, layout.size)
         for i, rec in enumerate(tf.records):
@@ -125,27 +146,37 @@ def _lay_out_one(plan: MergePlan, bufs, p: int, tag_dir: Path, flats: dict, opti
             crcs[i] = crc32(data)
     finally:
         os.close(fd)
-    return _Laid(name, layout, crcs, flat_records, model)
+    return _Laid(path.name if model is not None else f"zero/{path.parent.name}/{path.name}",
+                 layout, crcs, flat_records, model)
+
+
+def _file(plan: MergePlan, b: program.Buffer) -> str:
+    """The output file of buffer b, relative to the tag dir."""
+    if program.is_partition(b):
+        return optim_file(b.unit, plan.base_meta.files.bf16_prefix)
+    return f"zero/{b.param}/{b.kind}.pt"
 
 
 def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, int],
           tag_dir: Path, verify: bool,
           progress: bool) -> tuple[dict[int, list[tuple[int, int, int]]], int]:
-    """This rank's byte ranges: ({buffer: [(lo, hi, crc)]}, bytes written)."""
+    """This rank's byte ranges: ({buffer: [(lo, hi, crc)]}, (bytes copied, of which whole
+    source records copied unchanged))."""
     from tqdm import tqdm
     pieces_of: dict[int, dict] = {}
     shards: dict[tuple[str, int], object] = {}
     outs: dict[str, int] = {}
     buf = bytearray(CHUNK)
     crcs: dict[int, list[tuple[int, int, int]]] = {}
-    written = 0
+    written = unchanged = 0
     try:
         plans = []
         for t in tasks:
             b = bufs[t.buffer]
-            if b.partition not in pieces_of:
-                pieces_of[b.partition] = program.pieces(plan, b.partition)
-            ps = program.clip(pieces_of[b.partition].get(b.subgroup, []), t.lo // 4, t.hi // 4)
+            if b.unit not in pieces_of:
+                pieces_of[b.unit] = program.pieces(plan, b.unit) if program.is_partition(b) \
+                    else {-1: program.param_pieces(plan, b.param)}
+            ps = program.clip(pieces_of[b.unit].get(b.subgroup, []), t.lo // 4, t.hi // 4)
             for p in ps:
                 if (p.source, p.src_rank) not in shards:
                     shards[p.source, p.src_rank] = open_shard(plan.meta(p.source), p.src_rank)
@@ -156,10 +187,20 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
         bar = tqdm(total=sum(t.hi - t.lo for t in tasks), unit="B", unit_scale=True,
                    desc="rank 0 copies", disable=not progress or None, leave=False)
         for t, b, ps in plans:
-            name = optim_file(b.partition, plan.base_meta.files.bf16_prefix)
+            name = _file(plan, b)
             if name not in outs:
                 outs[name] = os.open(tag_dir / name, os.O_WRONLY)
             base = offsets[t.buffer]  # file offset of the buffer's byte 0
+            whole = _whole_record(b, t, ps, shards)
+            if whole is not None:  # a source record copied unchanged: its CRC as it is
+                shard = shards[ps[0].source, ps[0].src_rank]
+                [(fd, off, n)] = shard.byte_ranges(b.kind, ps[0].src_group, 0, ps[0].length)
+                _copy_unchanged(fd, off, n, outs[name], base, buf, shard.path_of(fd))
+                crcs.setdefault(t.buffer, []).append((t.lo, t.hi, whole))
+                written += n
+                unchanged += n
+                bar.update(n)
+                continue
             crc, pos = 0, t.lo
             for p in ps:
                 start = p.dst_start * 4
@@ -182,7 +223,7 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
             os.close(fd)
         for s in shards.values():
             s.close()
-    return crcs, written
+    return crcs, (written, unchanged)
 
 
 def _copy_range(src: int, off: int, n: int, dst: int, dst_off: int, buf: bytearray,
@@ -203,6 +244,36 @@ def _copy_range(src: int, off: int, n: int, dst: int, dst_off: int, buf: bytearr
         _pwrite_all(dst, view[:got], dst_off + done)
         done += got
     return crc
+
+
+def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
+    """The CRC-32 of the one source record that is all of buffer b unchanged, if it is."""
+    if t.lo != 0 or t.hi != b.nbytes or len(ps) != 1:
+        return None
+    p = ps[0]
+    if p.dst_start != 0 or p.src_start != 0 or p.length * 4 != b.nbytes:
+        return None
+    rec = shards[p.source, p.src_rank].whole_record(b.kind, p.src_group)
+    return rec[0] if rec is not None and rec[1] == b.nbytes else None
+
+
+def _copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, buf: bytearray,
+                    path: str) -> None:
+    """Copy n bytes inside the kernel (copy_file_range: no pass through this process, a
+    reflink where the file system shares extents); chunked copies where it cannot."""
+    done = 0
+    while done < n:
+        try:
+            k = os.copy_file_range(src, dst, n - done, off + done, dst_off + done)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise  # a full disk, an I/O error: as any write's
+            _copy_range(src, off + done, n - done, dst, dst_off + done, buf, 0, path)
+            return
+        if k == 0:
+            raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
+                                  f"{off + done}; the file is truncated")
+        done += k
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -239,6 +310,9 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
         finally:
             os.close(fd)
         records[lay.name] = {"bytes": lay.layout.size, "crc32": f"{lay.layout.file_crc(crcs):08x}"}
+        if lay.model is None:  # a Universal file
+            failpoints.hit("export")
+            continue
         failpoints.hit("write")
         name = model_file(p)
         kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(lay.model) else {}

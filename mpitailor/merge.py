@@ -78,7 +78,7 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
     tag = plan.base_meta.files.tag
     try:
         root = comm.root_step(staging.acquire, tag)
-        records, mine = write_partitions(comm, plan, root / tag, verify, progress)
+        records, mine = write_partitions(comm, plan, root / tag, verify, progress, universal)
         stats = comm.allgather(mine)
         files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
                  part.items()}

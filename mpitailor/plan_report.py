@@ -44,18 +44,18 @@ def _rank_table(plan: MergePlan, mpi_size: int) -> list[str]:
     pieces: dict[int, dict] = {}
     whole: dict[int, int] = {}
     for b in bufs:
-        whole[b.partition] = whole.get(b.partition, 0) + b.nbytes
+        whole[b.unit] = whole.get(b.unit, 0) + b.nbytes
     lines = [f"{'mpi rank':<10}{'partitions':<20}{'reads':>12}{'writes':>12}"]
     for r, tasks in enumerate(work):
         parts: dict[int, int] = {}
         reads = 0
         for t in tasks:
             b = bufs[t.buffer]
-            parts[b.partition] = parts.get(b.partition, 0) + t.hi - t.lo
-            if b.partition not in pieces:
-                pieces[b.partition] = program.pieces(plan, b.partition)
+            parts[b.unit] = parts.get(b.unit, 0) + t.hi - t.lo
+            if b.unit not in pieces:
+                pieces[b.unit] = program.pieces(plan, b.unit)
             reads += 4 * sum(p.length for p in program.clip(
-                pieces[b.partition].get(b.subgroup, []), t.lo // 4, t.hi // 4))
+                pieces[b.unit].get(b.subgroup, []), t.lo // 4, t.hi // 4))
         span = ",".join(f"{p}{'' if n == whole[p] else '*'}" for p, n in parts.items())
         lines.append(f"{r:<10}{span or '(idle)':<20}{human(reads):>12}"
                      f"{human(sum(parts.values())):>12}")

@@ -31,12 +31,14 @@ ELEMENT = 4  # bytes of one fp32 element: ranges are cut at element boundaries
 
 @dataclass(frozen=True, slots=True)
 class Buffer:
-    """One flat buffer of an output partition."""
+    """Output bytes made of copies of `kind` buffers: a flat buffer of an output partition,
+    or a whole parameter's fp32 / exp_avg / exp_avg_sq file of the Universal export."""
 
-    partition: int
-    kind: str
-    subgroup: int
+    unit: int       # the files one home rank lays out: partition p, or Universal file i at
+    kind: str       # W2 + i (W2 the output world size)
+    subgroup: int   # the partition's sub-group; -1 for a Universal parameter
     nbytes: int
+    param: str = ""  # the Universal parameter
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +50,22 @@ class Task:
     hi: int
 
 
-def buffers(plan: MergePlan) -> tuple[Buffer, ...]:
-    """Every output flat buffer, partition by partition, in file order within one."""
+def buffers(plan: MergePlan, universal: bool = False) -> tuple[Buffer, ...]:
+    """Every output flat buffer, partition by partition, in file order within one; then,
+    with `universal`, every parameter's three Universal files, in model order."""
     layout = plan.target.layout if plan.target else plan.base_meta.layout
-    return tuple(Buffer(p, kind, g, n * ELEMENT)
-                 for p in range(layout.world_size)
-                 for g, n in enumerate(layout.subgroup_sizes) for kind in KINDS)
+    out = [Buffer(p, kind, g, n * ELEMENT)
+           for p in range(layout.world_size)
+           for g, n in enumerate(layout.subgroup_sizes) for kind in KINDS]
+    if universal:
+        files = [(s, kind) for s in plan.base_meta.layout.slots for kind in KINDS]
+        out += [Buffer(layout.world_size + i, kind, -1, s.numel * ELEMENT, s.name)
+                for i, (s, kind) in enumerate(files)]
+    return tuple(out)
+
+
+def is_partition(b: Buffer) -> bool:
+    return not b.param
 
 
 def split(bufs: tuple[Buffer, ...], ranks: int) -> list[list[Task]]:
@@ -78,16 +90,25 @@ def split(bufs: tuple[Buffer, ...], ranks: int) -> list[list[Task]]:
 
 
 def home_ranks(bufs: tuple[Buffer, ...], work: list[list[Task]]) -> dict[int, int]:
-    """partition -> the rank that builds its files (pickles, headers, model states): the
-    one that makes the first byte of the partition's first non-empty buffer (rank 0 for a
-    partition without bytes)."""
+    """unit -> the rank that builds its files (pickles, headers, model states): the one
+    that makes the first byte of the unit's first non-empty buffer (rank 0 for a unit
+    without bytes)."""
     homes: dict[int, int] = {}
     for rank, tasks in enumerate(work):
         for t in tasks:
-            homes.setdefault(bufs[t.buffer].partition, rank)
+            homes.setdefault(bufs[t.buffer].unit, rank)
     for b in bufs:
-        homes.setdefault(b.partition, 0)
+        homes.setdefault(b.unit, 0)
     return dict(sorted(homes.items()))
+
+
+def param_pieces(plan: MergePlan, name: str) -> list[Piece]:
+    """The pieces of a whole parameter (Universal file), from the source it comes from:
+    source rank r holds its elements [r * pn, min((r + 1) * pn, numel))."""
+    src = dict(plan.param_source)[name]
+    s = plan.meta(src).layout.by_name()[name]
+    return [Piece(src, r, s.subgroup, s.offset, -1, r * s.length, s.valid(r))
+            for r in range(plan.meta(src).world_size) if s.valid(r) > 0]
 
 
 def pieces(plan: MergePlan, partition: int) -> dict[int, list[Piece]]:

@@ -123,3 +123,21 @@ def test_each_rank_reads_little_more_than_it_writes(ckpt, tmp_path):
     for s in ranks:
         assert s["bytes_written"] > 0
         assert s["read_calls_bytes"] < 1.2 * s["bytes_written"], s
+
+
+def test_whole_source_records_are_copied_unchanged(ckpt, tmp_path):
+    """With one optimizer group per layer, a parity merge takes every flat buffer whole from
+    one source: all of them are copied inside the kernel with the source's CRC, none through
+    this process; with one group for the whole model, none can be."""
+    import json
+    from mpitailor.zero3.read import read_meta
+    for name, whole in (("w4_fp32_per_layer", True), ("w2_fp32_one", False)):
+        stats = tmp_path / f"{name}.json"
+        new = ckpt(name, 10)
+        r = run_cli([str(RECIPES / "parity.yml"), "--stats", str(stats)],
+                    env(new, ckpt(name, 5), tmp_path / name), ranks=2)
+        assert r.returncode == 0, r.stderr
+        meta = read_meta(new)
+        flat_bytes = sum(meta.layout.subgroup_sizes) * 12 * meta.world_size
+        unchanged = sum(s["bytes_copied_unchanged"] for s in json.loads(stats.read_text())["ranks"])
+        assert unchanged == (flat_bytes if whole else 0), (name, unchanged, flat_bytes)

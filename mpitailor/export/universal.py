@@ -8,9 +8,9 @@ same tag (the model-states file `load_universal` reads is already there):
     TAG/zero/optimizer_state.pt      rank 0's optimizer state without its flat buffers
     latest_universal                 names TAG (DeepSpeed reads it when tag=None)
 
-Parameters are split, in model order, into one contiguous chunk per MPI rank of about equal
-bytes; each rank reads its parameters' slices from every partition file (byte ranges only)
-and writes their files.
+The parameters' files are part of the merge's copy program (program.buffers with
+`universal`): copied straight from the sources by every rank, byte range by byte range. This
+module writes the rest, from the merged checkpoint once it is complete.
 """
 from __future__ import annotations
 
@@ -21,16 +21,13 @@ from pathlib import Path
 
 import torch
 
-from mpitailor import failpoints
 from mpitailor.comm import Comm
 from mpitailor.commit import write_synced
-from mpitailor.export import contiguous_chunks
 from mpitailor.plan import MergePlan
 from mpitailor.reshard import close_subgroups
-from mpitailor.zero3 import KINDS, CheckpointMeta
-from mpitailor.zero3.consolidate import full_tensor
+from mpitailor.zero3 import CheckpointMeta
 from mpitailor.zero3.ptzip import write_torch_file
-from mpitailor.zero3.shard import open_all_shards, open_shard, without_flat_buffers
+from mpitailor.zero3.shard import open_shard, without_flat_buffers
 
 log = logging.getLogger(__name__)
 LATEST = "latest_universal"
@@ -38,17 +35,10 @@ OPTIMIZER_STATE = "optimizer_state.pt"
 
 
 def export_universal(comm: Comm, staged: CheckpointMeta, root: Path) -> dict:
-    """Collective: the Universal layout of the checkpoint `staged` (the merged tag dir under
-    root); returns {path relative to root: manifest record}."""
-    zero = staged.path / "zero"
-    records = comm.root_step(_write_optimizer_state, staged, zero)
-    chunks = contiguous_chunks([(s.name, s.numel) for s in staged.layout.slots], comm.size)
-
-    def write_mine() -> dict[str, dict]:
-        return _write_params(staged, chunks[comm.rank], zero) if comm.rank < len(chunks) else {}
-
-    for part in comm.allgather(comm.step(write_mine)):
-        records.update(part)
+    """Collective: the Universal layout's optimizer_state.pt and `latest_universal`, for the
+    checkpoint `staged` (the merged tag dir under root) whose zero/<param>/ files the copy
+    program wrote; returns {path relative to root: manifest record}."""
+    records = comm.root_step(_write_optimizer_state, staged, staged.path / "zero")
     tag = staged.files.tag
     out = {f"{tag}/zero/{name}": rec for name, rec in records.items()}
     out[LATEST] = comm.root_step(write_synced, root / LATEST, tag.encode())
@@ -58,7 +48,7 @@ def export_universal(comm: Comm, staged: CheckpointMeta, root: Path) -> dict:
 def _write_optimizer_state(staged: CheckpointMeta, zero: Path) -> dict[str, dict]:
     """Rank 0: zero/ and its optimizer_state.pt (counters, loss scaler, param groups, Adam
     steps): what ds_to_universal writes there, less the flat buffers nobody reads from it."""
-    zero.mkdir()
+    zero.mkdir(exist_ok=True)  # the copy program made it, unless there are no parameters
     with open_shard(staged, 0) as shard:
         osd = without_flat_buffers(shard.optim["optimizer_state_dict"])
         groups = osd["optimizer_state_dict"]["param_groups"]
@@ -71,19 +61,6 @@ def _write_optimizer_state(staged: CheckpointMeta, zero: Path) -> dict[str, dict
                     "checkpoint resharded with --world-size N resumes exactly.",
                     "; ".join(limits))
     return {OPTIMIZER_STATE: record}
-
-
-def _write_params(staged: CheckpointMeta, names: list[str], zero: Path) -> dict[str, dict]:
-    slots = staged.layout.by_name()
-    records = {}
-    with open_all_shards(staged) as shards:
-        for name in names:
-            (zero / name).mkdir()
-            for kind in KINDS:
-                t = full_tensor(shards, slots[name], kind).reshape(-1)
-                records[f"{name}/{kind}.pt"] = write_torch_file(zero / name / f"{kind}.pt", t)
-            failpoints.hit("export")
-    return records
 
 
 def loader_limits(meta: CheckpointMeta, rank0, steps: Sequence[float]) -> list[str]:

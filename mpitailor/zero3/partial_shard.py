@@ -57,6 +57,10 @@ class PartialShard:
             out.append((self.fd, offset + (lo - slot.offset) * 4, (hi - lo) * 4))
         return out
 
+    def whole_record(self, kind: str, g: int) -> None:
+        """Never: a partial save stores parameters, not sub-group buffers."""
+        return None
+
     def path_of(self, fd: int) -> str:
         return str(self.meta.files.layers_path(self.rank))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from mpitailor.zero3 import rawio
 from mpitailor.zero3.layout import KINDS
 from mpitailor.zero3.meta import CheckpointMeta
 from mpitailor.zero3.safeload import load
+from mpitailor.zero3.verify import record_crcs
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RankShard:
     optim: dict   # flat buffers on the meta device; everything else (Adam steps) real
     fd: int
     offsets: dict[tuple[str, int], int]  # (kind, sub-group) -> byte offset in the optim file
+    _records: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
 
     @property
     def inner(self) -> dict:
@@ -48,6 +50,13 @@ class RankShard:
         """Where elements [start, start + n) of sub-group g's `kind` buffer lie:
         (open file descriptor, byte offset, byte count) runs, in order."""
         return [(self.fd, self.offsets[kind, g] + start * 4, n * 4)]
+
+    def whole_record(self, kind: str, g: int) -> tuple[int, int] | None:
+        """(CRC-32, bytes) of sub-group g's `kind` buffer as its zip record states them (the
+        buffer is a record of its own): a copy of all of it can take this CRC as it is."""
+        if self._records is None:
+            self._records = record_crcs(self.meta.files.optim_path(self.rank), self.fd)
+        return self._records.get(self.offsets[kind, g])
 
     def path_of(self, fd: int) -> str:
         """The file behind one of this shard's descriptors (for error messages)."""

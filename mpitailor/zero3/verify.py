@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
-import zlib
 from pathlib import Path
 
+from mpitailor.crc import crc32
 from mpitailor.errors import CheckpointError
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -43,7 +43,7 @@ def verify_records(path: Path, fd: int, offsets: set[int]) -> None:
             chunk = os.pread(fd, min(16 << 20, size - done), off + done)
             if not chunk:
                 break
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             done += len(chunk)
         if done != size or crc != want:
             raise CheckpointError(f"{path}: the record at byte {off} fails its CRC-32 check; "
