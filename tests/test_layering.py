@@ -15,7 +15,8 @@ import mpitailor
 
 PACKAGE = Path(mpitailor.__file__).parent
 HEAVY = ("torch", "mpi4py")
-MIDDLE = ("mpitailor.plan", "mpitailor.recipe", "mpitailor.reshard", "mpitailor.layers")
+MIDDLE = ("mpitailor.plan", "mpitailor.program", "mpitailor.recipe", "mpitailor.reshard",
+          "mpitailor.layers")
 
 # Modules above zero3/ that zero3/ may import: leaves of the house, standard library only.
 BOTTOM = {"mpitailor.errors", "mpitailor.crc", "mpitailor.filerecord", "mpitailor.failpoints"}

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 from mpitailor.comm import Comm
 from mpitailor.commit import copy_synced, write_synced
-from mpitailor.crc import crc32_combine
+from mpitailor.crc import crc32, crc32_combine
 from mpitailor.errors import CheckpointError, MergeFailed
 from mpitailor.export.hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -153,7 +152,7 @@ def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
                     for chunk in _elements(shards, slots.get(piece.name), piece.name, a, b):
                         data = as_bytes(chunk.to(dtype))
                         _pwrite(fd, data, pos)
-                        crc, pos = zlib.crc32(data, crc), pos + len(data)
+                        crc, pos = crc32(data, crc), pos + len(data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -206,7 +205,7 @@ def _records(plan: WeightsPlan, gathered: list[list[tuple[str, int, int, int]]]
             ranges[name].append((first, n, crc))
     records = {}
     for f in plan.files:
-        crc, pos = zlib.crc32(f.prefix), len(f.prefix)
+        crc, pos = crc32(f.prefix), len(f.prefix)
         for first, n, part_crc in sorted(ranges[f.name]):
             if first != pos:
                 break
