@@ -19,7 +19,7 @@ from pathlib import Path
 from mpitailor.comm import Comm
 from mpitailor.iostats import snapshot
 
-CHUNK = 1 << 30  # bytes per copy_file_range call
+CHUNK = 64 << 20  # bytes per copy_file_range call (1 GiB was 10-30% slower here)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -169,7 +170,7 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
     pieces_of: dict[int, dict] = {}
     shards: dict[tuple[str, int], object] = {}
     outs: dict[str, int] = {}
-    buf = bytearray(CHUNK)
+    copier = _Copier()
     crcs: dict[int, list[tuple[int, int, int]]] = {}
     written = unchanged = 0
     try:
@@ -198,7 +199,7 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
             if whole is not None:  # a source record copied unchanged: its CRC as it is
                 shard = shards[ps[0].source, ps[0].src_rank]
                 [(fd, off, n)] = shard.byte_ranges(b.kind, ps[0].src_group, 0, ps[0].length)
-                _copy_unchanged(fd, off, n, outs[name], base, buf, shard.path_of(fd))
+                _copy_unchanged(fd, off, n, outs[name], base, copier, shard.path_of(fd))
                 crcs.setdefault(t.buffer, []).append((t.lo, t.hi, whole))
                 written += n
                 unchanged += n
@@ -211,7 +212,7 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
                 shard = shards[p.source, p.src_rank]
                 dst = base + start
                 for fd, off, n in shard.byte_ranges(b.kind, p.src_group, p.src_start, p.length):
-                    crc = _copy_range(fd, off, n, outs[name], dst, buf, crc, shard.path_of(fd))
+                    crc = copier.copy(fd, off, n, outs[name], dst, crc, shard.path_of(fd))
                     dst += n
                 written += p.length * 4
                 pos = start + p.length * 4
@@ -219,9 +220,11 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
             crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
             bar.update(t.hi - t.lo)
         bar.close()
+        copier.drain()
         for fd in outs.values():
             os.fsync(fd)
     finally:
+        copier.close()  # no write in flight when the descriptors close
         for fd in outs.values():
             os.close(fd)
         for s in shards.values():
@@ -229,24 +232,53 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
     return crcs, (written, unchanged)
 
 
-def _copy_range(src: int, off: int, n: int, dst: int, dst_off: int, buf: bytearray,
-                crc: int, path: str) -> int:
-    """Copy n bytes in chunks; return the CRC-32 continued over them."""
-    view = memoryview(buf)
-    done = 0
-    while done < n:
-        k = min(CHUNK, n - done)
-        try:
-            got = os.preadv(src, [view[:k]], off + done)
-        except OSError as e:
-            raise CheckpointError(f"{path}: read failed ({e}); the file is damaged") from None
-        if got <= 0:
-            raise CheckpointError(f"{path}: ends {n - done} bytes early at offset {off + done}; "
-                                  f"the file is truncated")
-        crc = crc32(view[:got], crc)
-        _pwrite_all(dst, view[:got], dst_off + done)
-        done += got
-    return crc
+class _Copier:
+    """Copies byte ranges in CHUNKs, double-buffered: while a writer thread pwrites one chunk,
+    this thread reads the next and takes its CRC (preadv, the CRC and pwrite all release the
+    GIL), so that one rank keeps two cores busy. Memory: two chunks."""
+
+    def __init__(self) -> None:
+        self.bufs = [memoryview(bytearray(CHUNK)) for _ in range(2)]
+        self.pending: list[Future | None] = [None, None]
+        self.turn = 0
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="mpitailor-writer")
+
+    def copy(self, src: int, off: int, n: int, dst: int, dst_off: int, crc: int,
+             path: str) -> int:
+        """Copy n bytes; return the CRC-32 continued over them."""
+        done = 0
+        while done < n:
+            view = self._free_buffer()
+            try:
+                got = os.preadv(src, [view[:min(CHUNK, n - done)]], off + done)
+            except OSError as e:
+                raise CheckpointError(f"{path}: read failed ({e}); the file is damaged") \
+                    from None
+            if got <= 0:
+                raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
+                                      f"{off + done}; the file is truncated")
+            crc = crc32(view[:got], crc)
+            self.pending[self.turn] = self.writer.submit(_pwrite_all, dst, view[:got],
+                                                         dst_off + done)
+            done += got
+        return crc
+
+    def _free_buffer(self) -> memoryview:
+        self.turn ^= 1
+        if (f := self.pending[self.turn]) is not None:
+            self.pending[self.turn] = None
+            f.result()  # a failed write raises here
+        return self.bufs[self.turn]
+
+    def drain(self) -> None:
+        """Wait for every write (their errors raise here)."""
+        for i, f in enumerate(self.pending):
+            if f is not None:
+                self.pending[i] = None
+                f.result()
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True)
 
 
 def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
@@ -260,7 +292,7 @@ def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
     return rec[0] if rec is not None and rec[1] == b.nbytes else None
 
 
-def _copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, buf: bytearray,
+def _copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, copier: _Copier,
                     path: str) -> None:
     """Copy n bytes inside the kernel (copy_file_range: no pass through this process, a
     reflink where the file system shares extents); chunked copies where it cannot."""
@@ -271,7 +303,7 @@ def _copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, buf: byt
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                 raise  # a full disk, an I/O error: as any write's
-            _copy_range(src, off + done, n - done, dst, dst_off + done, buf, 0, path)
+            copier.copy(src, off + done, n - done, dst, dst_off + done, 0, path)
             return
         if k == 0:
             raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
