@@ -15,7 +15,7 @@ import torch
 
 from mpitailor.comm import Comm
 from mpitailor.iostats import snapshot
-from mpitailor.merge import plan_merge
+from mpitailor.job import plan_merge
 from mpitailor.zero3 import KINDS
 from mpitailor.zero3.safeload import load
 from mpitailor.zero3.shard import flat_tensor

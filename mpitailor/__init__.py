@@ -1,3 +1,15 @@
-"""mpitailor: layer-wise composite checkpoints from DeepSpeed ZeRO-3 saves, merged with MPI."""
+"""mpitailor: layer-wise composite checkpoints from DeepSpeed ZeRO-3 saves, merged with MPI.
+
+`from mpitailor import merge, recover` (mpitailor/api.py); loaded on first use, so that
+importing the package (or its torch-free planner) does not import torch.
+"""
 
 __version__ = "0.1.0"
+__all__ = ["MergeResult", "merge", "recover"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from mpitailor import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'mpitailor' has no attribute {name!r}")

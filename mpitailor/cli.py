@@ -27,18 +27,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from mpitailor.merge import run_merge_cli
+    from mpitailor.job import run_merge_cli
     return run_merge_cli(args)
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from mpitailor.api import plan_recover, recover_recipe
     from mpitailor.errors import UserError
-    from mpitailor.layers import check_patterns
-    from mpitailor.merge import plan_recipe, run_planned
-    from mpitailor.recipe import parse_recipe
-    from mpitailor.recovery import plan_recovery, recovery_recipe
+    from mpitailor.job import run_planned
 
     comm = args.comm
     save_dir = Path(args.save_dir).resolve()
@@ -54,18 +52,15 @@ def cmd_recover(args: argparse.Namespace) -> int:
                 raise UserError(f"--layer-pattern {item!r}: write REGEX=KEY, e.g. "
                                 f"'model\\.decoder\\.layers\\.(\\d+)\\..*=layers.{{i}}'")
             patterns[regex] = key
-        check_patterns(patterns, where="--layer-pattern")
-    chain = plan_recovery(comm, save_dir)
-    if out is None and args.dry_run:  # a dry run needs no output: plan for a default one
-        out = save_dir.parent / f"{save_dir.name}-recovered"
-    text = recovery_recipe(save_dir, chain, out, patterns)
     if args.emit_recipe:
+        text = recover_recipe(comm, save_dir, out, patterns, "--layer-pattern")
         if comm.rank == 0:
             print(text, end="", flush=True)
         return 0
-    recipe = comm.root_step(parse_recipe, text, origin=f"recover {save_dir}",
-                            base_dir=save_dir, world_size=args.world_size)
-    return run_planned(comm, *plan_recipe(comm, recipe), args)
+    if out is None:  # a dry run needs no output: plan for a default one
+        out = save_dir.parent / f"{save_dir.name}-recovered"
+    return run_planned(comm, *plan_recover(comm, save_dir, out, patterns, args.world_size,
+                                           "--layer-pattern"), args)
 
 
 def cmd_stats_plot(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mpitailor.comm import Comm
-from mpitailor.merge import merge, plan_merge
+from mpitailor.job import merge, plan_merge
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"

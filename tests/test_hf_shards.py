@@ -30,7 +30,7 @@ from mpitailor.export.hf_layout import (
     size_shards,
 )
 from mpitailor.extras import MANIFEST
-from mpitailor.merge import merge, plan_merge
+from mpitailor.job import merge, plan_merge
 from mpitailor.zero3.read import read_meta
 
 NAME = "hf_w3_bf16_weights_tied"

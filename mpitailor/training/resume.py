@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from mpitailor.extras import MANIFEST
-from mpitailor.merge import merge, plan_recipe
+from mpitailor.job import merge, plan_recipe
 from mpitailor.recipe import parse_recipe
 from mpitailor.recovery import plan_recovery, recovery_recipe
 from mpitailor.training.distcomm import training_comm

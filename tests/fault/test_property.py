@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpitailor.comm import Comm
-from mpitailor.merge import merge, plan_recipe
+from mpitailor.job import merge, plan_recipe
 from mpitailor.recipe import parse_recipe
 from mpitailor.zero3.safeload import load
 

@@ -1,4 +1,4 @@
-"""Merge orchestration: recipe -> plan -> every rank writes its partitions -> commit.
+"""A merge job: recipe -> plan -> every rank runs its part of the copy program -> commit.
 
 Collective throughout: every function here that takes a `comm` is called on every rank.
 """
@@ -38,6 +38,7 @@ class MergeResult:
     seconds: float
     ranks: int
     rank_stats: tuple[dict, ...]  # per MPI rank: partitions, bytes written, I/O, peak RSS
+    layer_source: tuple[tuple[str, str], ...] = ()  # layer key -> the source it came from
 
 
 def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta]:
@@ -102,7 +103,8 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
     finally:
         if comm.rank == 0:
             staging.release()
-    return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats))
+    return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats),
+                       plan.layer_source)
 
 
 def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ranks: int,
@@ -144,6 +146,45 @@ def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
     }
 
 
+@dataclass(frozen=True, slots=True)
+class MergeOptions:
+    """What a merge writes besides the native checkpoint, and how (the CLI's options)."""
+
+    export: frozenset[str] = frozenset()  # "safetensors", "universal"
+    export_dtype: str | None = None       # of the safetensors export; default: the sources'
+    max_shard_size: int | None = None     # of the safetensors export; default: 5GB (HF's)
+    verify: bool = False
+    progress: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MergeOptions:
+        return cls(frozenset(args.export or ()), args.export_dtype, args.max_shard_size,
+                   args.verify, not args.no_progress)
+
+    def check(self, plan: MergePlan) -> None:
+        """UserError for combinations that cannot be honoured, before anything is written."""
+        unknown = self.export - {"safetensors", "universal"}
+        if unknown:
+            raise UserError(f"export {sorted(unknown)}: choose among safetensors, universal")
+        if self.verify and plan.target is not None:
+            raise UserError("--verify is not supported together with resharding (--world-size)")
+        if self.export_dtype and "safetensors" not in self.export:
+            raise UserError("--export-dtype applies to --export safetensors; add that option")
+        if self.max_shard_size is not None and "safetensors" not in self.export:
+            raise UserError("--max-shard-size applies to --export safetensors; add that option")
+
+
+def execute(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
+    """Collective: check the options against the plan, then merge as they say."""
+    opts.check(plan)
+    export_dtype = (opts.export_dtype or plan.base_meta.dtype) \
+        if "safetensors" in opts.export else None
+    return merge(comm, plan, recipe.text, progress=opts.progress, verify=opts.verify,
+                 export_dtype=export_dtype, universal="universal" in opts.export,
+                 max_shard_size=DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None
+                 else opts.max_shard_size)
+
+
 def run_merge_cli(args: argparse.Namespace) -> int:
     comm: Comm = args.comm
     return run_planned(comm, *plan_merge(comm, args.recipe, args.output, args.world_size),
@@ -152,30 +193,19 @@ def run_merge_cli(args: argparse.Namespace) -> int:
 
 def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Namespace) -> int:
     """Collective: dry-run report or merge + summary, as the CLI options say."""
-    if args.verify and plan.target is not None:
-        raise UserError("--verify is not supported together with resharding (--world-size)")
+    opts = MergeOptions.from_args(args)
+    opts.check(plan)
     if args.stats:  # written at the end: a bad path must fail before anything is merged
         comm.root_step(check_writable_file, Path(args.stats).resolve(), "--stats")
-    exports = set(args.export or ())
-    if args.export_dtype and "safetensors" not in exports:
-        raise UserError("--export-dtype applies to --export safetensors; add that option")
-    if args.max_shard_size is not None and "safetensors" not in exports:
-        raise UserError("--max-shard-size applies to --export safetensors; add that option")
     if args.dry_run:
-        limits = comm.root_step(plan_limits, plan) if "universal" in exports else None
+        limits = comm.root_step(plan_limits, plan) if "universal" in opts.export else None
         if comm.rank == 0:
             print(format_plan(plan, comm.size))
             if limits is not None:
                 print("universal    " + ("; ".join(limits) if limits else
                                          "load_universal restores it exactly"))
         return 0
-    export_dtype = (args.export_dtype or plan.base_meta.dtype) if "safetensors" in exports \
-        else None
-    result = merge(comm, plan, recipe.text, progress=not args.no_progress,
-                   verify=args.verify, export_dtype=export_dtype,
-                   universal="universal" in exports,
-                   max_shard_size=DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
-                   else args.max_shard_size)
+    result = execute(comm, recipe, plan, opts)
     if comm.rank == 0 and args.stats:
         Path(args.stats).write_text(json.dumps(
             {"output": str(result.output), "seconds": result.seconds,
