@@ -23,7 +23,6 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -38,7 +37,6 @@ from mpitailor.partition_states import (merged_model_states, merged_optim, place
 from mpitailor.plan import MergePlan
 from mpitailor.zero3 import opaque, ptzip
 from mpitailor.zero3.files import model_file, optim_file
-from mpitailor.zero3.safeload import load
 from mpitailor.zero3.shard import open_shard
 
 CHUNK = 512 << 10  # bytes per read/write, the executor's whole buffer: small enough that
@@ -55,7 +53,8 @@ class _Laid:
     layout: ptzip.Layout
     crcs: list[int | None]            # per record; None where the copy step supplies it
     flat_records: dict[int, int]      # program buffer index -> record index
-    model: dict                       # the model states, written after the optimizer file
+    model: dict | None                # the model states, written after the optimizer file
+                                      # (None: a Universal file)
 
 
 def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = False,
@@ -71,13 +70,22 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
     work = program.split(bufs, comm.size)
     homes = program.home_ranks(bufs, work)
     mine = [p for p, r in homes.items() if r == comm.rank]
-    laid = comm.step(_lay_out, plan, bufs, mine, tag_dir)
+    shards = _Shards(plan)
+    try:
+        return _write(comm, plan, tag_dir, verify, progress, bufs, work, mine, shards, before)
+    finally:
+        shards.close()
+
+
+def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: bool, bufs,
+           work, mine, shards: _Shards, before) -> tuple[dict[str, dict], dict]:
+    laid = comm.step(_lay_out, plan, bufs, mine, tag_dir, shards)
     offsets: dict[int, int] = {}   # buffer index -> data offset in its file
     for part in comm.allgather({b: lay.layout.entries[i].data_offset
                                 for lay in laid.values() for b, i in lay.flat_records.items()}):
         offsets.update(part)
-    crcs, (written, unchanged) = comm.step(_copy, plan, bufs, work[comm.rank], offsets, tag_dir, verify,
-                              progress and comm.rank == 0)
+    crcs, (written, unchanged) = comm.step(_copy, plan, bufs, work[comm.rank], offsets,
+                                           tag_dir, verify, progress and comm.rank == 0, shards)
     joined: dict[int, list[tuple[int, int, int]]] = {}
     for part in comm.allgather(crcs):
         for b, pieces in part.items():
@@ -91,7 +99,32 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
     return records, stats
 
 
-def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path) -> dict[int, _Laid]:
+class _Shards:
+    """The source shards this rank opened, by (source, rank): each parsed once per merge
+    (home and copier of a partition are often the same rank); descriptors closed between
+    partitions and reopened when needed, so that few are open at a time."""
+
+    def __init__(self, plan: MergePlan) -> None:
+        self.plan, self.open = plan, {}
+
+    def get(self, source: str, rank: int):
+        if (source, rank) not in self.open:
+            self.open[source, rank] = open_shard(self.plan.meta(source), rank)
+        shard = self.open[source, rank]
+        shard.reopen()
+        return shard
+
+    def release(self) -> None:
+        """Close every descriptor; the parsed shards stay."""
+        for s in self.open.values():
+            s.close()
+
+    close = release
+
+
+def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
+             shards: _Shards) -> dict[int, _Laid]:
+    """Home ranks: create the files of the units `mine`, their small records written."""
     out = {}
     first = {}  # unit -> its first buffer
     for i, b in enumerate(bufs):
@@ -105,23 +138,22 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path) -> dict[int,
                                   flats[b.kind, -1], None)
     mine = [u for u in mine if program.is_partition(bufs[first[u]])]
     if plan.target is not None and mine:  # what every partition of a reshard starts from
-        with open_shard(plan.base_meta, 0) as base0:
-            rank0 = rank0_model_states(plan)
-            for p in mine:
-                flats = placeholders(plan.target.layout.subgroup_sizes)
-                out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
-                                      resharded_optim(plan, base0, flats),
-                                      resharded_model_states(plan, p, base0, rank0))
+        base0 = shards.get(plan.base, 0)
+        rank0 = rank0_model_states(plan)
+        for p in mine:
+            flats = placeholders(plan.target.layout.subgroup_sizes)
+            out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
+                                  resharded_optim(plan, base0, flats),
+                                  resharded_model_states(plan, p, base0, rank0))
+        shards.release()
         return out
     for p in mine:
         flats = placeholders(plan.base_meta.layout.subgroup_sizes)
-        with open_shard(plan.base_meta, p) as base:
-            models = {name: SimpleNamespace(model=base.model if name == plan.base else
-                                            load(meta.files.model_path(p), opaque_ok=True))
-                      for name, meta in plan.sources}
-            out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
-                                  merged_optim(plan, base, flats),
-                                  merged_model_states(plan, models))
+        models = {name: shards.get(name, p) for name, _ in plan.sources}
+        out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
+                              merged_optim(plan, models[plan.base], flats),
+                              merged_model_states(plan, models))
+        shards.release()
     return out
 
 
@@ -162,13 +194,13 @@ def _file(plan: MergePlan, b: program.Buffer) -> str:
 
 
 def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, int],
-          tag_dir: Path, verify: bool,
-          progress: bool) -> tuple[dict[int, list[tuple[int, int, int]]], int]:
+          tag_dir: Path, verify: bool, progress: bool,
+          opened: _Shards) -> tuple[dict[int, list[tuple[int, int, int]]], int]:
     """This rank's byte ranges: ({buffer: [(lo, hi, crc)]}, (bytes copied, of which whole
     source records copied unchanged))."""
     from tqdm import tqdm
     pieces_of: dict[int, dict] = {}
-    shards: dict[tuple[str, int], object] = {}
+    shards: dict[tuple[str, int], object] = {}  # those this rank's tasks read
     outs: dict[str, int] = {}
     copier = _Copier()
     crcs: dict[int, list[tuple[int, int, int]]] = {}
@@ -183,14 +215,22 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
             ps = program.clip(pieces_of[b.unit].get(b.subgroup, []), t.lo // 4, t.hi // 4)
             for p in ps:
                 if (p.source, p.src_rank) not in shards:
-                    shards[p.source, p.src_rank] = open_shard(plan.meta(p.source), p.src_rank)
+                    shards[p.source, p.src_rank] = opened.get(p.source, p.src_rank)
             plans.append((t, b, ps))
         if verify:
             _verify(shards, plans)
         failpoints.hit("read")
+        opened.release()  # reopened partition by partition below: few descriptors at a time
+        unit = None
         bar = tqdm(total=sum(t.hi - t.lo for t in tasks), unit="B", unit_scale=True,
                    desc="rank 0 copies", disable=not progress or None, leave=False)
         for t, b, ps in plans:
+            if b.unit != unit:  # the previous unit's files are done: sync and close them
+                _sync_close(copier, outs)
+                opened.release()
+                unit = b.unit
+            for p in ps:
+                shards[p.source, p.src_rank].reopen()
             name = _file(plan, b)
             if name not in outs:
                 outs[name] = os.open(tag_dir / name, os.O_WRONLY)
@@ -220,16 +260,24 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
             crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
             bar.update(t.hi - t.lo)
         bar.close()
-        copier.drain()
-        for fd in outs.values():
-            os.fsync(fd)
+        _sync_close(copier, outs)
     finally:
         copier.close()  # no write in flight when the descriptors close
         for fd in outs.values():
             os.close(fd)
-        for s in shards.values():
-            s.close()
+        opened.release()
     return crcs, (written, unchanged)
+
+
+def _sync_close(copier: _Copier, outs: dict[str, int]) -> None:
+    """Wait for the writes in flight, fsync and close the output files."""
+    copier.drain()
+    while outs:
+        name, fd = outs.popitem()
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class _Copier:

@@ -80,6 +80,12 @@ class PartialShard:
         self.read_into(kind, g, start, out)
         return out
 
+    def reopen(self) -> None:
+        """Open the file again after close() (the parsed metadata is kept): a rank that
+        works through many partitions parses each once and holds few descriptors."""
+        if self.fd < 0:
+            self.fd = os.open(self.meta.files.layers_path(self.rank), os.O_RDONLY)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

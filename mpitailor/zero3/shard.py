@@ -74,6 +74,12 @@ class RankShard:
         verify_records(self.meta.files.optim_path(self.rank), self.fd,
                        {self.offsets[k] for k in used})
 
+    def reopen(self) -> None:
+        """Open the file again after close() (the parsed metadata is kept): a rank that
+        works through many partitions parses each once and holds few descriptors."""
+        if self.fd < 0:
+            self.fd = os.open(self.meta.files.optim_path(self.rank), os.O_RDONLY)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
