@@ -63,6 +63,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
                                            "--layer-pattern"), args)
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    from mpitailor.diff import diff, format_report
+    rep = diff(args.comm, args.a, args.b)
+    if args.comm.rank == 0:
+        print(json.dumps(rep, indent=2) if args.json else format_report(rep), flush=True)
+    return 0 if rep["identical"] else 1
+
+
 def cmd_stats_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -172,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     common(sl)
     sl.set_defaults(func=cmd_slurm_prologue, uses_mpi=False)
 
+    d = sub.add_parser("diff", help="which layers of two checkpoints differ, and by how much "
+                                    "(exit 0: identical, 1: different)")
+    d.add_argument("a", help="checkpoint A (tag dir, save dir with `latest`, HF checkpoint-N/)")
+    d.add_argument("b", help="checkpoint B (any world size; partial saves: the layers held)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    trust_option(d)
+    common(d)
+    d.set_defaults(func=cmd_diff, uses_mpi=True)
+
     i = sub.add_parser("inspect", help="describe a ZeRO-3 checkpoint layer by layer")
     i.add_argument("checkpoint", help="tag dir, save dir with `latest`, or HF checkpoint-N/")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -209,7 +226,7 @@ def _shard_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-SUBCOMMANDS = ("merge", "recover", "inspect", "stats", "paths", "slurm-prologue")
+SUBCOMMANDS = ("merge", "recover", "diff", "inspect", "stats", "paths", "slurm-prologue")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,17 @@ def full_tensor(shards: Sequence[RankShard], slot: Slot, kind: str) -> torch.Ten
     return out.view(slot.shape)
 
 
+def read_range(shards: Sequence, slot: Slot, kind: str, lo: int, out: torch.Tensor) -> None:
+    """Elements [lo, lo + out.numel()) of the whole parameter `slot` (flattened) into `out`,
+    from the ranks that hold them (rank r: elements [r * length, r * length + valid(r)))."""
+    hi = lo + out.numel()
+    for s in shards:
+        first = s.rank * slot.length
+        a, b = max(lo, first), min(hi, first + slot.valid(s.rank))
+        if a < b:
+            s.read_into(kind, slot.subgroup, slot.offset + a - first, out[a - lo: b - lo])
+
+
 def frozen_tensor(shards: Sequence[RankShard], name: str, shape: tuple[int, ...]) -> torch.Tensor:
     numel = torch.Size(shape).numel()
     parts = [s.model["frozen_param_fragments"][name].reshape(-1) for s in shards]
