@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,19 +80,27 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
 
 def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: bool, bufs,
            work, mine, shards: _Shards, before) -> tuple[dict[str, dict], dict]:
+    clock = [time.perf_counter()]
+
+    def lap() -> float:  # seconds since the last lap: where a rank's time goes, in --stats
+        clock.append(time.perf_counter())
+        return round(clock[-1] - clock[-2], 4)
     laid = comm.step(_lay_out, plan, bufs, mine, tag_dir, shards)
+    t_lay_out = lap()
     offsets: dict[int, int] = {}   # buffer index -> data offset in its file
     for part in comm.allgather({b: lay.layout.entries[i].data_offset
                                 for lay in laid.values() for b, i in lay.flat_records.items()}):
         offsets.update(part)
     crcs, (written, unchanged) = comm.step(_copy, plan, bufs, work[comm.rank], offsets,
                                            tag_dir, verify, progress and comm.rank == 0, shards)
+    t_copy = lap()
     joined: dict[int, list[tuple[int, int, int]]] = {}
     for part in comm.allgather(crcs):
         for b, pieces in part.items():
             joined.setdefault(b, []).extend(pieces)
     records = comm.step(_finish, laid, bufs, joined, tag_dir)
-    stats = {"partitions": sorted({b.unit for t in work[comm.rank]
+    t_finish = lap()
+    stats = {"seconds": {"lay_out": t_lay_out, "copy": t_copy, "finish": t_finish},"partitions": sorted({b.unit for t in work[comm.rank]
                                    if program.is_partition(b := bufs[t.buffer])}),
              "homes": mine, "bytes_written": written + sum(r["bytes"] for r in records.values()),
              "bytes_copied_unchanged": unchanged,

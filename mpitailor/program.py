@@ -1,14 +1,16 @@
-"""The copy program of a merge or reshard: what every byte of every output flat buffer is
-made of, and which MPI rank makes it. Pure: no torch, no MPI, no I/O.
+"""The copy program of a merge or reshard (and its Universal export): what every byte of
+every output flat buffer is made of, and which MPI rank makes it. Pure: no torch, no MPI,
+no I/O.
 
 An output partition's optimizer file holds three fp32 flat buffers per sub-group (fp32
 master, exp_avg, exp_avg_sq; one layout). Each buffer is a sequence of `Piece`s, element runs
 copied from a source rank's buffer of the same kind, with zeros where nothing is copied (the
 padding a reshard recomputes). A merge is the case where the output layout is the sources'
 (piece = a run of the plan, same rank, same place); a reshard maps the elements of each
-parameter to their source ranks (`reshard.pieces_for`). Everything else in the files
-(pickled metadata, small tensors, container headers) is small and computed by the
-partition's home rank.
+parameter to their source ranks (`reshard.pieces_for`). With the Universal export, every
+parameter's whole fp32 / exp_avg / exp_avg_sq is one more buffer (its own file), made of the
+slices its source's ranks hold (`param_pieces`). Everything else in the files (pickled
+metadata, small tensors, container headers) is small and computed by the file's home rank.
 
 Work is the concatenation of every output buffer's bytes, partition by partition, cut into
 one contiguous range per MPI rank, balanced by bytes. With fewer ranks than partitions a
