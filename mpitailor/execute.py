@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mpitailor import failpoints, program
+from mpitailor import failpoints, program, writeback
 from mpitailor.comm import Comm
 from mpitailor.crc import crc32, crc32_combine, crc32_zeros
 from mpitailor.errors import CheckpointError
@@ -315,7 +315,7 @@ class _Copier:
                 raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
                                       f"{off + done}; the file is truncated")
             crc = crc32(view[:got], crc)
-            self.pending[self.turn] = self.writer.submit(_pwrite_all, dst, view[:got],
+            self.pending[self.turn] = self.writer.submit(_write_out, dst, view[:got],
                                                          dst_off + done)
             done += got
         return crc
@@ -356,7 +356,8 @@ def _copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, copier: 
     done = 0
     while done < n:
         try:
-            k = os.copy_file_range(src, dst, n - done, off + done, dst_off + done)
+            k = os.copy_file_range(src, dst, min(n - done, 64 << 20), off + done,
+                                   dst_off + done)  # 64 MiB a call: writeback starts early
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                 raise  # a full disk, an I/O error: as any write's
@@ -365,7 +366,14 @@ def _copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, copier: 
         if k == 0:
             raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
                                   f"{off + done}; the file is truncated")
+        writeback.start(dst, dst_off + done, k)
         done += k
+
+
+def _write_out(fd: int, data, offset: int) -> None:
+    """pwrite a chunk and start its writeback (the final fsync then waits for little)."""
+    _pwrite_all(fd, data, offset)
+    writeback.start(fd, offset, len(data))
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
