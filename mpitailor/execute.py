@@ -18,19 +18,17 @@ The output bytes depend only on the program, never on how the ranks shared it.
 """
 from __future__ import annotations
 
-import errno
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mpitailor import failpoints, program, writeback
+from mpitailor import failpoints, program
 from mpitailor.comm import Comm
+from mpitailor.copyio import Copier, copy_unchanged, pwrite_all, sync_close
 from mpitailor.crc import crc32, crc32_combine, crc32_zeros
-from mpitailor.errors import CheckpointError
 from mpitailor.iostats import snapshot
 from mpitailor.partition_states import (merged_model_states, merged_optim, placeholders,
                                         rank0_model_states, resharded_model_states,
@@ -39,12 +37,6 @@ from mpitailor.plan import MergePlan
 from mpitailor.zero3 import opaque, ptzip
 from mpitailor.zero3.files import model_file, optim_file
 from mpitailor.zero3.shard import open_shard
-
-CHUNK = 512 << 10  # bytes per read/write, the executor's whole buffer: small enough that
-# what preadv brings in is still in the CPU's L2 cache when the CRC and pwrite read it (8 MiB
-# chunks made a 1-rank merge 1.5-3x slower on the development machine: three passes
-# through RAM)
-
 
 @dataclass
 class _Laid:
@@ -187,7 +179,7 @@ def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | No
                 flat_records[index[key]] = i
                 continue
             data = rec.data if rec.storage is None else ptzip.storage_bytes(rec.storage)
-            _pwrite_all(fd, data, layout.entries[i].data_offset)
+            pwrite_all(fd, data, layout.entries[i].data_offset)
             crcs[i] = crc32(data)
     finally:
         os.close(fd)
@@ -211,7 +203,7 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
     pieces_of: dict[int, dict] = {}
     shards: dict[tuple[str, int], object] = {}  # those this rank's tasks read
     outs: dict[str, int] = {}
-    copier = _Copier()
+    copier = Copier()
     crcs: dict[int, list[tuple[int, int, int]]] = {}
     written = unchanged = 0
     try:
@@ -235,7 +227,7 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
                    desc="rank 0 copies", disable=not progress or None, leave=False)
         for t, b, ps in plans:
             if b.unit != unit:  # the previous unit's files are done: sync and close them
-                _sync_close(copier, outs)
+                sync_close(copier, outs)
                 opened.release()
                 unit = b.unit
             for p in ps:
@@ -248,7 +240,7 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
             if whole is not None:  # a source record copied unchanged: its CRC as it is
                 shard = shards[ps[0].source, ps[0].src_rank]
                 [(fd, off, n)] = shard.byte_ranges(b.kind, ps[0].src_group, 0, ps[0].length)
-                _copy_unchanged(fd, off, n, outs[name], base, copier, shard.path_of(fd))
+                copy_unchanged(fd, off, n, outs[name], base, copier, shard.path_of(fd))
                 crcs.setdefault(t.buffer, []).append((t.lo, t.hi, whole))
                 written += n
                 unchanged += n
@@ -269,73 +261,13 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
             crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
             bar.update(t.hi - t.lo)
         bar.close()
-        _sync_close(copier, outs)
+        sync_close(copier, outs)
     finally:
         copier.close()  # no write in flight when the descriptors close
         for fd in outs.values():
             os.close(fd)
         opened.release()
     return crcs, (written, unchanged)
-
-
-def _sync_close(copier: _Copier, outs: dict[str, int]) -> None:
-    """Wait for the writes in flight, fsync and close the output files."""
-    copier.drain()
-    while outs:
-        name, fd = outs.popitem()
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-class _Copier:
-    """Copies byte ranges in CHUNKs, double-buffered: while a writer thread pwrites one chunk,
-    this thread reads the next and takes its CRC (preadv, the CRC and pwrite all release the
-    GIL), so that one rank keeps two cores busy. Memory: two chunks."""
-
-    def __init__(self) -> None:
-        self.bufs = [memoryview(bytearray(CHUNK)) for _ in range(2)]
-        self.pending: list[Future | None] = [None, None]
-        self.turn = 0
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="mpitailor-writer")
-
-    def copy(self, src: int, off: int, n: int, dst: int, dst_off: int, crc: int,
-             path: str) -> int:
-        """Copy n bytes; return the CRC-32 continued over them."""
-        done = 0
-        while done < n:
-            view = self._free_buffer()
-            try:
-                got = os.preadv(src, [view[:min(CHUNK, n - done)]], off + done)
-            except OSError as e:
-                raise CheckpointError(f"{path}: read failed ({e}); the file is damaged") \
-                    from None
-            if got <= 0:
-                raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
-                                      f"{off + done}; the file is truncated")
-            crc = crc32(view[:got], crc)
-            self.pending[self.turn] = self.writer.submit(_write_out, dst, view[:got],
-                                                         dst_off + done)
-            done += got
-        return crc
-
-    def _free_buffer(self) -> memoryview:
-        self.turn ^= 1
-        if (f := self.pending[self.turn]) is not None:
-            self.pending[self.turn] = None
-            f.result()  # a failed write raises here
-        return self.bufs[self.turn]
-
-    def drain(self) -> None:
-        """Wait for every write (their errors raise here)."""
-        for i, f in enumerate(self.pending):
-            if f is not None:
-                self.pending[i] = None
-                f.result()
-
-    def close(self) -> None:
-        self.writer.shutdown(wait=True)
 
 
 def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
@@ -347,40 +279,6 @@ def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
         return None
     rec = shards[p.source, p.src_rank].whole_record(b.kind, p.src_group)
     return rec[0] if rec is not None and rec[1] == b.nbytes else None
-
-
-def _copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, copier: _Copier,
-                    path: str) -> None:
-    """Copy n bytes inside the kernel (copy_file_range: no pass through this process, a
-    reflink where the file system shares extents); chunked copies where it cannot."""
-    done = 0
-    while done < n:
-        try:
-            k = os.copy_file_range(src, dst, min(n - done, 64 << 20), off + done,
-                                   dst_off + done)  # 64 MiB a call: writeback starts early
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise  # a full disk, an I/O error: as any write's
-            copier.copy(src, off + done, n - done, dst, dst_off + done, 0, path)
-            return
-        if k == 0:
-            raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
-                                  f"{off + done}; the file is truncated")
-        writeback.start(dst, dst_off + done, k)
-        done += k
-
-
-def _write_out(fd: int, data, offset: int) -> None:
-    """pwrite a chunk and start its writeback (the final fsync then waits for little)."""
-    _pwrite_all(fd, data, offset)
-    writeback.start(fd, offset, len(data))
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _verify(shards: dict, plans) -> None:
@@ -405,7 +303,7 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
         fd = os.open(tag_dir / lay.name, os.O_WRONLY)
         try:
             for offset, data in lay.layout.pieces(crcs):
-                _pwrite_all(fd, data, offset)
+                pwrite_all(fd, data, offset)
             os.fsync(fd)
         finally:
             os.close(fd)
