@@ -25,6 +25,7 @@ from mpitailor.zero3.consolidate import frozen_tensor, read_range
 from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.safeload import load
 from mpitailor.zero3.shard import open_all_shards
+from mpitailor.state_equal import same_values
 
 CHUNK = 1 << 20  # elements compared at a time
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -188,7 +189,7 @@ def _compare_rest(ma: CheckpointMeta, mb: CheckpointMeta, classify, held: set[st
                     "identical": model_a.get(c) == model_b.get(c)}
                 for c in COUNTERS if c in model_a or c in model_b}
     sched_a, sched_b = model_a.get("lr_scheduler"), model_b.get("lr_scheduler")
-    counters["lr_scheduler"] = {"identical": _same(sched_a, sched_b),
+    counters["lr_scheduler"] = {"identical": same_values(sched_a, sched_b),
                                 "a": _lr(sched_a), "b": _lr(sched_b)}
     not_compared = sorted(({classify(s.name) for s in ma.layout.slots} |
                            {classify(n) for n, _ in ma.frozen_shapes}) - held)
@@ -224,17 +225,6 @@ def _lr(sched) -> object:
             if key in sched:
                 return {key: sched[key]}
     return None
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
-            a.shape == b.shape and bool(torch.equal(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def format_report(rep: dict) -> str:

@@ -22,6 +22,7 @@ import torch
 
 from mpitailor.comm import Comm
 from mpitailor.commit import copy_synced, write_synced
+from mpitailor.copyio import pwrite_all
 from mpitailor.crc import crc32, crc32_combine
 from mpitailor.errors import CheckpointError, MergeFailed
 from mpitailor.export.hf_layout import (
@@ -151,7 +152,7 @@ def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
                 for piece, a, b in runs:
                     for chunk in _elements(shards, slots.get(piece.name), piece.name, a, b):
                         data = as_bytes(chunk.to(dtype))
-                        _pwrite(fd, data, pos)
+                        pwrite_all(fd, data, pos)
                         crc, pos = crc32(data, crc), pos + len(data)
                 os.fsync(fd)
             finally:
@@ -188,12 +189,6 @@ def _frozen_range(shards: Sequence[RankShard], name: str, a: int, b: int) -> tor
             parts.append(frag[x - pos: y - pos])
         pos += frag.numel()
     return torch.cat(parts)
-
-
-def _pwrite(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
 
 
 def _records(plan: WeightsPlan, gathered: list[list[tuple[str, int, int, int]]]

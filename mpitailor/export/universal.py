@@ -25,6 +25,7 @@ from mpitailor.comm import Comm
 from mpitailor.commit import write_synced
 from mpitailor.plan import MergePlan
 from mpitailor.reshard import close_subgroups
+from mpitailor.state_equal import same_values
 from mpitailor.zero3 import CheckpointMeta
 from mpitailor.zero3.ptzip import write_torch_file
 from mpitailor.zero3.shard import open_shard, without_flat_buffers
@@ -80,7 +81,7 @@ def loader_limits(meta: CheckpointMeta, rank0, steps: Sequence[float]) -> list[s
                       f"{max(steps):g}): it gives all of them sub-group 0's ({steps[0]:g})")
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     differ = sorted({k for h in hyper[1:] for k in h.keys() | hyper[0].keys()
-                     if not _same(h.get(k), hyper[0].get(k))})
+                     if not same_values(h.get(k), hyper[0].get(k))})
     if differ:
         limits.append(f"its {len(groups)} param groups differ in {', '.join(differ)}: it "
                       f"gives every group the values of group 0")
@@ -102,16 +103,6 @@ def loader_limits(meta: CheckpointMeta, rank0, steps: Sequence[float]) -> list[s
     if buffers:
         limits.append(f"it leaves the {buffers} persistent buffer(s) as the model was built")
     return limits
-
-
-def _same(a, b) -> bool:
-    """Equal hyper-parameter values; some optimizers keep them as tensors (lr, betas)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
-            a.shape == b.shape and bool(torch.equal(a, b))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def plan_limits(plan: MergePlan) -> list[str]:
