@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check every source record read against its zip CRC-32 (reads "
                         "those records whole)")
     export_options(m)
+    placement_option(m)
     trust_option(m)
     common(m)
     m.set_defaults(func=cmd_merge, uses_mpi=True)
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stats", metavar="FILE", help="per-rank I/O and memory as JSON")
     r.add_argument("--verify", action="store_true", help="check source records' CRC-32")
     export_options(r)
+    placement_option(r)
     r.add_argument("--world-size", type=int, metavar="W2",
                    help="write the composite for W2 ranks (the job came back at another size)")
     trust_option(r)
@@ -203,6 +205,14 @@ def trust_option(p: argparse.ArgumentParser) -> None:
                    help="classes in the checkpoints' client state to import and build for "
                         "real (you trust them). Without it, objects outside mpitailor's "
                         "allow-list are carried through unbuilt, exactly as written")
+
+
+def placement_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks-per-node", type=int, metavar="N",
+                   help="node-local output (each node sees its own disk there): output rank "
+                        "r's files go to the (r // N)-th node of this job. Default: to the "
+                        "node of this job's rank r when the world size stays, else "
+                        "consecutive blocks over the nodes")
 
 
 def export_options(p: argparse.ArgumentParser) -> None:

@@ -56,15 +56,19 @@ class Comm:
 
     def root_step(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Collective: rank 0 runs fn; its result (or its error) reaches every rank."""
+        return self.step_on(0, fn, *args, **kwargs)
+
+    def step_on(self, root: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Collective: rank root runs fn; its result (or its error) reaches every rank."""
         result, failure = None, None
-        if self.rank == 0:
+        if self.rank == root:
             try:
                 result = fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001
                 if not isinstance(e, MpitailorError):
                     log.debug("unexpected error", exc_info=True)
                 failure = _describe(e)
-        result, failure = self.bcast((result, failure))
+        result, failure = self.bcast((result, failure), root)
         _raise_first([failure])
         return result
 
@@ -72,9 +76,13 @@ class Comm:
         """Collective: every rank's obj, in rank order."""
         return [obj] if self._comm is None else self._comm.allgather(obj)
 
-    def bcast(self, obj: T) -> T:
-        """Collective: rank 0's obj."""
-        return obj if self._comm is None else self._comm.bcast(obj, root=0)
+    def bcast(self, obj: T, root: int = 0) -> T:
+        """Collective: rank root's obj."""
+        return obj if self._comm is None else self._comm.bcast(obj, root=root)
+
+    def alltoall(self, objs: list) -> list:
+        """Collective: objs[r] goes to rank r; returns what every rank sent this one."""
+        return list(objs) if self._comm is None else self._comm.alltoall(objs)
 
     def barrier(self) -> None:
         if self._comm is not None:

@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -29,7 +30,10 @@ from mpitailor import failpoints, program
 from mpitailor.comm import Comm
 from mpitailor.copyio import Copier, copy_unchanged, pwrite_all, sync_close
 from mpitailor.crc import crc32, crc32_combine, crc32_zeros
+from mpitailor.errors import CheckpointError, UserError
+from mpitailor.exchange import Exchanged, Request, exchange
 from mpitailor.iostats import snapshot
+from mpitailor.nodes import Placement
 from mpitailor.partition_states import (merged_model_states, merged_optim, placeholders,
                                         rank0_model_states, resharded_model_states,
                                         resharded_optim)
@@ -51,19 +55,31 @@ class _Laid:
 
 
 def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = False,
-                     progress: bool = False,
-                     universal: bool = False) -> tuple[dict[str, dict], dict]:
+                     progress: bool = False, universal: bool = False,
+                     place: Placement | None = None,
+                     out_nodes: tuple[int, ...] | None = None) -> tuple[dict[str, dict], dict]:
     """Collective: write every output partition into tag_dir, fsynced (and, with
     `universal`, every parameter's files of the Universal export under tag_dir/zero/).
     Returns ({file name: manifest record} of the files this rank finished, its stats).
     verify: first check every source record read against its CRC (reads them whole).
-    progress: a progress bar of rank 0's bytes."""
+    progress: a progress bar of rank 0's bytes.
+    place: which node holds which source file (nodes.survey); a rank reads only files its
+    node holds, and bytes held elsewhere come over MPI (exchange.py).
+    out_nodes: output partition -> the node whose disk it goes to (node-local output;
+    None: every rank sees tag_dir)."""
     before = snapshot()
     bufs = program.buffers(plan, universal)
-    work = program.split(bufs, comm.size)
-    homes = program.home_ranks(bufs, work)
+    if out_nodes is None:
+        work = program.split(bufs, comm.size)
+        homes = program.home_ranks(bufs, work)
+    else:
+        nodes = place.nodes
+        node_of = {b.unit: out_nodes[b.unit] for b in bufs}
+        work = program.split_by_node(bufs, node_of, [nodes.ranks(n) for n in
+                                                     range(len(nodes.names))], comm.size)
+        homes = program.home_ranks(bufs, work, {u: nodes.leader(n) for u, n in node_of.items()})
     mine = [p for p, r in homes.items() if r == comm.rank]
-    shards = _Shards(plan)
+    shards = _Shards(plan, place, comm.rank)
     try:
         return _write(comm, plan, tag_dir, verify, progress, bufs, work, mine, shards, before)
     finally:
@@ -77,14 +93,20 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
     def lap() -> float:  # seconds since the last lap: where a rank's time goes, in --stats
         clock.append(time.perf_counter())
         return round(clock[-1] - clock[-2], 4)
-    laid = comm.step(_lay_out, plan, bufs, mine, tag_dir, shards)
+    rank0 = _rank0_states(comm, plan, shards) if plan.target is not None else None
+    laid = comm.step(_lay_out, plan, bufs, mine, tag_dir, shards, rank0)
     t_lay_out = lap()
     offsets: dict[int, int] = {}   # buffer index -> data offset in its file
     for part in comm.allgather({b: lay.layout.entries[i].data_offset
                                 for lay in laid.values() for b, i in lay.flat_records.items()}):
         offsets.update(part)
-    crcs, (written, unchanged) = comm.step(_copy, plan, bufs, work[comm.rank], offsets,
-                                           tag_dir, verify, progress and comm.rank == 0, shards)
+    copy = comm.step(_Copy, plan, bufs, work[comm.rank], offsets, tag_dir, verify, shards)
+    try:
+        moved = copy.fetch_remote(comm)
+        comm.step(_raise, moved.error)
+        crcs, (written, unchanged) = comm.step(copy.run, moved, progress and comm.rank == 0)
+    finally:
+        copy.close()
     t_copy = lap()
     joined: dict[int, list[tuple[int, int, int]]] = {}
     for part in comm.allgather(crcs):
@@ -96,6 +118,10 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
                                    if program.is_partition(b := bufs[t.buffer])}),
              "homes": mine, "bytes_written": written + sum(r["bytes"] for r in records.values()),
              "bytes_copied_unchanged": unchanged,
+             # what crossed a node boundary, and what this rank read from its node's files
+             "bytes_mpi_sent": moved.bytes_sent, "bytes_mpi_received": moved.bytes_received,
+             "bytes_read_files": written - moved.bytes_received + moved.bytes_sent,
+             "shards_read": sorted(f"{s}:{r}" for s, r in shards.used),
              **snapshot().since(before)}
     return records, stats
 
@@ -105,11 +131,25 @@ class _Shards:
     (home and copier of a partition are often the same rank); descriptors closed between
     partitions and reopened when needed, so that few are open at a time."""
 
-    def __init__(self, plan: MergePlan) -> None:
-        self.plan, self.open = plan, {}
+    def __init__(self, plan: MergePlan, place: Placement | None, rank: int) -> None:
+        self.plan, self.open, self.used = plan, {}, set()
+        self.place = place if place is not None and place.node_local else None
+        self.node = self.place.nodes.of_rank[rank] if self.place else 0
+
+    def local(self, source: str, rank: int) -> bool:
+        """Does this rank's node hold rank `rank`'s files of `source`?"""
+        return self.place is None or all(self.place.holds(self.node, p)
+                                         for p in _shard_paths(self.plan.meta(source), rank))
+
+    def reader(self, source: str, rank: int, spread: int) -> int:
+        """A rank whose node holds them (the spread-th, modulo)."""
+        return self.place.reader(_shard_paths(self.plan.meta(source), rank), spread)
 
     def get(self, source: str, rank: int):
         if (source, rank) not in self.open:
+            if not self.local(source, rank):  # never reached by a correct program
+                raise RuntimeError(f"internal error: {source} rank {rank}: read off-node")
+            self.used.add((source, rank))
             self.open[source, rank] = open_shard(self.plan.meta(source), rank)
         shard = self.open[source, rank]
         shard.reopen()
@@ -123,8 +163,39 @@ class _Shards:
     close = release
 
 
+def _shard_paths(meta, rank: int) -> list[Path]:
+    files = meta.files
+    return [files.model_path(rank), files.optim_path(rank)] + \
+        ([files.layers_path(rank)] if files.partial else [])
+
+
+def _rank0_states(comm: Comm, plan: MergePlan, shards: _Shards):
+    """A reshard starts every output partition from the sources' rank-0 states. Under
+    node-local storage they are read on a node that holds them and sent to every rank:
+    (the base's rank-0 shard as (model, optim), every source's rank-0 model states). None:
+    every rank reads them itself."""
+    if shards.place is None:
+        return None
+    if plan.frozen_source:
+        raise UserError("resharding a checkpoint with frozen parameters from node-local "
+                        "storage is not supported; merge at the same world size, or copy "
+                        "the checkpoint to a shared file system first")
+    holder = shards.place.reader([p for name, _ in plan.sources
+                                  for p in _shard_paths(plan.meta(name), 0)])
+
+    def read() -> tuple:
+        base0 = shards.get(plan.base, 0)
+        for name, _ in plan.sources:
+            shards.get(name, 0)
+        states = (SimpleNamespace(model=base0.model, optim=base0.optim),
+                  rank0_model_states(plan))
+        shards.release()
+        return states
+    return comm.step_on(holder, read)
+
+
 def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
-             shards: _Shards) -> dict[int, _Laid]:
+             shards: _Shards, rank0_states) -> dict[int, _Laid]:
     """Home ranks: create the files of the units `mine`, their small records written."""
     out = {}
     first = {}  # unit -> its first buffer
@@ -139,8 +210,7 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
                                   flats[b.kind, -1], None)
     mine = [u for u in mine if program.is_partition(bufs[first[u]])]
     if plan.target is not None and mine:  # what every partition of a reshard starts from
-        base0 = shards.get(plan.base, 0)
-        rank0 = rank0_model_states(plan)
+        base0, rank0 = rank0_states or (shards.get(plan.base, 0), rank0_model_states(plan))
         for p in mine:
             flats = placeholders(plan.target.layout.subgroup_sizes)
             out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
@@ -150,6 +220,13 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
         return out
     for p in mine:
         flats = placeholders(plan.base_meta.layout.subgroup_sizes)
+        for name, _ in plan.sources:
+            if not shards.local(name, p):
+                raise CheckpointError(
+                    f"{plan.meta(name).files.optim_path(p)}: not on node "
+                    f"{shards.place.nodes.names[shards.node]}, which writes partition {p}; "
+                    f"merge in place with the layout the checkpoint was saved with (the "
+                    f"same ranks per node), or pass --ranks-per-node")
         models = {name: shards.get(name, p) for name, _ in plan.sources}
         out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
                               merged_optim(plan, models[plan.base], flats),
@@ -194,67 +271,124 @@ def _file(plan: MergePlan, b: program.Buffer) -> str:
     return f"zero/{b.param}/{b.kind}.pt"
 
 
-def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, int],
-          tag_dir: Path, verify: bool, progress: bool,
-          opened: _Shards) -> tuple[dict[int, list[tuple[int, int, int]]], int]:
-    """This rank's byte ranges: ({buffer: [(lo, hi, crc)]}, (bytes copied, of which whole
-    source records copied unchanged))."""
-    from tqdm import tqdm
-    pieces_of: dict[int, dict] = {}
-    shards: dict[tuple[str, int], object] = {}  # those this rank's tasks read
-    outs: dict[str, int] = {}
-    copier = Copier()
-    crcs: dict[int, list[tuple[int, int, int]]] = {}
-    written = unchanged = 0
-    try:
-        plans = []
+class _Copy:
+    """This rank's byte ranges of the output buffers: planned (pieces clipped to its tasks,
+    each piece local or held on another node), then the remote pieces fetched over MPI,
+    then the local ones copied, every range's CRC-32 taken on the way."""
+
+    def __init__(self, plan: MergePlan, bufs, tasks: list[program.Task],
+                 offsets: dict[int, int], tag_dir: Path, verify: bool,
+                 opened: _Shards) -> None:
+        self.plan, self.bufs, self.tasks, self.offsets = plan, bufs, tasks, offsets
+        self.tag_dir, self.opened = tag_dir, opened
+        self.outs: dict[str, int] = {}
+        self.copier = Copier()
+        self.shards: dict[tuple[str, int], object] = {}  # the local ones these tasks read
+        self.wanted: dict[int, list[Request]] = {}        # reader rank -> remote pieces
+        self.remote: dict[tuple[int, int], int] = {}      # (plan, piece) -> request key
+        self.dests: dict[int, tuple[str, int]] = {}       # key -> (out file, offset)
+        self.plans = []
+        pieces_of: dict[int, dict] = {}
         for t in tasks:
             b = bufs[t.buffer]
             if b.unit not in pieces_of:
                 pieces_of[b.unit] = program.pieces(plan, b.unit) if program.is_partition(b) \
                     else {-1: program.param_pieces(plan, b.param)}
             ps = program.clip(pieces_of[b.unit].get(b.subgroup, []), t.lo // 4, t.hi // 4)
-            for p in ps:
-                if (p.source, p.src_rank) not in shards:
-                    shards[p.source, p.src_rank] = opened.get(p.source, p.src_rank)
-            plans.append((t, b, ps))
+            for j, p in enumerate(ps):
+                if opened.local(p.source, p.src_rank):
+                    if (p.source, p.src_rank) not in self.shards:
+                        self.shards[p.source, p.src_rank] = opened.get(p.source, p.src_rank)
+                    continue
+                key = len(self.dests)
+                self.remote[len(self.plans), j] = key
+                self.dests[key] = (_file(plan, b), offsets[t.buffer] + p.dst_start * 4)
+                reader = opened.reader(p.source, p.src_rank, t.buffer)
+                self.wanted.setdefault(reader, []).append(Request(
+                    key, (p.source, p.src_rank, b.kind, p.src_group, p.src_start, p.length),
+                    p.length * 4))
+            self.plans.append((t, b, ps))
         if verify:
-            _verify(shards, plans)
+            _verify(self.shards, self.plans)
         failpoints.hit("read")
         opened.release()  # reopened partition by partition below: few descriptors at a time
+
+    def fetch_remote(self, comm: Comm) -> Exchanged:
+        """Collective: the pieces held on other nodes, written in place; serve theirs."""
+        running: dict[int, int] = {}
+
+        def read(what: tuple, off: int, n: int) -> bytes:
+            source, rank, kind, group, start, length = what
+            shard = self.opened.get(source, rank)
+            out = bytearray()
+            for fd, pos, size in shard.byte_ranges(kind, group, start, length):
+                lo, hi = max(off, 0), min(off + n, size)
+                if lo < hi:
+                    out += _pread(fd, hi - lo, pos + lo, shard.path_of(fd))
+                off -= size
+            return bytes(out)
+
+        def write(key: int, off: int, data: bytes) -> int:
+            name, dst = self.dests[key]
+            pwrite_all(self._out(name), data, dst + off)
+            running[key] = crc32(data, running.get(key, 0))
+            return running[key]
+        try:
+            moved = exchange(comm, self.wanted, read, write)
+            sync_close(self.copier, self.outs)
+            return moved
+        finally:
+            self.opened.release()
+
+    def _out(self, name: str) -> int:
+        if name not in self.outs:
+            self.outs[name] = os.open(self.tag_dir / name, os.O_WRONLY)
+        return self.outs[name]
+
+    def run(self, moved: Exchanged, progress: bool) -> tuple[dict, tuple[int, int]]:
+        """The local pieces: ({buffer: [(lo, hi, crc)]}, (bytes written, of which whole
+        source records copied unchanged))."""
+        from tqdm import tqdm
+        crcs: dict[int, list[tuple[int, int, int]]] = {}
+        written = unchanged = 0
+        copier, outs, shards = self.copier, self.outs, self.shards
         unit = None
-        bar = tqdm(total=sum(t.hi - t.lo for t in tasks), unit="B", unit_scale=True,
+        bar = tqdm(total=sum(t.hi - t.lo for t in self.tasks), unit="B", unit_scale=True,
                    desc="rank 0 copies", disable=not progress or None, leave=False)
-        for t, b, ps in plans:
+        for i, (t, b, ps) in enumerate(self.plans):
             if b.unit != unit:  # the previous unit's files are done: sync and close them
                 sync_close(copier, outs)
-                opened.release()
+                self.opened.release()
                 unit = b.unit
             for p in ps:
-                shards[p.source, p.src_rank].reopen()
-            name = _file(plan, b)
-            if name not in outs:
-                outs[name] = os.open(tag_dir / name, os.O_WRONLY)
-            base = offsets[t.buffer]  # file offset of the buffer's byte 0
-            whole = _whole_record(b, t, ps, shards)
+                if (p.source, p.src_rank) in shards:
+                    shards[p.source, p.src_rank].reopen()
+            out = self._out(_file(self.plan, b))
+            base = self.offsets[t.buffer]  # file offset of the buffer's byte 0
+            whole = None if (i, 0) in self.remote else _whole_record(b, t, ps, shards)
             if whole is not None:  # a source record copied unchanged: its CRC as it is
                 shard = shards[ps[0].source, ps[0].src_rank]
                 [(fd, off, n)] = shard.byte_ranges(b.kind, ps[0].src_group, 0, ps[0].length)
-                copy_unchanged(fd, off, n, outs[name], base, copier, shard.path_of(fd))
+                copy_unchanged(fd, off, n, out, base, copier, shard.path_of(fd))
                 crcs.setdefault(t.buffer, []).append((t.lo, t.hi, whole))
                 written += n
                 unchanged += n
                 bar.update(n)
                 continue
             crc, pos = 0, t.lo
-            for p in ps:
+            for j, p in enumerate(ps):
                 start = p.dst_start * 4
                 crc = crc32_zeros(start - pos, crc)  # padding: the file is zeros there
-                shard = shards[p.source, p.src_rank]
-                dst = base + start
-                for fd, off, n in shard.byte_ranges(b.kind, p.src_group, p.src_start, p.length):
-                    crc = copier.copy(fd, off, n, outs[name], dst, crc, shard.path_of(fd))
-                    dst += n
+                if (i, j) in self.remote:  # written by fetch_remote: its CRC as received
+                    crc = crc32_combine(crc, moved.crcs.get(self.remote[i, j], 0),
+                                        p.length * 4)
+                else:
+                    shard = shards[p.source, p.src_rank]
+                    dst = base + start
+                    for fd, off, n in shard.byte_ranges(b.kind, p.src_group, p.src_start,
+                                                        p.length):
+                        crc = copier.copy(fd, off, n, out, dst, crc, shard.path_of(fd))
+                        dst += n
                 written += p.length * 4
                 pos = start + p.length * 4
             crc = crc32_zeros(t.hi - pos, crc)
@@ -262,12 +396,30 @@ def _copy(plan: MergePlan, bufs, tasks: list[program.Task], offsets: dict[int, i
             bar.update(t.hi - t.lo)
         bar.close()
         sync_close(copier, outs)
-    finally:
-        copier.close()  # no write in flight when the descriptors close
-        for fd in outs.values():
+        return crcs, (written, unchanged)
+
+    def close(self) -> None:
+        self.copier.close()  # no write in flight when the descriptors close
+        for fd in self.outs.values():
             os.close(fd)
-        opened.release()
-    return crcs, (written, unchanged)
+        self.outs.clear()
+        self.opened.release()
+
+
+def _pread(fd: int, n: int, offset: int, path: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    while len(data) < n:
+        more = os.pread(fd, n - len(data), offset + len(data))
+        if not more:
+            raise CheckpointError(f"{path}: ends before byte {offset + n}; the file is "
+                                  f"truncated")
+        data += more
+    return data
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
 
 
 def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:

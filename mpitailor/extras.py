@@ -86,3 +86,15 @@ def copy_extras(base: CheckpointMeta, dest: Path) -> tuple[dict[str, dict], list
             load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
         records[p.name] = copy_synced(p, dest / p.name)
     return records, left_out
+
+
+def read_extras(base: CheckpointMeta) -> tuple[list[tuple[str, bytes]], list[str]]:
+    """The extras as bytes, checked as copy_extras checks them, for a merge whose output
+    every node keeps a copy of: ([(name, bytes)], names left out)."""
+    copy, _, left_out = sort_extras(base)
+    out = []
+    for p in copy:
+        if p.suffix in TORCH_SUFFIXES:
+            load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
+        out.append((p.name, p.read_bytes()))
+    return out, left_out

@@ -15,16 +15,18 @@ from pathlib import Path
 from mpitailor import __version__, failpoints
 from mpitailor.comm import Comm
 from mpitailor.commit import Staging, check_writable_file, write_synced
-from mpitailor.errors import UserError
+from mpitailor.errors import CheckpointError, UserError
 from mpitailor.execute import write_partitions
 from mpitailor.export.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.export.hf_weights import base_weights, export_hf, write_hf_weights
 from mpitailor.export.universal import export_universal, plan_limits
-from mpitailor.extras import MANIFEST, copy_extras, extras_dir
+from mpitailor.extras import MANIFEST, copy_extras, extras_dir, read_extras
+from mpitailor.nodes import Placement, output_is_shared, survey
 from mpitailor.plan import MergePlan, make_plan
 from mpitailor.plan_report import format_plan
 from mpitailor.recipe import Recipe, load_recipe
 from mpitailor.zero3 import CheckpointMeta
+from mpitailor.zero3.files import resolve
 from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.safeload import trust
 
@@ -42,14 +44,33 @@ class MergeResult:
 
 
 def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta]:
-    """Collective: each source's metadata is read by one rank (round-robin), then shared."""
+    """Collective: each source's metadata is read by one rank (round-robin; under node-local
+    storage, a rank on a node that holds the source's rank-0 files), then shared."""
+    place = survey(comm, [Path(path) for _, path in recipe.sources])
+    readers = comm.step(_meta_readers, comm, recipe, place)
+
     def mine() -> dict[str, CheckpointMeta]:
-        return {name: read_meta(path) for i, (name, path) in enumerate(recipe.sources)
-                if i % comm.size == comm.rank}
+        return {name: read_meta(path, place.fs()) for name, path in recipe.sources
+                if readers[name] == comm.rank}
     metas: dict[str, CheckpointMeta] = {}
     for part in comm.allgather(comm.step(mine)):
         metas.update(part)
     return {name: metas[name] for name, _ in recipe.sources}
+
+
+def _meta_readers(comm: Comm, recipe: Recipe, place: Placement) -> dict[str, int]:
+    """source -> the rank that reads its metadata."""
+    if not place.node_local:
+        return {name: i % comm.size for i, (name, _) in enumerate(recipe.sources)}
+    readers = {}
+    for i, (name, path) in enumerate(recipe.sources):
+        try:
+            files = resolve(path, place.view)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (node-local storage: looked on every node of this job, "
+                                  f"{', '.join(place.nodes.names)})") from None
+        readers[name] = place.reader([files.model_path(0), files.optim_path(0)], i)
+    return readers
 
 
 def plan_merge(comm: Comm, recipe_path: str, output: str | None = None,
@@ -68,22 +89,39 @@ def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
 
 def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
           verify: bool = False, export_dtype: str | None = None,
-          universal: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> MergeResult:
+          universal: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+          ranks_per_node: int | None = None) -> MergeResult:
     """Collective: write the merged checkpoint and publish it atomically.
     verify: check source records against their CRC-32 first (reads them whole).
     export_dtype: also write consolidated HF safetensors weights in this dtype to OUT/hf/.
     max_shard_size: the export's shards hold at most this many bytes (HF's rule).
-    universal: also write DeepSpeed's Universal layout into OUT/TAG/zero/."""
+    universal: also write DeepSpeed's Universal layout into OUT/TAG/zero/.
+    ranks_per_node: with node-local output, output rank r's files go to the (r //
+    ranks_per_node)-th node (default: where rank r of this job runs, at the same world
+    size; else consecutive blocks)."""
     t0 = time.perf_counter()
+    place = survey(comm, [m.path for _, m in plan.sources])
+    out_nodes = comm.step(_output_nodes, comm, plan, place, ranks_per_node)
+    if (place.node_local or out_nodes is not None) and (export_dtype or universal):
+        raise UserError("--export with node-local storage is not supported yet; merge, then "
+                        "export from a copy on a shared file system")
+    # Who writes the files every node needs (latest, manifest, extras): each node's first
+    # rank when every node keeps its own copy of the output, else rank 0.
+    leaders = place.nodes.leaders() if out_nodes is not None else [0]
     staging = Staging(plan.output)
     tag = plan.base_meta.files.tag
+    root = staging.dir
     try:
-        root = comm.root_step(staging.acquire, tag)
-        records, mine = write_partitions(comm, plan, root / tag, verify, progress, universal)
+        comm.step(lambda: staging.acquire(tag) if comm.rank in leaders else None)
+        records, mine = write_partitions(comm, plan, root / tag, verify, progress, universal,
+                                         place, out_nodes)
         stats = comm.allgather(mine)
-        files = {f"{tag}/{name}": rec for part in comm.allgather(records) for name, rec in
-                 part.items()}
+        by_rank = comm.allgather(records)
+        files = {f"{tag}/{name}": rec for part in by_rank for name, rec in part.items()}
         rebuild = comm.root_step(base_weights, plan.base_meta)
+        if rebuild is not None and place.node_local:
+            raise UserError(f"{plan.base_meta.path}: 16-bit weights beside a node-local "
+                            f"checkpoint: rebuilding them is not supported yet")
         if rebuild is not None or export_dtype is not None or universal:
             staged = comm.root_step(read_meta, root / tag)  # only when something reads it
             if rebuild is not None:  # the base carried 16-bit weights: rebuild them
@@ -94,14 +132,19 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
                 files.update({f"hf/{name}": rec for name, rec in exported.items()})
             if universal:
                 files.update(export_universal(comm, staged, root))
-        written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
-                                 time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if out_nodes is None:
+            written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
+                                     seconds)
+        else:
+            written = _finish_on_nodes(comm, plan, place, staging, files, by_rank, leaders,
+                                       recipe_text, seconds)
     except BaseException:
-        if comm.rank == 0:
+        if comm.rank in leaders:
             staging.abandon()
         raise
     finally:
-        if comm.rank == 0:
+        if comm.rank in leaders:
             staging.release()
     return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats),
                        plan.layer_source)
@@ -121,6 +164,57 @@ def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ra
     failpoints.hit("commit")
     staging.publish()
     return sum(r["bytes"] for r in files.values())
+
+
+def _output_nodes(comm: Comm, plan: MergePlan, place: Placement,
+                  ranks_per_node: int | None) -> tuple[int, ...] | None:
+    """Output partition -> the node whose disk holds its files; None when every node sees
+    the output's directory (a shared file system, or one node)."""
+    nodes = place.nodes
+    if len(nodes.names) == 1 or output_is_shared(comm, nodes, plan.output):
+        return None
+    w2, n = plan.out_world_size, len(nodes.names)
+    if ranks_per_node is not None:
+        if -(-w2 // ranks_per_node) > n:
+            raise UserError(f"--ranks-per-node {ranks_per_node}: {w2} output ranks need "
+                            f"{-(-w2 // ranks_per_node)} nodes, this job has {n}")
+        return tuple(p // ranks_per_node for p in range(w2))
+    if comm.size == w2:  # the job that merges is laid out like the one that will load
+        return nodes.of_rank
+    return tuple(p * n // w2 for p in range(w2))
+
+
+def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Staging,
+                     files: dict, by_rank: list[dict], leaders: list[int], recipe_text: str,
+                     seconds: float) -> int:
+    """Node-local output: every node's leader writes the extras, `latest` and the manifest
+    beside its node's partitions; once every node is ready, each publishes its own."""
+    base = plan.base_meta
+    extras_holder = place.reader([base.files.model_path(0)]) if place.node_local else 0
+    extras = comm.step_on(extras_holder, read_extras, base)
+    tag = base.files.tag
+    nodes = place.nodes
+    node_files = {name: sorted(f"{tag}/{f}" for r in nodes.ranks(i) for f in by_rank[r])
+                  for i, name in enumerate(nodes.names)}
+
+    def stage() -> int:
+        if comm.rank not in leaders:
+            return 0
+        root = staging.dir
+        mine = dict(files)
+        for name, data in extras[0]:
+            mine[name] = write_synced(root / name, data)
+        mine["latest"] = write_synced(root / "latest", tag.encode())
+        manifest = build_manifest(plan, mine, recipe_text, comm.size, seconds)
+        manifest["left_out"] = extras[1]
+        manifest["node_local"] = {"node": nodes.names[nodes.of_rank[comm.rank]],
+                                  "files_of_node": node_files}
+        write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
+        return sum(r["bytes"] for r in mine.values())
+    written = comm.step(stage)
+    comm.step(lambda: failpoints.hit("commit") if comm.rank in leaders else None)
+    comm.step(lambda: staging.publish() if comm.rank in leaders else None)
+    return written
 
 
 def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
@@ -155,11 +249,12 @@ class MergeOptions:
     max_shard_size: int | None = None     # of the safetensors export; default: 5GB (HF's)
     verify: bool = False
     progress: bool = False
+    ranks_per_node: int | None = None     # node-local output: output ranks per node
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MergeOptions:
         return cls(frozenset(args.export or ()), args.export_dtype, args.max_shard_size,
-                   args.verify, not args.no_progress)
+                   args.verify, not args.no_progress, getattr(args, "ranks_per_node", None))
 
     def check(self, plan: MergePlan) -> None:
         """UserError for combinations that cannot be honoured, before anything is written."""
@@ -172,6 +267,8 @@ class MergeOptions:
             raise UserError("--export-dtype applies to --export safetensors; add that option")
         if self.max_shard_size is not None and "safetensors" not in self.export:
             raise UserError("--max-shard-size applies to --export safetensors; add that option")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise UserError(f"--ranks-per-node {self.ranks_per_node}: give a positive count")
 
 
 def execute(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
@@ -182,7 +279,7 @@ def execute(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> 
     return merge(comm, plan, recipe.text, progress=opts.progress, verify=opts.verify,
                  export_dtype=export_dtype, universal="universal" in opts.export,
                  max_shard_size=DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None
-                 else opts.max_shard_size)
+                 else opts.max_shard_size, ranks_per_node=opts.ranks_per_node)
 
 
 def run_merge_cli(args: argparse.Namespace) -> int:

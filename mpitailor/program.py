@@ -91,16 +91,29 @@ def split(bufs: tuple[Buffer, ...], ranks: int) -> list[list[Task]]:
     return work
 
 
-def home_ranks(bufs: tuple[Buffer, ...], work: list[list[Task]]) -> dict[int, int]:
+def split_by_node(bufs: tuple[Buffer, ...], node_of_unit: dict[int, int],
+                  node_ranks: list[list[int]], ranks: int) -> list[list[Task]]:
+    """rank -> its tasks, when each unit's files live on one node (node-local storage):
+    each node's buffers cut among that node's ranks as `split` does."""
+    work: list[list[Task]] = [[] for _ in range(ranks)]
+    for node, members in enumerate(node_ranks):
+        index = [i for i, b in enumerate(bufs) if node_of_unit[b.unit] == node]
+        for rank, tasks in zip(members, split(tuple(bufs[i] for i in index), len(members))):
+            work[rank] = [Task(index[t.buffer], t.lo, t.hi) for t in tasks]
+    return work
+
+
+def home_ranks(bufs: tuple[Buffer, ...], work: list[list[Task]],
+               fallback: dict[int, int] | None = None) -> dict[int, int]:
     """unit -> the rank that builds its files (pickles, headers, model states): the one
-    that makes the first byte of the unit's first non-empty buffer (rank 0 for a unit
-    without bytes)."""
+    that makes the first byte of the unit's first non-empty buffer (for a unit without
+    bytes, fallback[unit], else rank 0)."""
     homes: dict[int, int] = {}
     for rank, tasks in enumerate(work):
         for t in tasks:
             homes.setdefault(bufs[t.buffer].unit, rank)
     for b in bufs:
-        homes.setdefault(b.unit, 0)
+        homes.setdefault(b.unit, (fallback or {}).get(b.unit, 0))
     return dict(sorted(homes.items()))
 
 

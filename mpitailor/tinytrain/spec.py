@@ -41,6 +41,7 @@ class TrainSpec:
     load_dir: str | None = None
     load_tag: str | None = None
     load_universal: bool = False  # resume from a Universal checkpoint (any world size)
+    node_local_storage: bool = False  # DeepSpeed's use_node_local_storage: a save dir per node
     data_seed: int = 0
     task: str = "random"      # "random" tokens, or "copy": learnable, with a held-out set
     eval_batches: int = 0     # held-out batches scored after training (copy task)

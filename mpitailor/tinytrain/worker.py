@@ -66,6 +66,8 @@ def ds_config(spec: TrainSpec) -> dict:
     }
     if spec.load_universal:
         config["checkpoint"] = {"load_universal": True}
+    if spec.node_local_storage:  # each node's local rank 0 makes the dirs and writes its files
+        config.setdefault("checkpoint", {})["use_node_local_storage"] = True
     return config
 
 

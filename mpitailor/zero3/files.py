@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
+from mpitailor.zero3.fsview import LOCAL
 
 MODEL_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
@@ -88,35 +89,35 @@ class CheckpointFiles:
         return self.tag_dir / partial_files(rank)["layers"]
 
 
-def resolve(path: Path | str) -> CheckpointFiles:
-    """Recognise a tag dir, a save dir with `latest`, or an HF `checkpoint-N/`."""
+def resolve(path: Path | str, view=LOCAL) -> CheckpointFiles:
+    """Recognise a tag dir, a save dir with `latest`, or an HF `checkpoint-N/`, as `view`
+    (fsview.py: this process's file system, or the union of a job's nodes) shows them."""
     path = Path(path)
-    if not path.exists():
+    if not view.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint; check the path")
-    if not path.is_dir():
+    if not view.is_dir(path):
         raise CheckpointError(f"{path}: not a directory; name a DeepSpeed save dir or tag dir")
-    if (path / PARTIAL_MANIFEST).exists():
-        return _partial(path, save_dir=None)
-    if _has_rank_files(path) or (path / STAGE12_MODEL).exists():
-        return _scan_tag_dir(path, save_dir=None)
+    if view.exists(path / PARTIAL_MANIFEST):
+        return _partial(path, None, view)
+    if _has_rank_files(path, view) or view.exists(path / STAGE12_MODEL):
+        return _scan_tag_dir(path, None, view)
     latest = path / "latest"
-    if latest.is_file():
-        tag = read_latest(latest)
-        if not (path / tag).is_dir():
+    if view.is_file(latest):
+        tag = read_latest(latest, view)
+        if not view.is_dir(path / tag):
             raise CheckpointError(f"{latest}: names tag {tag!r} but {path / tag} is missing")
-        if (path / tag / PARTIAL_MANIFEST).exists():
-            return _partial(path / tag, save_dir=path)
-        return _scan_tag_dir(path / tag, save_dir=path)
+        if view.exists(path / tag / PARTIAL_MANIFEST):
+            return _partial(path / tag, path, view)
+        return _scan_tag_dir(path / tag, path, view)
     raise CheckpointError(
         f"{path}: neither a DeepSpeed tag dir (zero_pp_rank_*_model_states.pt) nor a save dir "
         f"with a `latest` file; name the tag dir, e.g. {path}/global_stepN")
 
 
-def read_latest(latest: Path) -> str:
+def read_latest(latest: Path, view=LOCAL) -> str:
     """The tag a `latest` file names; CheckpointError unless it is one plain dir name."""
     try:
-        with open(latest, "rb") as f:
-            raw = f.read(MAX_TAG_BYTES + 2)
+        raw = view.read_bytes(latest, MAX_TAG_BYTES + 2)
         tag = raw.decode().strip()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{latest}: unreadable ({e})") from None
@@ -128,14 +129,15 @@ def read_latest(latest: Path) -> str:
     return tag
 
 
-def read_save_record(tag_dir: Path, partial: bool) -> tuple[Lineage | None, dict[str, str]]:
+def read_save_record(tag_dir: Path, partial: bool,
+                     view=LOCAL) -> tuple[Lineage | None, dict[str, str]]:
     """(lineage, layer patterns) that mpitailor recorded for a save; (None, {}) for plain
     DeepSpeed saves."""
     path = tag_dir / (PARTIAL_MANIFEST if partial else SAVE_RECORD)
-    if not path.is_file():
+    if not view.is_file(path):
         return None, {}
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(view.read_bytes(path))
         lineage = Lineage.from_json(raw.get("lineage") if partial else raw)
         patterns = raw.get("layer_patterns") or {}
         if not isinstance(patterns, dict):
@@ -145,15 +147,15 @@ def read_save_record(tag_dir: Path, partial: bool) -> tuple[Lineage | None, dict
         raise CheckpointError(f"{path}: unreadable save record ({e})") from None
 
 
-def _partial(tag_dir: Path, save_dir: Path | None) -> CheckpointFiles:
+def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFiles:
     try:
-        manifest = json.loads((tag_dir / PARTIAL_MANIFEST).read_text())
+        manifest = json.loads(view.read_bytes(tag_dir / PARTIAL_MANIFEST))
         world, dtype = int(manifest["world_size"]), manifest["dtype"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{tag_dir / PARTIAL_MANIFEST}: unreadable partial-checkpoint "
                               f"manifest ({e}); the partial save did not complete") from None
     missing = [n for r in range(world) for n in partial_files(r).values()
-               if not (tag_dir / n).exists()]
+               if not view.exists(tag_dir / n)]
     if missing:
         raise CheckpointError(f"{tag_dir}: missing {missing[0]}; the partial checkpoint is "
                               f"incomplete")
@@ -161,12 +163,12 @@ def _partial(tag_dir: Path, save_dir: Path | None) -> CheckpointFiles:
                            save_dir=save_dir, partial=True)
 
 
-def _has_rank_files(path: Path) -> bool:
-    return any(MODEL_RE.fullmatch(p.name) for p in path.iterdir())
+def _has_rank_files(path: Path, view=LOCAL) -> bool:
+    return any(MODEL_RE.fullmatch(n) for n in view.names(path))
 
 
-def _scan_tag_dir(tag_dir: Path, save_dir: Path | None) -> CheckpointFiles:
-    names = [p.name for p in tag_dir.iterdir()]
+def _scan_tag_dir(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFiles:
+    names = view.names(tag_dir)
     model_parallel = sorted(n for n in names if (m := MP_RANK_RE.fullmatch(n))
                             and int(m.group(1)) != 0)
     if model_parallel:

@@ -13,6 +13,7 @@ import torch
 from mpitailor.errors import CheckpointError
 from mpitailor.zero3 import files as zfiles
 from mpitailor.zero3.files import CheckpointFiles
+from mpitailor.zero3.fsview import LOCAL
 from mpitailor.zero3.layout import compute_layout
 from mpitailor.zero3.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
 from mpitailor.zero3.rawio import materialize
@@ -21,9 +22,11 @@ from mpitailor.zero3.safeload import load
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def read_meta(path: Path | str) -> CheckpointMeta:
-    """Read a checkpoint's metadata from its rank-0 files (memory-mapped, tensors untouched)."""
-    files = zfiles.resolve(path)
+def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
+    """Read a checkpoint's metadata from its rank-0 files (memory-mapped, tensors untouched).
+    view: where the checkpoint's other files are looked up (fsview.py); the rank-0 files
+    must be readable here."""
+    files = zfiles.resolve(path, view)
     model = load(files.model_path(0), opaque_ok=True)
     # Structure only (steps read below); a partial checkpoint's optim file has no buffers.
     optim = load(files.optim_path(0), index_only=not files.partial)
@@ -51,7 +54,7 @@ def read_meta(path: Path | str) -> CheckpointMeta:
             t.numel() != n for t, n in zip(flat, layout.subgroup_sizes))):
         raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
                               f"param_shapes of {files.model_path(0)}; files from different runs?")
-    lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial)
+    lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial, view)
     return CheckpointMeta(
         files=files, layout=layout, dtype=_model_dtype(model),
         global_steps=int(model["global_steps"]),
@@ -62,15 +65,15 @@ def read_meta(path: Path | str) -> CheckpointMeta:
                             for n, s in (model.get("frozen_param_shapes") or {}).items()),
         shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
         ds_version=str(model.get("ds_version", "")),
-        held_layers=_held_layers(files) if files.partial else None,
+        held_layers=_held_layers(files, view) if files.partial else None,
         lineage=lineage, layer_patterns=tuple(patterns.items()),
         sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
                            .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )
 
 
-def _held_layers(files: CheckpointFiles) -> frozenset[str]:
-    manifest = json.loads((files.tag_dir / zfiles.PARTIAL_MANIFEST).read_text())
+def _held_layers(files: CheckpointFiles, view) -> frozenset[str]:
+    manifest = json.loads(view.read_bytes(files.tag_dir / zfiles.PARTIAL_MANIFEST))
     return frozenset(manifest["layers"])
 
 
