@@ -33,7 +33,7 @@ from mpitailor.crc import crc32, crc32_combine, crc32_zeros
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.exchange import Exchanged, Request, exchange
 from mpitailor.iostats import snapshot
-from mpitailor.nodes import Placement
+from mpitailor.nodes import Placement, shard_paths
 from mpitailor.partition_states import (merged_model_states, merged_optim, placeholders,
                                         rank0_model_states, resharded_model_states,
                                         resharded_optim)
@@ -139,11 +139,11 @@ class _Shards:
     def local(self, source: str, rank: int) -> bool:
         """Does this rank's node hold rank `rank`'s files of `source`?"""
         return self.place is None or all(self.place.holds(self.node, p)
-                                         for p in _shard_paths(self.plan.meta(source), rank))
+                                         for p in shard_paths(self.plan.meta(source), rank))
 
     def reader(self, source: str, rank: int, spread: int) -> int:
         """A rank whose node holds them (the spread-th, modulo)."""
-        return self.place.reader(_shard_paths(self.plan.meta(source), rank), spread)
+        return self.place.reader(shard_paths(self.plan.meta(source), rank), spread)
 
     def get(self, source: str, rank: int):
         if (source, rank) not in self.open:
@@ -163,12 +163,6 @@ class _Shards:
     close = release
 
 
-def _shard_paths(meta, rank: int) -> list[Path]:
-    files = meta.files
-    return [files.model_path(rank), files.optim_path(rank)] + \
-        ([files.layers_path(rank)] if files.partial else [])
-
-
 def _rank0_states(comm: Comm, plan: MergePlan, shards: _Shards):
     """A reshard starts every output partition from the sources' rank-0 states. Under
     node-local storage they are read on a node that holds them and sent to every rank:
@@ -181,7 +175,7 @@ def _rank0_states(comm: Comm, plan: MergePlan, shards: _Shards):
                         "storage is not supported; merge at the same world size, or copy "
                         "the checkpoint to a shared file system first")
     holder = shards.place.reader([p for name, _ in plan.sources
-                                  for p in _shard_paths(plan.meta(name), 0)])
+                                  for p in shard_paths(plan.meta(name), 0)])
 
     def read() -> tuple:
         base0 = shards.get(plan.base, 0)

@@ -89,9 +89,17 @@ class Placement:
         return ranks[spread % len(ranks)]
 
 
-def survey(comm: Comm, paths: list[Path]) -> Placement:
-    """Collective: list `paths` on every node; shared if every node sees the same, else
-    node-local with the union (a file two nodes hold with different bytes is an error)."""
+def shard_paths(meta, rank: int) -> list[Path]:
+    """The files of one rank of a checkpoint (CheckpointMeta)."""
+    files = meta.files
+    return [files.model_path(rank), files.optim_path(rank)] + \
+        ([files.layers_path(rank)] if files.partial else [])
+
+
+def survey(comm: Comm, paths: list[Path], depth: int = 2) -> Placement:
+    """Collective: list `paths` (`depth` levels down) on every node; shared if every node
+    sees the same, else node-local with the union (a file two nodes hold with different
+    bytes is an error)."""
     nodes = Nodes.of(comm)
     if len(nodes.names) == 1:
         return Placement(nodes)
@@ -102,7 +110,7 @@ def survey(comm: Comm, paths: list[Path]) -> Placement:
             return None
         out: dict[str, Entry] = {}
         for p in paths:
-            out.update(listing(Path(p)))
+            out.update(listing(Path(p), depth))
         return out
     seen = [s for s in comm.allgather(comm.step(mine)) if s is not None]  # in node order
     if all(s == seen[0] for s in seen):

@@ -29,8 +29,10 @@ from mpitailor.errors import CheckpointError, NothingToRecover, UserError
 from mpitailor.extras import MANIFEST
 from mpitailor.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
 from mpitailor.zero3 import CheckpointMeta
-from mpitailor.zero3.files import (PARTIAL_MANIFEST, SAVE_RECORD, Lineage, read_latest,
-                                   read_save_record)
+from mpitailor.nodes import Placement, shard_paths, survey
+from mpitailor.zero3.files import (PARTIAL_MANIFEST, SAVE_RECORD, Lineage, model_file,
+                                   partial_files, read_latest, read_save_record)
+from mpitailor.zero3.fsview import LOCAL
 from mpitailor.zero3.partial_shard import check_partial_rank
 from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.shard import open_shard
@@ -70,32 +72,35 @@ class Chain:
     skipped: tuple[tuple[str, str], ...]   # (save name, why)
 
 
-def find_saves(save_dir: Path) -> list[Save]:
-    """Every save directly under save_dir (rank-0 metadata only), oldest first."""
-    if not save_dir.is_dir():
+def find_saves(save_dir: Path, view=LOCAL) -> list[Save]:
+    """Every save directly under save_dir (rank-0 metadata only), oldest first. view: the
+    save dir as the job's nodes see it together (node-local storage; fsview.py)."""
+    if not view.is_dir(save_dir):
         raise UserError(f"{save_dir}: no such save dir")
     found = []
-    for child in sorted(save_dir.iterdir()):
-        if child.name.startswith(".") or not child.is_dir() or child.is_symlink():
+    for name in sorted(view.names(save_dir)):
+        child = save_dir / name
+        if name.startswith(".") or not view.is_dir(child) or child.is_symlink():
             continue  # staging dirs of interrupted saves, files
-        if (child / MANIFEST).exists():
+        if view.exists(child / MANIFEST):
             continue  # an earlier composite written here is not a save of this run
         try:
-            meta = read_meta(child)  # reads the save's lineage record too
-        except CheckpointError as e:
-            if child.name.startswith(SAVE_NAMES) or (child / PARTIAL_MANIFEST).exists():
-                found.append(Save(child.name, child, None, _lineage(child), str(e)))
+            meta = read_meta(child, view)  # reads the save's lineage record too
+        except (CheckpointError, OSError) as e:
+            if name.startswith(SAVE_NAMES) or view.exists(child / PARTIAL_MANIFEST):
+                found.append(Save(name, child, None, _lineage(child, view), str(e)))
             continue
-        found.append(Save(child.name, child, meta, meta.lineage))
+        found.append(Save(name, child, meta, meta.lineage))
     return sorted(found, key=lambda s: (s.step, s.name))
 
 
-def _lineage(child: Path) -> Lineage | None:
+def _lineage(child: Path, view) -> Lineage | None:
     """The lineage of a save that cannot be read as a whole (its successors still need it)."""
-    for tag_dir in (child, *(p for p in child.glob("global_step*") if p.is_dir())):
+    tags = [child / n for n in view.names(child) if n.startswith("global_step")]
+    for tag_dir in (child, *(p for p in tags if view.is_dir(p))):
         for partial in (True, False):
             try:
-                found = read_save_record(tag_dir, partial)[0]
+                found = read_save_record(tag_dir, partial, view)[0]
             except CheckpointError:
                 return None
             if found is not None:
@@ -103,22 +108,32 @@ def _lineage(child: Path) -> Lineage | None:
     return None
 
 
-def check_saves(comm: Comm, saves: list[Save], crc_of: set[str] = frozenset()) -> list[Save]:
-    """Collective: check every rank's files of every usable save, spread over the MPI ranks.
-    Partial saves named in crc_of also have their files checked against their CRC-32s."""
+def check_saves(comm: Comm, saves: list[Save], crc_of: set[str] = frozenset(),
+                place: Placement | None = None) -> list[Save]:
+    """Collective: check every rank's files of every usable save, spread over the MPI ranks
+    (under node-local storage, over the ranks of the node that holds them). Partial saves
+    named in crc_of also have their files checked against their CRC-32s."""
     items = [(i, r) for i, s in enumerate(saves) if s.problem is None
              for r in range(s.meta.world_size)]
+    owner, found = {}, {}
+    for k, (i, r) in enumerate(items):
+        if place is None or not place.node_local:
+            owner[i, r] = k % comm.size
+            continue
+        try:
+            owner[i, r] = place.reader(shard_paths(saves[i].meta, r), k)
+        except CheckpointError as e:
+            found.setdefault(i, str(e))
 
     def mine() -> list[tuple[int, str]]:
         problems = []
-        for i, r in items[comm.rank::comm.size]:
+        for i, r in [item for item in items if owner.get(item) == comm.rank]:
             try:
                 _check_rank(saves[i], r, saves[i].name in crc_of)
             except (CheckpointError, OSError) as e:
                 problems.append((i, str(e)))
         return problems
 
-    found: dict[int, str] = {}
     for part in comm.allgather(comm.step(mine)):
         for i, why in part:
             found.setdefault(i, why)
@@ -128,15 +143,15 @@ def check_saves(comm: Comm, saves: list[Save], crc_of: set[str] = frozenset()) -
 
 def _check_rank(save: Save, rank: int, crc: bool) -> None:
     if save.partial:
-        check_partial_rank(save.meta.files, rank, crc=crc)
+        check_partial_rank(save.meta, rank, crc=crc)
     else:
         with open_shard(save.meta, rank):  # parses both files, checks every buffer's extent
             pass
 
 
-def choose(save_dir: Path, saves: list[Save]) -> Chain:
+def choose(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain:
     """The timeline to recover: a usable full save and the partial saves built on it."""
-    latest_tag = _latest(save_dir)
+    latest_tag = _latest(save_dir, view)
     by_name = {s.name: s for s in saves}
     fulls = [s for s in saves if s.problem is None and not s.partial]
     skipped: dict[str, str] = {s.name: s.problem for s in saves if s.problem is not None}
@@ -146,7 +161,7 @@ def choose(save_dir: Path, saves: list[Save]) -> Chain:
     if start is None and fulls:
         start = fulls[-1]
     if start is None:
-        raise _nothing(save_dir, saves, skipped)
+        raise _nothing(save_dir, saves, skipped, view)
     path = _follow(start, saves) if start.lineage is not None else \
         [s for s in saves if s.partial and s.step > start.step and s.lineage is None]
     on_path = {s.name for s in path}
@@ -183,22 +198,23 @@ def _follow(start: Save, saves: list[Save]) -> list[Save]:
     return path
 
 
-def _latest(save_dir: Path) -> str | None:
+def _latest(save_dir: Path, view) -> str | None:
     latest = save_dir / "latest"
-    if not latest.is_file():
+    if not view.is_file(latest):
         return None
     try:
-        return read_latest(latest)
+        return read_latest(latest, view)
     except CheckpointError as e:
         log.warning("ignoring %s", e)
         return None
 
 
-def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str]) -> Exception:
+def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
+             view) -> Exception:
     """No usable full save: an error if any save ever finished, else nothing to recover."""
-    finished = (save_dir / "latest").exists() or any(
-        s.partial or (s.path / "latest").exists() or (s.path / PARTIAL_MANIFEST).exists()
-        or (s.path / SAVE_RECORD).exists() for s in saves)
+    finished = view.exists(save_dir / "latest") or any(
+        s.partial or view.exists(s.path / "latest") or view.exists(s.path / PARTIAL_MANIFEST)
+        or view.exists(s.path / SAVE_RECORD) for s in saves)
     reasons = "; ".join(f"{n}: {why}" for n, why in skipped.items())
     if finished:
         return UserError(f"{save_dir}: no usable full checkpoint to start from ("
@@ -212,14 +228,16 @@ def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> 
     """Collective: find, check and choose; partial saves the chain uses are checked against
     their CRC-32s (a damaged one is skipped and the chain chosen again). until_step: leave
     out saves after this step (resume from an older point)."""
-    found = comm.root_step(find_saves, save_dir)
+    place = survey(comm, [save_dir], depth=3)
+    found = comm.step_on(_finder(place, save_dir), find_saves, save_dir, place.fs())
     if until_step is not None:
         found = [s for s in found if s.step <= until_step]
-    saves = check_saves(comm, found)
+    saves = check_saves(comm, found, place=place)
     while True:
-        chain = comm.root_step(choose, save_dir, saves)
+        chain = comm.root_step(choose, save_dir, saves, place.fs())
         names = {s.name for s in chain.partials}
-        checked = check_saves(comm, [s for s in saves if s.name in names], crc_of=names)
+        checked = check_saves(comm, [s for s in saves if s.name in names], crc_of=names,
+                              place=place)
         bad = {s.name: s for s in checked if s.problem is not None}
         if not bad:
             break
@@ -228,6 +246,22 @@ def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> 
         for name, why in chain.skipped:
             log.warning("recover: skipping %s: %s", name, why)
     return chain
+
+
+RANK0_FILES = (model_file(0), partial_files(0)["model"])
+
+
+def _finder(place: Placement, save_dir: Path) -> int:
+    """The rank that reads the saves' metadata: under node-local storage, the first rank of
+    the node holding the most rank-0 files (DeepSpeed's rank 0 and its node's disk)."""
+    if not place.node_local:
+        return 0
+    counts: dict[int, int] = {}
+    for path, nodes in place.holders.items():
+        if Path(path).name in RANK0_FILES:
+            for n in nodes:
+                counts[n] = counts.get(n, 0) + 1
+    return place.nodes.leader(max(counts, key=lambda n: (counts[n], -n)) if counts else 0)
 
 
 def recovery_recipe(save_dir: Path, chain: Chain, output: Path | None = None,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from mpitailor.commit import fsync_dir, write_synced
 from mpitailor.errors import UserError
 from mpitailor.layers import LayerClassifier, layer_index
-from mpitailor.training.partial_save import save_layers
+from mpitailor.training.partial_save import save_leader, save_layers
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
 from mpitailor.zero3.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
@@ -101,7 +101,7 @@ class LayerwiseCheckpointer:
         """A full save over an older partial checkpoint of the same tag (training resumed
         from an older save) must not leave the partial's files and manifest beside it."""
         stale = Path(self.save_dir) / tag
-        if self.engine.global_rank == 0 and (stale / PARTIAL_MANIFEST).exists():
+        if save_leader(self.engine) and (stale / PARTIAL_MANIFEST).exists():
             shutil.rmtree(stale)
         if dist.is_initialized():
             dist.barrier()

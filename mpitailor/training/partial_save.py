@@ -131,8 +131,9 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
     final = save_dir / tag
     staging = save_dir / f".{tag}.mpitailor-staging"
     rank, world = engine.global_rank, engine.dp_world_size
+    leader = save_leader(engine)
     error = None
-    if rank == 0:
+    if leader:
         error = _prepare(final, staging)
     _agree(error)
     try:
@@ -142,10 +143,10 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
                               optimizer_meta(engine), final)
     except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
         records, error = {}, f"rank {rank}: {type(e).__name__}: {e}"
-    _agree(error, cleanup=staging if rank == 0 else None)
+    _agree(error, cleanup=staging if leader else None)
     all_records = _gather(records)
     error = None
-    if rank == 0:
+    if leader:
         try:
             manifest = {"format": FORMAT, "version": VERSION, "tag": tag,
                         "global_steps": engine.global_steps, "world_size": world,
@@ -160,11 +161,19 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
             fsync_tree(staging)
             _replace(staging, final)
         except Exception as e:  # noqa: BLE001
-            error = f"rank 0: {type(e).__name__}: {e}"
+            error = f"rank {rank}: {type(e).__name__}: {e}"
         else:
             fsync_dir(final.parent)  # published: a failure here is not "nothing saved"
-    _agree(error, cleanup=staging if rank == 0 else None)
+    _agree(error, cleanup=staging if leader else None)
     return final
+
+
+def save_leader(engine) -> bool:
+    """Does this rank stage and publish saves? Rank 0; with DeepSpeed's node-local storage
+    (each node its own disk; HF: save_on_each_node), the first rank of every node."""
+    use = getattr(engine, "use_node_local_storage", None)
+    return engine.global_rank == 0 or (bool(use()) if callable(use) else False) \
+        and engine.local_rank == 0
 
 
 def _replace(staging: Path, final: Path) -> None:
@@ -190,7 +199,7 @@ def _prepare(final: Path, staging: Path) -> str | None:
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
     except OSError as e:
-        return f"rank 0: {e}"
+        return f"{final}: {e}"
     return None
 
 

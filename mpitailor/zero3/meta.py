@@ -33,6 +33,9 @@ class CheckpointMeta:
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE  # ZeRO-3 config: where sub-groups close
     lineage: zfiles.Lineage | None = None        # place in a timeline (mpitailor saves)
     layer_patterns: tuple[tuple[str, str], ...] = ()  # the patterns the run saved with
+    # partial checkpoints: the manifest's record of every file ((name, record) pairs), read
+    # once with the rest, so that nodes without the manifest can check their ranks' files
+    partial_records: tuple[tuple[str, object], ...] = ()
 
     @property
     def world_size(self) -> int:

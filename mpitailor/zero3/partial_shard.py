@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mpitailor.errors import CheckpointError
-from mpitailor.zero3.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
+from mpitailor.zero3.files import PARTIAL_MANIFEST, partial_files
 from mpitailor.zero3 import rawio
 from mpitailor.zero3.layout import Slot
 from mpitailor.zero3.meta import CheckpointMeta
@@ -98,15 +98,12 @@ class PartialShard:
         self.close()
 
 
-def check_partial_rank(files: CheckpointFiles, rank: int, crc: bool) -> None:
+def check_partial_rank(meta: CheckpointMeta, rank: int, crc: bool) -> None:
     """Rank `rank`'s files of a partial checkpoint against the sizes (and, with crc, the
     CRC-32s) its manifest recorded when they were written: CheckpointError if one differs."""
+    files = meta.files
     manifest = files.tag_dir / PARTIAL_MANIFEST
-    try:
-        records = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{manifest}: unreadable ({e}); the partial save is damaged") \
-            from None
+    records = dict(meta.partial_records)
     for name in partial_files(rank).values():
         path, want = files.tag_dir / name, records.get(name)
         if not isinstance(want, dict):
@@ -134,7 +131,7 @@ def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
     """Rank `rank`'s part, checked whole against its manifest first (what is read must be
     what was written: a partial save records a CRC-32 for every file)."""
     files = meta.files
-    check_partial_rank(files, rank, crc=True)
+    check_partial_rank(meta, rank, crc=True)
     model = load(files.model_path(rank), opaque_ok=True)
     optim = load(files.optim_path(rank))
     if int(model.get("global_steps", -1)) != meta.global_steps:

@@ -55,6 +55,7 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
         raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
                               f"param_shapes of {files.model_path(0)}; files from different runs?")
     lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial, view)
+    manifest_of = _partial_manifest(files, view) if files.partial else None
     return CheckpointMeta(
         files=files, layout=layout, dtype=_model_dtype(model),
         global_steps=int(model["global_steps"]),
@@ -65,16 +66,26 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
                             for n, s in (model.get("frozen_param_shapes") or {}).items()),
         shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
         ds_version=str(model.get("ds_version", "")),
-        held_layers=_held_layers(files, view) if files.partial else None,
+        held_layers=manifest_of[0] if files.partial else None,
+        partial_records=manifest_of[1] if files.partial else (),
         lineage=lineage, layer_patterns=tuple(patterns.items()),
         sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
                            .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )
 
 
-def _held_layers(files: CheckpointFiles, view) -> frozenset[str]:
-    manifest = json.loads(view.read_bytes(files.tag_dir / zfiles.PARTIAL_MANIFEST))
-    return frozenset(manifest["layers"])
+def _partial_manifest(files: CheckpointFiles, view) -> tuple[frozenset[str], tuple]:
+    """(layers held, file records) of a partial checkpoint's manifest."""
+    path = files.tag_dir / zfiles.PARTIAL_MANIFEST
+    try:
+        manifest = json.loads(view.read_bytes(path))
+        records = manifest.get("files") or {}
+        if not isinstance(records, dict):
+            raise TypeError("files is not a mapping")
+        return frozenset(manifest["layers"]), tuple(sorted(records.items()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); the partial save is damaged") \
+            from None
 
 
 def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
