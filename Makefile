@@ -29,6 +29,7 @@ test: fixtures
 	timeout 900 $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m mpi tests
 	timeout 900 $(MPIEXEC) -n 3 $(PYTEST) --with-mpi -m mpi tests
 	$(MAKE) test-slurm
+	$(MAKE) test-cluster
 
 # A real one-node Slurm (installed and started as root; exit 3 = it cannot be set up here,
 # and the tests then skip saying why), stopped again whatever the tests did.
@@ -39,6 +40,17 @@ test-slurm: install
 		rc=0; MPITAILOR_SLURM_TESTS=1 timeout 900 $(PYTEST) tests/test_slurm.py || rc=$$?; \
 	fi; \
 	bash slurm/stop-cluster.sh; exit $$rc
+
+# A real 3-node Slurm on this host (nodes in their own network, UTS and mount namespaces;
+# root; exit 3 = it cannot be set up here, and the tests then skip saying why), stopped again
+# whatever the tests did.
+.PHONY: test-cluster
+test-cluster: install
+	rc=0; bash slurm/start-cluster.sh --nodes 3 >/dev/null || rc=$$?; \
+	if [ $$rc -eq 0 ] || [ $$rc -eq 3 ]; then \
+		rc=0; MPITAILOR_CLUSTER_TESTS=1 timeout 600 $(PYTEST) tests/test_cluster.py || rc=$$?; \
+	fi; \
+	bash slurm/stop-cluster.sh --nodes 3; exit $$rc
 
 demo: install
 	$(BIN)/python -m mpitailor.demo

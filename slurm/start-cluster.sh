@@ -1,21 +1,59 @@
 #!/usr/bin/env bash
-# A real one-node Slurm cluster on this machine, for the tests and for trying the sbatch
-# scripts: installs the Debian packages if missing, writes slurm.conf into a scratch dir,
-# starts munged, slurmctld and slurmd by hand (no systemd) and waits until a job runs.
+# A real Slurm cluster on this machine, for the tests and for trying the sbatch scripts:
+# installs the Debian packages if missing, writes slurm.conf into a scratch dir, starts
+# munged, slurmctld and slurmd by hand (no systemd) and waits until a job runs.
 # Idempotent: a second run finds the daemons up and only checks them. Needs root.
 #
-#   eval "$(bash slurm/start-cluster.sh)"     # sets SLURM_CONF
+#   eval "$(bash slurm/start-cluster.sh)"              # one node (this host); sets SLURM_CONF
 #   bash slurm/stop-cluster.sh
+#   eval "$(bash slurm/start-cluster.sh --nodes 3)"    # nodes n1..n3 on this host
+#   bash slurm/stop-cluster.sh --nodes 3
 #
-# Exit 0: ready; 3: Slurm cannot be set up here (not root, apt fails); 1: it would not
-# start (see the logs in MPITAILOR_SLURM_DIR).
+# Exit 0: ready; 3: Slurm cannot be set up here (not root, apt fails; with --nodes: no
+# network/UTS/IPC/mount namespaces, bridge or veth); 1: it would not start (see the logs in the
+# state dir).
 #
+# One node (no --nodes, or --nodes 1), as before:
 # MPITAILOR_SLURM_DIR (default /tmp/mpitailor-slurm): config, state, logs, pid files.
 # MPITAILOR_SLURM_CPUS (default 8): CPUs the node advertises, more than the real cores so
 # that `srun -n 4` runs on a 2-core machine (SlurmdParameters=config_overrides).
+#
+# Several nodes (--nodes N, N >= 2): one slurmctld in this host's namespaces, and per node nI
+# one slurmd in its own network, UTS (hostname nI), IPC and mount namespace (with its own
+# /dev/shm). The nodes share one bridge (mpt-br0, the controller's address .1 of a private
+# /24) through one veth each (eth0 inside the node's netns mpt-nI, address .(10+I));
+# /etc/hosts inside every node lists n1..nN. Every node has a node-local directory at the
+# same path, MPITAILOR_NODE_LOCAL (default /var/tmp/mpitailor-node-local): in node nI it is
+# $DIR/nodes/nI/local bind-mounted there, so what one node writes there the others cannot see
+# (the host sees it under $DIR/nodes/nI/local); everything else (the repo, /tmp, the venv) is
+# shared. A fresh start empties the node-local dirs. The cluster has its own munged (socket
+# in $DIR/munge) and controller port, so it never touches the one-node cluster's; one such
+# cluster runs at a time (the names mpt-br0, mpt-nI, mpt-vI are fixed: a start from another
+# dir is refused). Printed on stdout: `export SLURM_CONF=...`,
+# `export MPITAILOR_NODE_LOCAL=...` and `export MPITAILOR_CLUSTER_DIR=...`.
+# MPITAILOR_CLUSTER_DIR (default /tmp/mpitailor-cluster): config, state, logs, pid files,
+#   nodes/nI/{local,spool,slurmd.log,slurmd.pid}; stop-cluster.sh --nodes N finds it there.
+# MPITAILOR_CLUSTER_NET (default 10.77.251): the /24 used inside the cluster's namespaces.
+# MPITAILOR_CLUSTER_PORT (default 6827): slurmctld's port (the one-node cluster has 6817).
+# MPITAILOR_SLURM_CPUS (default 8): CPUs each node advertises.
 set -euo pipefail
 
-DIR=${MPITAILOR_SLURM_DIR:-/tmp/mpitailor-slurm}
+usage() { echo "usage: bash $0 [--nodes N]" >&2; exit 2; }
+NODES=1
+while (($#)); do
+    case $1 in
+        --nodes) (($# >= 2)) || usage; NODES=$2; shift 2 ;;
+        --nodes=*) NODES=${1#*=}; shift ;;
+        *) usage ;;
+    esac
+done
+[[ $NODES =~ ^[1-9][0-9]?$ ]] || usage
+
+if ((NODES == 1)); then
+    DIR=${MPITAILOR_SLURM_DIR:-/tmp/mpitailor-slurm}
+else
+    DIR=${MPITAILOR_CLUSTER_DIR:-/tmp/mpitailor-cluster}
+fi
 CPUS=${MPITAILOR_SLURM_CPUS:-8}
 CONF=$DIR/slurm.conf
 HOST=$(hostname -s)
@@ -131,9 +169,218 @@ wait_ready() {
     log "ready: node $HOST $state, $CPUS CPUs, srun works"
 }
 
+# --- Several nodes (--nodes N) --------------------------------------------------------------
+BRIDGE=mpt-br0
+NET=${MPITAILOR_CLUSTER_NET:-10.77.251}
+PORT=${MPITAILOR_CLUSTER_PORT:-6827}
+NODE_LOCAL=${MPITAILOR_NODE_LOCAL:-/var/tmp/mpitailor-node-local}
+MUNGE_SOCKET=$DIR/munge/munge.socket
+
+node_addr() { echo "$NET.$((10 + $1))"; }
+node_names() { local i; for ((i = 1; i <= NODES; i++)); do echo "n$i"; done; }
+
+check_namespaces() {
+    local c
+    for c in ip unshare nsenter; do
+        command -v "$c" >/dev/null \
+            || unavailable "no '$c' command: cannot make the nodes' namespaces"
+    done
+    unshare --uts --ipc --mount --propagation private true 2>/dev/null \
+        || unavailable "'unshare --uts --ipc --mount' fails here: no namespaces for the nodes"
+    [[ $NET =~ ^[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}$ ]] \
+        || die "MPITAILOR_CLUSTER_NET=$NET is not the first three numbers of a /24 (e.g. 10.77.251)"
+}
+
+# slurm.conf, the nodes' /etc/hosts and cluster.env (what stop-cluster.sh reads), each
+# written as FILE.new first; if any differs, the cluster of the old files is stopped first.
+write_nodes_conf() {
+    local mem i f changed=0
+    mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+    mkdir -p "$DIR/state"
+    {
+        cat <<EOF
+# Written by slurm/start-cluster.sh --nodes $NODES: nodes n1..n$NODES on this host, each in its
+# own network, UTS and mount namespace (see the top of slurm/start-cluster.sh).
+ClusterName=mpitailor-nodes
+SlurmctldHost=$HOST($NET.1)
+SlurmctldPort=$PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# The cluster's own munged; credentials expire after 10 s instead of 120.
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
+MpiDefault=pmi2
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$DIR/jobcomp.txt
+StateSaveLocation=$DIR/state
+SlurmctldPidFile=$DIR/slurmctld.pid
+SlurmctldLogFile=$DIR/slurmctld.log
+SlurmdSpoolDir=$DIR/nodes/%n/spool
+SlurmdPidFile=$DIR/nodes/%n/slurmd.pid
+SlurmdLogFile=$DIR/nodes/%n/slurmd.log
+EOF
+        for ((i = 1; i <= NODES; i++)); do
+            echo "NodeName=n$i NodeAddr=$(node_addr "$i") CPUs=$CPUS RealMemory=$mem State=UNKNOWN"
+        done
+        echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+    } >"$CONF.new"
+    {
+        printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n'
+        printf '%s\t%s\n' "$NET.1" "$HOST"
+        for ((i = 1; i <= NODES; i++)); do printf '%s\tn%s\n' "$(node_addr "$i")" "$i"; done
+    } >"$DIR/hosts.new"
+    printf 'NODES=%s\nNET=%s\nBRIDGE=%s\nNODE_LOCAL=%s\n' "$NODES" "$NET" "$BRIDGE" \
+        "$NODE_LOCAL" >"$DIR/cluster.env.new"
+    for f in "$CONF" "$DIR/hosts" "$DIR/cluster.env"; do
+        cmp -s "$f.new" "$f" || changed=1
+    done
+    if ((changed)); then
+        if [[ -e $DIR/cluster.env ]]; then
+            log "configuration changed: stopping the cluster of the old one"
+            MPITAILOR_CLUSTER_DIR=$DIR bash "$(dirname "$0")/stop-cluster.sh" --nodes "$NODES"
+        fi
+        for f in "$CONF" "$DIR/hosts" "$DIR/cluster.env"; do mv "$f.new" "$f"; done
+    else
+        rm "$CONF.new" "$DIR/hosts.new" "$DIR/cluster.env.new"
+    fi
+}
+
+# The bridge's alias names the dir of the cluster that made it: the names (mpt-br0, mpt-nI,
+# mpt-vI) and the port are the same for every dir, so there is one such cluster at a time.
+check_owner() {
+    local owner
+    ip link show "$BRIDGE" >/dev/null 2>&1 || return 0
+    owner=$(cat "/sys/class/net/$BRIDGE/ifalias" 2>/dev/null || true)
+    [[ $owner == "$DIR" ]] || die "bridge $BRIDGE belongs to the cluster in ${owner:-(unknown)};" \
+        "stop it first: MPITAILOR_CLUSTER_DIR=$owner bash slurm/stop-cluster.sh --nodes 2"
+}
+
+# The bridge, and per node a netns mpt-nI with eth0 (the peer of veth mpt-vI on the bridge).
+setup_network() {
+    local i ns veth other
+    other=$(ip -4 -o addr show to "$NET.0/24" | awk -v b="$BRIDGE" '$2 != b {print $2}')
+    [[ -z $other ]] \
+        || die "$NET.0/24 is in use here ($other): set MPITAILOR_CLUSTER_NET to a free /24"
+    if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+        ip link add "$BRIDGE" type bridge 2>"$DIR/ip.err" \
+            || unavailable "cannot make bridge $BRIDGE: $(head -1 "$DIR/ip.err")"
+    fi
+    ip link set "$BRIDGE" alias "$DIR"
+    ip addr replace "$NET.1/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    for ((i = 1; i <= NODES; i++)); do
+        ns=mpt-n$i veth=mpt-v$i
+        if [[ ! -e /var/run/netns/$ns ]]; then
+            ip netns add "$ns" 2>"$DIR/ip.err" \
+                || unavailable "'ip netns add $ns' fails: $(head -1 "$DIR/ip.err")"
+        fi
+        nsenter --net="/var/run/netns/$ns" true 2>"$DIR/ip.err" \
+            || unavailable "cannot enter netns $ns: $(head -1 "$DIR/ip.err")"
+        if ! nsenter --net="/var/run/netns/$ns" ip link show eth0 >/dev/null 2>&1; then
+            ip link del "$veth" 2>/dev/null || true
+            ip link add "$veth" type veth peer name eth0 netns "$ns" 2>"$DIR/ip.err" \
+                || unavailable "cannot make veth $veth: $(head -1 "$DIR/ip.err")"
+        fi
+        ip link set "$veth" master "$BRIDGE" up
+        nsenter --net="/var/run/netns/$ns" sh -c "ip addr replace $(node_addr "$i")/24 dev eth0 \
+            && ip link set eth0 up && ip link set lo up" || die "cannot set up eth0 in $ns"
+    done
+    rm -f "$DIR/ip.err"
+}
+
+start_private_munge() {
+    if munge -S "$MUNGE_SOCKET" -n </dev/null 2>/dev/null \
+            | unmunge -S "$MUNGE_SOCKET" >/dev/null 2>&1; then
+        return
+    fi
+    install -d -o munge -g munge -m 0755 "$DIR/munge"
+    runuser -u munge -- /usr/sbin/munged --socket="$MUNGE_SOCKET" \
+        --pid-file="$DIR/munge/munged.pid" --seed-file="$DIR/munge/munged.seed" \
+        --log-file="$DIR/munge/munged.log" || die "munged did not start; see $DIR/munge/munged.log"
+    log "started munged (pid $(cat "$DIR/munge/munged.pid"))"
+}
+
+# slurmd of node $1 inside its netns, in new UTS, IPC and mount namespaces: hostname nI, its
+# own /dev/shm, the node-local dir and the cluster's hosts file mounted there; its job steps
+# inherit all of them. Without the IPC namespace and /dev/shm, MPICH's UCX sees one host and
+# moves messages between nodes through shared memory instead of TCP over the bridge.
+start_slurmd() {
+    local n=n$1
+    nsenter --net="/var/run/netns/mpt-$n" unshare --uts --ipc --mount --propagation private \
+        sh -c 'hostname "$1" && mount -t tmpfs -o mode=1777 shm /dev/shm \
+               && mount --bind "$2" "$3" && mount --bind "$4" /etc/hosts \
+               && exec slurmd -f "$5" -N "$1"' \
+        sh "$n" "$DIR/nodes/$n/local" "$NODE_LOCAL" "$DIR/hosts" "$CONF" \
+        || die "slurmd of $n did not start; see $DIR/nodes/$n/slurmd.log"
+    log "started slurmd of $n"
+}
+
+wait_nodes_ready() {
+    local i states="" want got
+    want=$(node_names | sed 's/$/ idle/' | sort)
+    for ((i = 0; i < 120; i++)); do
+        states=$(sinfo -h -N -o '%N %T' 2>/dev/null \
+                 | sed -E 's/ (mixed|allocated|completing)$/ idle/' | sort || true)
+        [[ $states == "$want" ]] && break
+        sleep 0.5
+    done
+    [[ $states == "$want" ]] || die "nodes not ready after 60 s: '${states//$'\n'/, }';" \
+        "see $DIR/slurmctld.log and $DIR/nodes/*/slurmd.log"
+    # Each task prints the hostname of its node's UTS namespace.
+    got=$(timeout 60 srun -N "$NODES" -n "$NODES" hostname | sort) \
+        || die "smoke job 'srun -N $NODES -n $NODES hostname' failed; see $DIR/nodes/*/slurmd.log"
+    [[ $got == "$(node_names | sort)" ]] \
+        || die "smoke job ran on '${got//$'\n'/ }', not on n1..n$NODES"
+}
+
+start_nodes() {
+    local i fresh=1
+    check_namespaces
+    check_owner
+    write_nodes_conf
+    export SLURM_CONF=$CONF
+    alive_pid "$DIR/slurmctld.pid" slurmctld >/dev/null && fresh=0
+    for ((i = 1; i <= NODES; i++)); do
+        alive_pid "$DIR/nodes/n$i/slurmd.pid" slurmd >/dev/null && fresh=0
+    done
+    setup_network
+    mkdir -p "$NODE_LOCAL"
+    for ((i = 1; i <= NODES; i++)); do
+        ((fresh)) && rm -rf "$DIR/nodes/n$i/local"  # a fresh cluster, fresh node-local disks
+        mkdir -p "$DIR/nodes/n$i/local" "$DIR/nodes/n$i/spool"
+    done
+    start_private_munge
+    if ! alive_pid "$DIR/slurmctld.pid" slurmctld >/dev/null; then
+        # -c: a fresh queue; jobs of an earlier cluster in this dir are gone with it.
+        slurmctld -c -f "$CONF" || die "slurmctld did not start; see $DIR/slurmctld.log"
+        log "started slurmctld"
+    fi
+    for ((i = 1; i <= NODES; i++)); do
+        alive_pid "$DIR/nodes/n$i/slurmd.pid" slurmd >/dev/null || start_slurmd "$i"
+    done
+    wait_nodes_ready
+    log "ready: nodes n1..n$NODES ($NET.0/24), $CPUS CPUs each, node-local $NODE_LOCAL, srun works"
+    echo "export SLURM_CONF=$CONF"
+    echo "export MPITAILOR_NODE_LOCAL=$NODE_LOCAL"
+    echo "export MPITAILOR_CLUSTER_DIR=$DIR"
+}
+
 [[ $(id -u) == 0 ]] || unavailable "needs root: it installs packages and runs the daemons as root"
 mkdir -p "$DIR"
 install_packages
+if ((NODES > 1)); then
+    start_nodes
+    exit 0
+fi
 write_conf
 export SLURM_CONF=$CONF
 start_munge

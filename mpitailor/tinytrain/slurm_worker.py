@@ -49,10 +49,8 @@ def rank_env(environ: dict[str, str]) -> dict[str, str]:
 
 
 def main(spec_path: str, result_path: str) -> None:
+    # No GLOO_SOCKET_IFNAME needed: gloo takes the address the node's hostname resolves to.
     os.environ.update(rank_env(dict(os.environ)))
-    # An interface named by the caller's environment (launch.worker_env's "lo") need not
-    # exist or lead anywhere on this node: gloo then finds its address from the hostname.
-    os.environ.pop("GLOO_SOCKET_IFNAME", None)
     from mpitailor.tinytrain import worker  # after OMP_NUM_THREADS: it imports torch
 
     worker.main(spec_path, result_path)

@@ -66,7 +66,7 @@ def ds_config(spec: TrainSpec) -> dict:
     }
     if spec.load_universal:
         config["checkpoint"] = {"load_universal": True}
-    if spec.node_local_storage:  # each node's local rank 0 makes the dirs and writes its files
+    if spec.node_local_storage:  # a save dir per node, made by its local rank 0
         config.setdefault("checkpoint", {})["use_node_local_storage"] = True
     return config
 

@@ -32,6 +32,13 @@ class TorchDistWorld:
         dist.broadcast_object_list(box, src=root)
         return box[0]
 
+    def alltoall(self, objs: list) -> list:
+        # torch.distributed has no object all-to-all: every rank gathers every list and keeps
+        # its column (fine for what the training side sends: metadata, and node-local
+        # bytes only when a resume reshards across nodes)
+        rank = dist.get_rank()
+        return [row[rank] for row in self.allgather(objs)]
+
     def Barrier(self) -> None:  # noqa: N802
         dist.barrier()
 

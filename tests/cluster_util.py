@@ -1,0 +1,77 @@
+"""A Slurm cluster of several nodes on this host (slurm/start-cluster.sh --nodes N), for tests.
+
+Each node nI is a slurmd in its own network, UTS and mount namespace: a job step on nI sees
+the hostname nI and its own node-local dir at MPITAILOR_NODE_LOCAL (the same path on every
+node); the host sees that dir at node_dir(I). Everything else (the repo, /tmp) is shared.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "slurm"
+CANNOT_SET_UP = 3  # start-cluster.sh: no root, packages, namespaces, bridge or veth
+# Variables of an outer MPI or Slurm job (pytest under mpiexec or sbatch) must not reach srun:
+# inside an allocation srun would start a step of that job instead of a job of this cluster.
+_OUTER = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "SLURM_")
+
+
+class Cluster(dict):
+    """The environment for Slurm commands on the cluster (SLURM_CONF, MPITAILOR_NODE_LOCAL,
+    MPITAILOR_CLUSTER_DIR), with the paths and an srun helper."""
+
+    nodes: int
+    started_here: bool
+
+    @property
+    def dir(self) -> Path:
+        return Path(self["MPITAILOR_CLUSTER_DIR"])
+
+    @property
+    def node_local(self) -> str:
+        """The node-local dir as every node sees it (one path, a different dir per node)."""
+        return self["MPITAILOR_NODE_LOCAL"]
+
+    def node_dir(self, i: int) -> Path:
+        """Node nI's node-local dir as the host sees it."""
+        return self.dir / "nodes" / f"n{i}" / "local"
+
+    def srun(self, args, env: dict | None = None, timeout: float = 120):
+        return srun(args, {**self, **(env or {})}, timeout)
+
+    def logs(self, lines: int = 20) -> str:
+        """The tails of slurmctld's and every slurmd's log, for a failure message."""
+        out = []
+        for log in [self.dir / "slurmctld.log", *sorted(self.dir.glob("nodes/*/slurmd.log"))]:
+            text = log.read_text(errors="replace").splitlines() if log.exists() else []
+            out.append(f"--- {log} (last {lines} lines):\n" + "\n".join(text[-lines:]))
+        return "\n".join(out)
+
+
+def srun(args, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`srun ARGS` from the repo root with env; output captured as text."""
+    return subprocess.run(["srun", *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def start_cluster(nodes: int) -> tuple[Cluster | None, subprocess.CompletedProcess]:
+    """Start (or find running) the cluster; (None, result) when it cannot be set up here."""
+    start = subprocess.run(["bash", str(SLURM / "start-cluster.sh"), "--nodes", str(nodes)],
+                           capture_output=True, text=True, timeout=300)
+    if start.returncode == CANNOT_SET_UP:
+        return None, start
+    assert start.returncode == 0, f"start-cluster.sh --nodes {nodes} failed:\n{start.stderr}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    env.update(re.findall(r"^export (\w+)=(.*)$", start.stdout, re.M))
+    cluster = Cluster(env)
+    cluster.nodes = nodes
+    cluster.started_here = "started slurmctld" in start.stderr
+    return cluster, start
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    subprocess.run(["bash", str(SLURM / "stop-cluster.sh"), "--nodes", str(cluster.nodes)],
+                   env={**os.environ, "MPITAILOR_CLUSTER_DIR": str(cluster.dir)}, timeout=120)
