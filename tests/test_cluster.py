@@ -128,7 +128,7 @@ class NodeLocalRun:
 def node_local_run(cluster, tmp_path_factory) -> NodeLocalRun:
     name = f"train-{uuid.uuid4().hex[:8]}"
     spec = TrainSpec(save_dir=f"{cluster.node_local}/{name}", world_size=4, steps=2,
-                     save_at=(2,), node_local_storage=True)
+                     save_at=(1, 2), node_local_storage=True)
     shared = tmp_path_factory.mktemp("node-local-run")  # /tmp: every node sees it
     spec.write(shared / "spec.json")
     r = cluster.srun(["-N", 2, "-n", 4, "--ntasks-per-node", 2, PY, "-m",
@@ -156,9 +156,207 @@ def test_deepspeed_node_local_saves_hold_each_nodes_own_ranks(cluster, node_loca
     # files on its node; each node's local rank 0 makes the dirs; global rank 0 alone
     # writes `latest` and copies the recovery scripts. n2 has no `latest`.
     assert tree(run.node_dirs[1]) == sorted(
-        ["latest", "zero_to_fp32.py", "zero_to_torch.py", *zero_files((0, 1), tag)])
-    assert tree(run.node_dirs[2]) == sorted(zero_files((2, 3), tag))
+        ["latest", "zero_to_fp32.py", "zero_to_torch.py", *zero_files((0, 1), tag),
+         *zero_files((0, 1), "global_step1")])
+    assert tree(run.node_dirs[2]) == sorted([*zero_files((2, 3), tag),
+                                             *zero_files((2, 3), "global_step1")])
     assert (run.node_dirs[1] / "latest").read_text() == tag
     name = Path(run.save_dir).name
     assert not (cluster.node_dir(3) / name).exists()  # n3 took no part
     assert not Path(run.save_dir).exists()  # nor did the host's own dir at that path
+
+
+# -- node-local checkpoints merged, resharded and resumed in place ----------------------------
+
+PARITY = """sources:
+  new: {save}/global_step2
+  old: {save}/global_step1
+layers:
+  even: new
+  odd: old
+embed: new
+norm: new
+lm_head: new
+base: new
+adam_step: newest
+output: {out}
+"""
+
+
+def shared_copy(run: NodeLocalRun, dest: Path) -> Path:
+    """Every node's files of the run in one shared dir: the same checkpoint, not node-local."""
+    for d in run.node_dirs.values():
+        shutil.copytree(d, dest, dirs_exist_ok=True)
+    return dest
+
+
+def merge_cmd(recipe: Path, *args) -> list[str]:
+    return [str(a) for a in (PY, "-m", "mpitailor", "merge", recipe, "--no-progress", *args)]
+
+
+def same_files(a: Path, b: Path, names: list[str]) -> None:
+    """Byte for byte; the manifests only up to when, by how many ranks and on which node."""
+    for f in names:
+        x, y = (a / f).read_bytes(), (b / f).read_bytes()
+        if f == MANIFEST:
+            x, y = (json.loads(v) for v in (x, y))
+            for m in (x, y):
+                for key in ("created", "mpi_ranks", "node_local", "sources", "recipe"):
+                    m.pop(key, None)
+        assert x == y, f"{a / f} differs from {b / f}"
+
+
+def read_stats(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["ranks"]
+
+
+def assert_reads_on_own_node(ranks: list[dict], node_of_rank, holder_of) -> None:
+    """No rank read a source rank's files that its node does not hold."""
+    for r, st in enumerate(ranks):
+        for item in st["shards_read"]:
+            source, src_rank = item.split(":")
+            assert holder_of(int(src_rank)) == node_of_rank(r), (r, item)
+
+
+@pytest.fixture(scope="module")
+def merged_in_place(cluster, node_local_run, tmp_path_factory):
+    """The run's two saves merged (parity) by 4 ranks on the 2 nodes that hold them, into a
+    node-local output; and the same merge of a shared copy by one process on the host."""
+    run = node_local_run
+    work = tmp_path_factory.mktemp("merged-in-place")
+    name = f"merged-{uuid.uuid4().hex[:8]}"
+    recipe = work / "parity.yml"
+    recipe.write_text(PARITY.format(save=run.save_dir, out=f"{cluster.node_local}/{name}"))
+    r = cluster.srun(["-N", 2, "-n", 4, "--ntasks-per-node", 2,
+                      *merge_cmd(recipe, "--stats", work / "stats.json")], timeout=300)
+    ok(r, cluster)
+    shared = shared_copy(run, work / "shared-save")
+    (work / "shared.yml").write_text(PARITY.format(save=shared, out=work / "shared-merged"))
+    host = subprocess.run(merge_cmd(work / "shared.yml"), env=dict(cluster),
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    ok(host, cluster)
+    yield {"name": name, "recipe": recipe, "work": work, "shared": work / "shared-merged",
+           "stats": read_stats(work / "stats.json"), "shared_save": shared}
+    for i in range(1, NODES + 1):
+        shutil.rmtree(cluster.node_dir(i) / name, ignore_errors=True)
+
+
+def test_node_local_merge_in_place_writes_each_nodes_own_files(cluster, merged_in_place):
+    m, tag = merged_in_place, "global_step2"
+    common = ["latest", MANIFEST, "zero_to_fp32.py", "zero_to_torch.py"]
+    n1, n2 = (cluster.node_dir(i) / m["name"] for i in (1, 2))
+    assert tree(n1) == sorted([*common, *zero_files((0, 1), tag)])
+    assert tree(n2) == sorted([*common, *zero_files((2, 3), tag)])
+    assert not (cluster.node_dir(3) / m["name"]).exists()
+    # Byte for byte what one process writes from a shared copy of the same files.
+    same_files(m["shared"], n1, tree(n1))
+    same_files(m["shared"], n2, tree(n2))
+    manifest = json.loads((n2 / MANIFEST).read_text())
+    assert manifest["node_local"]["node"] == "n2"
+    assert manifest["node_local"]["files_of_node"]["n1"] == zero_files((0, 1), tag)
+    # In place: every rank read only its node's files, and nothing crossed a node.
+    stats = m["stats"]
+    assert [st["partitions"] for st in stats] == [[0], [1], [2], [3]]
+    assert_reads_on_own_node(stats, lambda r: r // 2, lambda src: src // 2)
+    assert all(st["bytes_mpi_received"] == 0 == st["bytes_mpi_sent"] for st in stats)
+    assert all(st["bytes_read_files"] > 0 for st in stats)
+
+
+def test_node_local_reshard_to_three_nodes_resumes_like_a_shared_copy(
+        cluster, node_local_run, merged_in_place):
+    """4 ranks on 2 nodes -> 6 ranks on 3 nodes (n3 holds nothing: its bytes come over MPI);
+    DeepSpeed resumes from it on the 3 nodes, loss for loss as from a shared copy."""
+    m, tag = merged_in_place, "global_step2"
+    name, work = m["name"] + "-w6", m["work"]
+    r = cluster.srun(["-N", 3, "-n", 6, "--ntasks-per-node", 2,
+                      *merge_cmd(m["recipe"], "--world-size", 6, "-o",
+                                 f"{cluster.node_local}/{name}", "--stats",
+                                 work / "stats6.json")], timeout=300)
+    ok(r, cluster)
+    host = subprocess.run(merge_cmd(work / "shared.yml", "--world-size", 6, "-o",
+                                    work / "shared-w6"),
+                          env=dict(cluster), capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    ok(host, cluster)
+    try:
+        for i in (1, 2, 3):
+            d = cluster.node_dir(i) / name
+            assert tree(d) == sorted(["latest", MANIFEST, "zero_to_fp32.py", "zero_to_torch.py",
+                                      *zero_files((2 * i - 2, 2 * i - 1), tag)])
+            same_files(work / "shared-w6", d, tree(d))
+        stats = read_stats(work / "stats6.json")
+        assert_reads_on_own_node(stats, lambda r: r // 2, lambda src: src // 2)
+        assert [st["shards_read"] for st in stats[4:]] == [[], []]  # n3 holds no source
+        assert all(st["bytes_mpi_received"] > 0 for st in stats[4:])
+        assert sum(st["bytes_mpi_sent"] for st in stats) == \
+            sum(st["bytes_mpi_received"] for st in stats)
+        # Resume with real DeepSpeed on the 3 nodes: from the node-local output, and from
+        # the shared copy's; the same losses, bit for bit.
+        losses = {}
+        for where, load_dir, local in (("node-local", f"{cluster.node_local}/{name}", True),
+                                       ("shared", str(work / "shared-w6"), False)):
+            spec = TrainSpec(save_dir=str(work / f"unused-{where}"), world_size=6, steps=4,
+                             save_at=(), load_dir=load_dir, node_local_storage=local)
+            spec.write(work / f"resume-{where}.json")
+            ok(cluster.srun(["-N", 3, "-n", 6, "--ntasks-per-node", 2, PY, "-m",
+                             "mpitailor.tinytrain.slurm_worker", work / f"resume-{where}.json",
+                             work / f"resume-{where}-result.json"], timeout=300), cluster)
+            result = json.loads((work / f"resume-{where}-result.json").read_text())
+            assert result["first_step"] == 2 and result["world_size"] == 6
+            losses[where] = result["losses"]
+        assert len(losses["shared"]) == 2 and losses["node-local"] == losses["shared"]
+    finally:
+        for i in range(1, NODES + 1):
+            shutil.rmtree(cluster.node_dir(i) / name, ignore_errors=True)
+
+
+def test_node_local_recover_across_nodes(cluster, node_local_run, merged_in_place, tmp_path):
+    """`recover` of the node-local save dir on its 2 nodes: the newest full save, each
+    node's part written on it, as a recover of the shared copy writes it."""
+    name = f"recovered-{uuid.uuid4().hex[:8]}"
+    r = cluster.srun(["-N", 2, "-n", 4, "--ntasks-per-node", 2, PY, "-m", "mpitailor",
+                      "recover", node_local_run.save_dir, "-o", f"{cluster.node_local}/{name}",
+                      "--no-progress"], timeout=300)
+    ok(r, cluster)
+    host = subprocess.run([PY, "-m", "mpitailor", "recover", merged_in_place["shared_save"],
+                           "-o", tmp_path / "shared", "--no-progress"], env=dict(cluster),
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    ok(host, cluster)
+    try:
+        for i, ranks in ((1, (0, 1)), (2, (2, 3))):
+            d = cluster.node_dir(i) / name
+            assert set(zero_files(ranks, "global_step2")) <= set(tree(d))
+            same_files(tmp_path / "shared", d, tree(d))
+    finally:
+        for i in range(1, NODES + 1):
+            shutil.rmtree(cluster.node_dir(i) / name, ignore_errors=True)
+
+
+def one_line_per_rank(r: subprocess.CompletedProcess, ranks: int, text: str) -> None:
+    lines = [line for line in r.stderr.splitlines() if "mpitailor: error:" in line]
+    assert r.returncode == 2 and len(lines) == ranks, (r.returncode, r.stderr)
+    assert all(text in line for line in lines), r.stderr
+
+
+def test_node_local_bad_input(cluster, node_local_run, merged_in_place):
+    """Files of ranks on no node of the job, and two nodes holding different copies of one
+    file: one line on every rank, exit 2, nothing written anywhere."""
+    run, m = node_local_run, merged_in_place
+    out = f"{cluster.node_local}/bad-{uuid.uuid4().hex[:8]}"
+    # Only n1's ranks: ranks 2 and 3 of the checkpoint are on no node of this job.
+    r = cluster.srun(["-N", 1, "-n", 2, "-w", "n1", *merge_cmd(m["recipe"], "-o", out)])
+    one_line_per_rank(r, 2, "zero_pp_rank_2_mp_rank_00_model_states.pt")
+    # n2 gets a `latest` of its own that names another tag than n1's.
+    stale = run.node_dirs[2] / "latest"
+    stale.write_text("global_step1")
+    try:
+        recipe = m["work"] / "save-dir.yml"
+        recipe.write_text(f"sources:\n  a: {run.save_dir}\nlayers:\n  rest: a\n"
+                          f"output: {out}\n")
+        r = cluster.srun(["-N", 2, "-n", 4, "--ntasks-per-node", 2, *merge_cmd(recipe)])
+        one_line_per_rank(r, 4, "nodes n1 and n2 hold different copies")
+    finally:
+        stale.unlink()
+    name = Path(out).name
+    for i in range(1, NODES + 1):
+        assert not [p for p in cluster.node_dir(i).iterdir() if name in p.name]

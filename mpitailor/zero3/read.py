@@ -42,6 +42,12 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
                               f"{model['mp_world_size']}: a tensor/pipeline-parallel checkpoint; "
                               f"mpitailor merges data-parallel ZeRO-3 checkpoints only")
     world = int(model["dp_world_size"])
+    if world > files.world_size:
+        raise CheckpointError(
+            f"{files.tag_dir}: the files of ranks 0-{files.world_size - 1}, but the checkpoint "
+            f"was saved by {world} ranks: {zfiles.model_file(files.world_size)} and those "
+            f"after it are missing (node-local storage: run on every node that holds the "
+            f"checkpoint's files)")
     if world != files.world_size or int(osd.get("partition_count", world)) != world:
         raise CheckpointError(
             f"{files.tag_dir}: {files.world_size} rank files but dp_world_size={world} and "
