@@ -84,6 +84,10 @@ class Comm:
         """Collective: objs[r] goes to rank r; returns what every rank sent this one."""
         return list(objs) if self._comm is None else self._comm.alltoall(objs)
 
+    def split(self, color: int) -> "Comm":
+        """Collective: the ranks of the same color, as a world of their own."""
+        return self if self._comm is None else Comm(self._comm.Split(color, self.rank))
+
     def barrier(self) -> None:
         if self._comm is not None:
             self._comm.Barrier()

@@ -74,7 +74,9 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
         homes = program.home_ranks(bufs, work)
     else:
         nodes = place.nodes
-        node_of = {b.unit: out_nodes[b.unit] for b in bufs}
+        # a partition on its node; the Universal files (a merge with exports) on the first
+        # node, which makes the exports and copies them to the others (replicate.py)
+        node_of = {b.unit: out_nodes[b.unit] if program.is_partition(b) else 0 for b in bufs}
         work = program.split_by_node(bufs, node_of, [nodes.ranks(n) for n in
                                                      range(len(nodes.names))], comm.size)
         homes = program.home_ranks(bufs, work, {u: nodes.leader(n) for u, n in node_of.items()})

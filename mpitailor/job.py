@@ -24,6 +24,7 @@ from mpitailor.extras import MANIFEST, copy_extras, extras_dir, read_extras
 from mpitailor.nodes import Placement, output_is_shared, survey
 from mpitailor.plan import MergePlan, make_plan
 from mpitailor.plan_report import format_plan
+from mpitailor.replicate import replicate
 from mpitailor.recipe import Recipe, load_recipe
 from mpitailor.zero3 import CheckpointMeta
 from mpitailor.zero3.files import resolve
@@ -102,9 +103,6 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
     t0 = time.perf_counter()
     place = survey(comm, [m.path for _, m in plan.sources])
     out_nodes = comm.step(_output_nodes, comm, plan, place, ranks_per_node)
-    if (place.node_local or out_nodes is not None) and (export_dtype or universal):
-        raise UserError("--export with node-local storage is not supported yet; merge, then "
-                        "export from a copy on a shared file system")
     # Who writes the files every node needs (latest, manifest, extras): each node's first
     # rank when every node keeps its own copy of the output, else rank 0.
     leaders = place.nodes.leaders() if out_nodes is not None else [0]
@@ -119,19 +117,12 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
         by_rank = comm.allgather(records)
         files = {f"{tag}/{name}": rec for part in by_rank for name, rec in part.items()}
         rebuild = comm.root_step(base_weights, plan.base_meta)
-        if rebuild is not None and place.node_local:
-            raise UserError(f"{plan.base_meta.path}: 16-bit weights beside a node-local "
-                            f"checkpoint: rebuilding them is not supported yet")
-        if rebuild is not None or export_dtype is not None or universal:
-            staged = comm.root_step(read_meta, root / tag)  # only when something reads it
-            if rebuild is not None:  # the base carried 16-bit weights: rebuild them
-                files.update(write_hf_weights(comm, staged, root, rebuild))
-            if export_dtype is not None:
-                exported = export_hf(comm, staged, extras_dir(plan.base_meta), root / "hf",
-                                     export_dtype, max_shard_size)
-                files.update({f"hf/{name}": rec for name, rec in exported.items()})
-            if universal:
-                files.update(export_universal(comm, staged, root))
+        exports = _Exports(plan, root, rebuild, export_dtype, universal, max_shard_size)
+        if exports.wanted and out_nodes is None:
+            files.update(exports.write(comm))
+        elif exports.wanted:
+            moved = _export_on_first_node(comm, place, exports, by_rank, files)
+            stats = [{**st, **{k: st[k] + m[k] for k in m}} for st, m in zip(stats, moved)]
         seconds = time.perf_counter() - t0
         if out_nodes is None:
             written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
@@ -148,6 +139,69 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
             staging.release()
     return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats),
                        plan.layer_source)
+
+
+@dataclass(frozen=True)
+class _Exports:
+    """What a merge writes besides the native checkpoint: the base's 16-bit weights rebuilt,
+    the safetensors and the Universal exports."""
+
+    plan: MergePlan
+    root: Path
+    rebuild: object            # hf_weights.BaseWeights | None
+    export_dtype: str | None
+    universal: bool
+    max_shard_size: int
+
+    @property
+    def wanted(self) -> bool:
+        return self.rebuild is not None or self.export_dtype is not None or self.universal
+
+    def write(self, comm: Comm) -> dict:
+        """Collective over the ranks that see the whole staged checkpoint: {file: record}."""
+        files = {}
+        root, tag = self.root, self.plan.base_meta.files.tag
+        staged = comm.root_step(read_meta, root / tag)  # only when something reads it
+        if self.rebuild is not None:  # the base carried 16-bit weights: rebuild them
+            files.update(write_hf_weights(comm, staged, root, self.rebuild))
+        if self.export_dtype is not None:
+            exported = export_hf(comm, staged, extras_dir(self.plan.base_meta), root / "hf",
+                                 self.export_dtype, self.max_shard_size)
+            files.update({f"hf/{name}": rec for name, rec in exported.items()})
+        if self.universal:
+            files.update(export_universal(comm, staged, root))
+        return files
+
+
+def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
+                          by_rank: list[dict], files: dict) -> list[dict]:
+    """Node-local output with exports: the other nodes' partitions are copied to the first
+    node over MPI, its ranks make the exports there, the exports (and the Universal files
+    the copy program wrote there) are copied to every other node, and the first node drops
+    the partitions that are not its own. Adds the exports to `files`; returns every rank's
+    bytes moved over MPI."""
+    nodes, tag, root = place.nodes, exports.plan.base_meta.files.tag, exports.root
+    node = nodes.of_rank[comm.rank]
+    writer_node = {f"{tag}/{name}": nodes.of_rank[r] for r, part in enumerate(by_rank)
+                   for name in part}
+    gathered = {f: rec for f, rec in files.items() if writer_node.get(f, 0) != 0}
+    moved = [replicate(comm, nodes, root, gathered, writer_node, {f: [0] for f in gathered})]
+    first = comm.split(0 if node == 0 else 1)
+    made = comm.step(lambda: exports.write(first) if node == 0 else None)
+    made = comm.bcast(made)
+    shared = {**made, **{f: rec for f, rec in files.items() if f.startswith(f"{tag}/zero/")}}
+    others = list(range(1, len(nodes.names)))
+    moved.append(replicate(comm, nodes, root, shared, {f: 0 for f in shared},
+                           {f: others for f in shared}))
+
+    def drop() -> None:
+        if comm.rank == nodes.leader(0):
+            for f in gathered:
+                (root / f).unlink()
+    comm.step(drop)
+    files.update(made)
+    mine = {k: sum(m[k] for m in moved) for k in moved[0]}
+    return comm.allgather(mine)
 
 
 def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ranks: int,
@@ -194,7 +248,9 @@ def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Sta
     extras = comm.step_on(extras_holder, read_extras, base)
     tag = base.files.tag
     nodes = place.nodes
-    node_files = {name: sorted(f"{tag}/{f}" for r in nodes.ranks(i) for f in by_rank[r])
+    # Each node holds its partitions; every other file (metadata, exports) is on every node.
+    node_files = {name: sorted(f"{tag}/{f}" for r in nodes.ranks(i) for f in by_rank[r]
+                               if not f.startswith("zero/"))
                   for i, name in enumerate(nodes.names)}
 
     def stage() -> int:
