@@ -264,25 +264,30 @@ def test_node_local_merge_in_place_writes_each_nodes_own_files(cluster, merged_i
 
 def test_node_local_reshard_to_three_nodes_resumes_like_a_shared_copy(
         cluster, node_local_run, merged_in_place):
-    """4 ranks on 2 nodes -> 6 ranks on 3 nodes (n3 holds nothing: its bytes come over MPI);
-    DeepSpeed resumes from it on the 3 nodes, loss for loss as from a shared copy."""
+    """4 ranks on 2 nodes -> 6 ranks on 3 nodes (n3 holds nothing: its bytes come over MPI),
+    with both exports on every node; DeepSpeed resumes from it on the 3 nodes, loss for loss
+    as from a shared copy."""
     m, tag = merged_in_place, "global_step2"
     name, work = m["name"] + "-w6", m["work"]
+    exports = ["--export", "universal", "--export", "safetensors"]
     r = cluster.srun(["-N", 3, "-n", 6, "--ntasks-per-node", 2,
                       *merge_cmd(m["recipe"], "--world-size", 6, "-o",
                                  f"{cluster.node_local}/{name}", "--stats",
-                                 work / "stats6.json")], timeout=300)
+                                 work / "stats6.json", *exports)], timeout=300)
     ok(r, cluster)
     host = subprocess.run(merge_cmd(work / "shared.yml", "--world-size", 6, "-o",
-                                    work / "shared-w6"),
+                                    work / "shared-w6", *exports),
                           env=dict(cluster), capture_output=True, text=True, timeout=300,
                           cwd=REPO)
     ok(host, cluster)
     try:
+        exported = [f for f in tree(work / "shared-w6") if f.startswith("hf/")
+                    or f.startswith(f"{tag}/zero/") or f == "latest_universal"]
+        assert "hf/model.safetensors" in exported and "latest_universal" in exported
         for i in (1, 2, 3):
             d = cluster.node_dir(i) / name
             assert tree(d) == sorted(["latest", MANIFEST, "zero_to_fp32.py", "zero_to_torch.py",
-                                      *zero_files((2 * i - 2, 2 * i - 1), tag)])
+                                      *zero_files((2 * i - 2, 2 * i - 1), tag), *exported])
             same_files(work / "shared-w6", d, tree(d))
         stats = read_stats(work / "stats6.json")
         assert_reads_on_own_node(stats, lambda r: r // 2, lambda src: src // 2)
@@ -360,3 +365,70 @@ def test_node_local_bad_input(cluster, node_local_run, merged_in_place):
     name = Path(out).name
     for i in range(1, NODES + 1):
         assert not [p for p in cluster.node_dir(i).iterdir() if name in p.name]
+
+
+# -- a requeued 2-node training with node-local saves ------------------------------------------
+
+def test_requeued_two_node_training_resumes_on_both_nodes_from_node_local_saves(cluster,
+                                                                                 tmp_path):
+    """slurm/train.sbatch on n1+n2 (4 ranks, parity layer-wise saves on each node's own
+    disk) is requeued after its first partial save: the prologue recovers across both nodes
+    (one MPI job of the job's 4 tasks), each node gets its ranks' part of the composite, and
+    all 4 ranks resume from their own node's part."""
+    from cluster_util import ENDED, job_state, scontrol, wait_for
+    name = f"requeue-{uuid.uuid4().hex[:8]}"
+    root = f"{cluster.node_local}/{name}"
+    out = tmp_path / "train.out"
+    # Saves at 2 (full), 4 and 6 (partial); 1.5 s after each step leaves ~3.5 s to requeue
+    # between the partial save at 4 and the next.
+    env = {**cluster, "MPITAILOR_SAVE_DIR": f"{root}/save", "MPITAILOR_PYTHON": PY,
+           "MPITAILOR_TRAIN_ARGS": "--node-local-storage --steps 6 --save-at 2,4,6 "
+                                   "--step-sleep 1.5"}
+    sub = subprocess.run(["sbatch", "--parsable", "-N", "2", "-n", "4", "--ntasks-per-node=2",
+                          "--nodelist=n1,n2", f"--output={out}", REPO / "slurm/train.sbatch"],
+                         env=env, capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    host = {i: cluster.node_dir(i) / name for i in (1, 2, 3)}
+    try:
+        wait_for("partial save on both nodes", lambda: all(
+            (host[i] / "save/global_step4/mpitailor_partial.json").exists() for i in (1, 2)), 120)
+        requeue = scontrol(["requeue", job], cluster)
+        assert requeue.returncode == 0, requeue.stderr
+        state = wait_for("end of the job", lambda: (s := job_state(job, cluster)) in ENDED and s,
+                         180, interval=0.5)
+        text = out.read_text()
+        assert state == "COMPLETED", text
+        assert "restart 1" in text and "DUE TO JOB REQUEUE" in text, text
+        recovered = f"{root}/recovered-step4"
+        assert (host[1] / "resume-from").read_text() == f"{recovered}\n", text
+        assert f"recovered {recovered} (tag global_step4)" in text, text
+        assert "planning on 2 nodes" in text and "written by 4 rank(s)" in text, text
+        # The composite: each node holds its own ranks' part, n3 nothing.
+        common = ["latest", MANIFEST, "zero_to_fp32.py", "zero_to_torch.py"]
+        for i, ranks in ((1, (0, 1)), (2, (2, 3))):
+            part = host[i] / "recovered-step4"
+            assert tree(part) == sorted([*common, *zero_files(ranks, "global_step4")]), i
+            manifest = json.loads((part / MANIFEST).read_text())
+            steps = {layer["global_steps"] for layer in manifest["layers"].values()}
+            assert steps == {2, 4}, manifest["layers"]  # a composite of the full and partial
+            assert manifest["node_local"]["node"] == f"n{i}"
+        assert not host[3].exists()
+        results = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        assert len(results) == 1, text  # the first run was killed before it printed one
+        result = results[0]
+        assert (result["first_step"], result["global_steps"], result["world_size"]) == (4, 6, 4)
+        assert len(result["losses"]) == 2 and all(map(math.isfinite, result["losses"])), result
+        # Every rank loaded its own files, from its own node's part of the composite.
+        assert result["loaded"] == [
+            [f"n{r // 2 + 1}",
+             f"{recovered}/global_step4/zero_pp_rank_{r}_mp_rank_00_model_states.pt"]
+            for r in range(4)], result["loaded"]
+    except (AssertionError, TimeoutError) as e:
+        show = scontrol(["show", "job", job], cluster)
+        pytest.fail(f"{e}\n--- {out}:\n{out.read_text() if out.exists() else '(none)'}\n"
+                    f"--- scontrol show job:\n{show.stdout}{show.stderr}\n{cluster.logs()}")
+    finally:
+        subprocess.run(["scancel", job], env=cluster, capture_output=True, timeout=30)
+        for d in host.values():
+            shutil.rmtree(d, ignore_errors=True)
