@@ -1,4 +1,4 @@
-"""The files around a ZeRO-3 tag dir that a resume also needs (rank 0 copies them).
+"""The files around a ZeRO-3 tag dir that a resume also needs (carried into the output).
 
 From the base source's save dir (an HF `checkpoint-N/` or a DeepSpeed save dir): trainer
 state, rng states, scheduler, training args, config, generation config, tokenizer files,
@@ -13,7 +13,6 @@ import logging
 import re
 from pathlib import Path
 
-from mpitailor.commit import copy_synced
 from mpitailor.zero3 import CheckpointMeta
 from mpitailor.zero3.safeload import load
 
@@ -73,25 +72,15 @@ def weight_files(base: CheckpointMeta) -> list[Path]:
     return sort_extras(base)[1]
 
 
-def copy_extras(base: CheckpointMeta, dest: Path) -> tuple[dict[str, dict], list[str]]:
-    """Rank 0 only. Copy the extras into dest: ({name: manifest record}, names left out)."""
-    records = {}
+def read_extras(base: CheckpointMeta) -> tuple[list[tuple[str, bytes]], list[str]]:
+    """The extras as bytes (small files), for the ranks that write them into the output
+    (rank 0, or every node's first rank under node-local storage): ([(name, bytes)], names
+    left out). Torch files are safe-loaded first: one carrying a pickle payload is refused."""
     copy, _, left_out = sort_extras(base)
     if left_out:
         log.warning("not carried over from %s (not part of a checkpoint, or 16-bit .bin weights "
                     "that would not match the merged ones; --export safetensors writes merged "
                     "HF weights): %s", extras_dir(base), ", ".join(left_out))
-    for p in copy:
-        if p.suffix in TORCH_SUFFIXES:
-            load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
-        records[p.name] = copy_synced(p, dest / p.name)
-    return records, left_out
-
-
-def read_extras(base: CheckpointMeta) -> tuple[list[tuple[str, bytes]], list[str]]:
-    """The extras as bytes, checked as copy_extras checks them, for a merge whose output
-    every node keeps a copy of: ([(name, bytes)], names left out)."""
-    copy, _, left_out = sort_extras(base)
     out = []
     for p in copy:
         if p.suffix in TORCH_SUFFIXES:

@@ -20,7 +20,7 @@ from mpitailor.execute import write_partitions
 from mpitailor.export.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.export.hf_weights import base_weights, export_hf, write_hf_weights
 from mpitailor.export.universal import export_universal, plan_limits
-from mpitailor.extras import MANIFEST, copy_extras, extras_dir, read_extras
+from mpitailor.extras import MANIFEST, extras_dir, read_extras
 from mpitailor.nodes import Placement, output_is_shared, survey
 from mpitailor.plan import MergePlan, make_plan
 from mpitailor.plan_report import format_plan
@@ -116,7 +116,10 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
         stats = comm.allgather(mine)
         by_rank = comm.allgather(records)
         files = {f"{tag}/{name}": rec for part in by_rank for name, rec in part.items()}
-        rebuild = comm.root_step(base_weights, plan.base_meta)
+        # What lies beside the base's tag dir is read where it is: under node-local storage,
+        # on the node of the base's rank 0 (the one with `latest`, scripts, HF files).
+        beside = place.reader([plan.base_meta.files.model_path(0)]) if place.node_local else 0
+        rebuild = comm.step_on(beside, base_weights, plan.base_meta)
         exports = _Exports(plan, root, rebuild, export_dtype, universal, max_shard_size)
         if exports.wanted and out_nodes is None:
             files.update(exports.write(comm))
@@ -124,12 +127,13 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
             moved = _export_on_first_node(comm, place, exports, by_rank, files)
             stats = [{**st, **{k: st[k] + m[k] for k in m}} for st, m in zip(stats, moved)]
         seconds = time.perf_counter() - t0
+        extras = comm.step_on(beside, read_extras, plan.base_meta)
         if out_nodes is None:
-            written = comm.root_step(_finish, plan, staging, files, recipe_text, comm.size,
-                                     seconds)
+            written = comm.root_step(_finish, plan, staging, files, extras, recipe_text,
+                                     comm.size, seconds)
         else:
-            written = _finish_on_nodes(comm, plan, place, staging, files, by_rank, leaders,
-                                       recipe_text, seconds)
+            written = _finish_on_nodes(comm, plan, place, staging, files, extras, by_rank,
+                                       leaders, recipe_text, seconds)
     except BaseException:
         if comm.rank in leaders:
             staging.abandon()
@@ -204,13 +208,14 @@ def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
     return comm.allgather(mine)
 
 
-def _finish(plan: MergePlan, staging: Staging, files: dict, recipe_text: str, ranks: int,
-            seconds: float) -> int:
-    """Rank 0: extras, `latest`, manifest (last), then publish."""
+def _finish(plan: MergePlan, staging: Staging, files: dict, extras: tuple, recipe_text: str,
+            ranks: int, seconds: float) -> int:
+    """Rank 0: extras (read_extras), `latest`, manifest (last), then publish."""
     root = staging.dir
     base = plan.base_meta
-    copied, left_out = copy_extras(base, root)
-    files.update(copied)
+    for name, data in extras[0]:
+        files[name] = write_synced(root / name, data)
+    left_out = extras[1]
     files["latest"] = write_synced(root / "latest", base.files.tag.encode())
     manifest = build_manifest(plan, files, recipe_text, ranks, seconds)
     manifest["left_out"] = left_out
@@ -239,13 +244,11 @@ def _output_nodes(comm: Comm, plan: MergePlan, place: Placement,
 
 
 def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Staging,
-                     files: dict, by_rank: list[dict], leaders: list[int], recipe_text: str,
-                     seconds: float) -> int:
+                     files: dict, extras: tuple, by_rank: list[dict], leaders: list[int],
+                     recipe_text: str, seconds: float) -> int:
     """Node-local output: every node's leader writes the extras, `latest` and the manifest
     beside its node's partitions; once every node is ready, each publishes its own."""
     base = plan.base_meta
-    extras_holder = place.reader([base.files.model_path(0)]) if place.node_local else 0
-    extras = comm.step_on(extras_holder, read_extras, base)
     tag = base.files.tag
     nodes = place.nodes
     # Each node holds its partitions; every other file (metadata, exports) is on every node.
