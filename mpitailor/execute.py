@@ -331,7 +331,10 @@ class _Copy:
             return running[key]
         try:
             moved = exchange(comm, self.wanted, read, write)
-            sync_close(self.copier, self.outs)
+            try:
+                sync_close(self.copier, self.outs)
+            except OSError as e:  # raised by the caller on every rank, like the others
+                moved.error = moved.error or e
             return moved
         finally:
             self.opened.release()
