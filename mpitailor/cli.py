@@ -63,6 +63,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
                                            "--layer-pattern"), args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from mpitailor.export_job import run_export_cli
+    return run_export_cli(args)
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     from mpitailor.diff import diff, format_report
     rep = diff(args.comm, args.a, args.b)
@@ -159,6 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
     common(r)
     r.set_defaults(func=cmd_recover, uses_mpi=True)
 
+    e = sub.add_parser("export", help="a checkpoint (or a run's newest layers) straight to HF "
+                                      "safetensors, fp32 weights or Universal (MPI-parallel)")
+    e.add_argument("source", help="tag dir, save dir with `latest`, HF checkpoint-N/, or a save "
+                                  "dir of layer-wise saves (their newest layers)")
+    e.add_argument("-o", "--output", required=True, help="output dir (must not exist)")
+    e.add_argument("--format", choices=["hf", "fp32", "universal"], default="hf",
+                   help="hf: safetensors in the model's dtype + config and tokenizer (default); "
+                        "fp32: the fp32 master weights, as zero_to_fp32 writes them; "
+                        "universal: DeepSpeed's Universal checkpoint")
+    e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of --format hf (default: the model's)")
+    e.add_argument("--max-shard-size", type=_shard_size, metavar="SIZE",
+                   help="largest safetensors file, as save_pretrained cuts them (default 5GB)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    trust_option(e)
+    common(e)
+    e.set_defaults(func=cmd_export, uses_mpi=True)
+
     st = sub.add_parser("stats", help="update statistics of layer-wise saving")
     st_sub = st.add_subparsers(dest="stats_command", required=True)
     sp = st_sub.add_parser("plot", help="heatmaps of per-layer updates and saves (PNG)")
@@ -236,7 +259,8 @@ def _shard_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-SUBCOMMANDS = ("merge", "recover", "diff", "inspect", "stats", "paths", "slurm-prologue")
+SUBCOMMANDS = ("merge", "recover", "export", "diff", "inspect", "stats", "paths",
+               "slurm-prologue")
 
 
 def main(argv: list[str] | None = None) -> int:

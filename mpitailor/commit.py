@@ -30,9 +30,9 @@ class Staging:
         self._lock_fd = -1
         self._unwatch = None
 
-    def acquire(self, tag: str) -> Path:
-        """Take the lock and create the staging dir with an empty `tag` dir in it; reclaim a
-        stale one. Returns the staging dir."""
+    def acquire(self, tag: str | None) -> Path:
+        """Take the lock and create the staging dir (with an empty `tag` dir in it, if
+        given); reclaim a stale one. Returns the staging dir."""
         if os.path.lexists(self.output):
             raise UserError(f"{self.output}: output already exists; remove it or choose "
                             f"another output path (mpitailor never overwrites)")
@@ -66,7 +66,8 @@ class Staging:
             log.warning("reclaiming %s left by an interrupted merge", self.dir)
             _remove(self.dir)
         self.dir.mkdir()
-        (self.dir / tag).mkdir()
+        if tag is not None:
+            (self.dir / tag).mkdir()
         return self.dir
 
     def publish(self) -> None:

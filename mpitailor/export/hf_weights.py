@@ -15,6 +15,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,10 +113,13 @@ def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWei
     return write_planned(comm, meta, dest, comm.root_step(plan))
 
 
-def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPlan) -> dict:
-    """Collective: the files of `plan` in dest, each rank writing its share; {file: record}."""
+def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPlan,
+                  sources: dict[str, CheckpointMeta] | None = None) -> dict:
+    """Collective: the files of `plan` in dest, each rank writing its share; {file: record}.
+    sources: parameter -> the checkpoint its values come from (a composite exported without
+    writing it first: saves of one run, one layout); default meta."""
     comm.root_step(_create, plan, dest)
-    mine = comm.step(_write_share, meta, plan, dest, comm.rank, comm.size)
+    mine = comm.step(_write_share, meta, plan, dest, comm.rank, comm.size, sources or {})
     gathered = comm.allgather(mine)
 
     def finish() -> dict[str, dict]:
@@ -137,19 +141,23 @@ def _create(plan: WeightsPlan, dest: Path) -> None:
 
 
 def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
-                 size: int) -> list[tuple[str, int, int, int]]:
+                 size: int, sources: dict[str, CheckpointMeta]
+                 ) -> list[tuple[str, int, int, int]]:
     """This rank's share of the files: [(file, first byte, bytes, CRC-32 of those bytes)]."""
     work = list(share(plan, rank, size))
     if not work:
         return []
     dtype, slots, done = DTYPES[plan.dtype], meta.layout.by_name(), []
-    with open_all_shards(meta) as shards:
+    needed = {str(m.path): m for m in [meta, *sources.values()]}
+    with ExitStack() as stack:
+        opened = {key: stack.enter_context(open_all_shards(m)) for key, m in needed.items()}
         for f, runs in work:
             first = runs[0][0].offset + runs[0][1] * plan.itemsize
             pos, crc = first, 0
             fd = os.open(dest / f.name, os.O_WRONLY)
             try:
                 for piece, a, b in runs:
+                    shards = opened[str(sources.get(piece.name, meta).path)]
                     for chunk in _elements(shards, slots.get(piece.name), piece.name, a, b):
                         data = as_bytes(chunk.to(dtype))
                         pwrite_all(fd, data, pos)
@@ -218,13 +226,14 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
 
 
 def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: Path,
-              dtype: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> dict:
+              dtype: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+              sources: dict[str, CheckpointMeta] | None = None) -> dict:
     """Collective: `--export safetensors`: consolidated weights in `dtype` into dest, in
     shards of at most max_shard_size bytes as `save_pretrained` cuts them (one
     model.safetensors if they fit, else an index too), plus config and tokenizer files from
-    side_dir."""
+    side_dir. sources: as write_planned's."""
     def prepare() -> dict:
-        dest.mkdir()
+        dest.mkdir(exist_ok=True)
         records = {}
         for name in HF_SIDE_FILES:
             src = side_dir / name if side_dir is not None else None
@@ -246,5 +255,5 @@ def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: P
         files = by_size(sizes, max_shard_size)
         return plan_weights(tensors, dtype, files, index=len(files) > 1)
     records = comm.root_step(prepare)
-    records.update(write_planned(comm, staged, dest, comm.root_step(plan)))
+    records.update(write_planned(comm, staged, dest, comm.root_step(plan), sources))
     return records
