@@ -49,9 +49,12 @@ def source_recipe(comm: Comm, source: Path, output: Path) -> str:
             files = resolve(source)
         except UserError:
             return False  # not one checkpoint: a save dir of several (recover decides)
+        if files.partial:
+            return False
         # A tag dir is one checkpoint; a save dir may hold layer-wise saves newer than the
-        # full save its `latest` names: recover's chain takes each layer's newest copy.
-        return files.tag_dir == source and not files.partial
+        # full save its `latest` names: then recover's chain takes each layer's newest copy.
+        return files.tag_dir == source or not any(
+            (c / PARTIAL_MANIFEST).exists() for c in source.iterdir() if c.is_dir())
     if comm.root_step(single):
         return f"sources:\n  src: {json.dumps(str(source))}\nlayers:\n  rest: src\n" \
                f"output: {json.dumps(str(output))}\n"
