@@ -295,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         # One write per line: lines of several ranks interleave under a launcher otherwise.
         sys.stderr.flush()
         os.write(2, f"{prefix}mpitailor: error: {e}\n".encode())
+        from mpitailor.comm import CommFailed
+        if isinstance(e, CommFailed):  # MPI_Finalize would wait for the dead peer forever
+            sys.stdout.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     except Exception:
         # Outside a guarded step peers may wait forever on a collective: kill them all.

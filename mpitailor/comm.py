@@ -74,15 +74,15 @@ class Comm:
 
     def allgather(self, obj: T) -> list[T]:
         """Collective: every rank's obj, in rank order."""
-        return [obj] if self._comm is None else self._comm.allgather(obj)
+        return [obj] if self._comm is None else self._mpi(self._comm.allgather, obj)
 
     def bcast(self, obj: T, root: int = 0) -> T:
         """Collective: rank root's obj."""
-        return obj if self._comm is None else self._comm.bcast(obj, root=root)
+        return obj if self._comm is None else self._mpi(self._comm.bcast, obj, root=root)
 
     def alltoall(self, objs: list) -> list:
         """Collective: objs[r] goes to rank r; returns what every rank sent this one."""
-        return list(objs) if self._comm is None else self._comm.alltoall(objs)
+        return list(objs) if self._comm is None else self._mpi(self._comm.alltoall, objs)
 
     def split(self, color: int) -> "Comm":
         """Collective: the ranks of the same color, as a world of their own."""
@@ -90,12 +90,47 @@ class Comm:
 
     def barrier(self) -> None:
         if self._comm is not None:
-            self._comm.Barrier()
+            self._mpi(self._comm.Barrier)
+
+    def _mpi(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """An MPI call; an MPI error (mpi4py raises one where MPI returns it: a peer died,
+        its node went down) becomes CommFailed: one line, not MPI's error stack."""
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:
+            if not _is_mpi_error(e):
+                raise
+            raise CommFailed(f"MPI communication failed on rank {self.rank} "
+                             f"({_mpi_error_class(e)}): a rank of this job died or its node "
+                             f"is unreachable; the merge stopped") from None
 
     def abort(self, code: int) -> None:
         """Kill every rank: for errors outside a guarded step, where peers could hang."""
         if self._comm is not None and self.size > 1:
             self._comm.Abort(code)
+
+
+class CommFailed(MergeFailed):
+    """MPI itself failed (a peer died, its node went down). The other ranks may be stuck in
+    a collective with the dead one, so MPI cannot be finalised: the command line ends the
+    process at once after its one line (os._exit), and the launcher ends the rest
+    (srun --kill-on-bad-exit=1), or Slurm does once it finds the node down."""
+
+
+def _is_mpi_error(e: BaseException) -> bool:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return False
+    return isinstance(e, MPI.Exception)
+
+
+def _mpi_error_class(e) -> str:
+    try:
+        from mpi4py import MPI
+        return MPI.Get_error_string(e.Get_error_class())
+    except Exception:  # noqa: BLE001 - only for the message
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def check_not_singleton(mpi_size: int, env) -> None:

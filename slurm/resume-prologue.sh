@@ -19,8 +19,23 @@
 # and mpitailor publishes it with one rename, so it is either complete or absent (a merge
 # killed half-way leaves a hidden staging dir that the next one reclaims).
 #
+# Several nodes (a batch script of a job with SLURM_JOB_NUM_NODES > 1): the save dir may be
+# node-local (DeepSpeed's use_node_local_storage: each node holds only its ranks' files, on a
+# disk the other nodes cannot see, at the same path). Then everything that reads the saves
+# runs as srun steps over all of the job's nodes: the recovery plan (one MPI rank per node),
+# the merge (one MPI job over all the job's tasks, laid out as the training's: srun's defaults
+# in the job, the same ranks per node; each node reads its own files, the rest moves over
+# MPI, and each node gets its ranks' part of the composite at OUT_PARENT/recovered-step<N>, on
+# its own disk when OUT_PARENT is node-local), and the check that an earlier recovery is
+# complete on every node. The batch host (the job's first node, which holds DeepSpeed rank
+# 0's files and `latest`) does the rest. A requeued job must come back on the nodes that
+# hold the saves (sbatch --nodelist).
+#
+# MPITAILOR_NODES        nodes of the job (default: $SLURM_JOB_NUM_NODES in a job, else 1);
+#                        1 plans and checks on this host alone, as on one node
 # MPITAILOR_PYTHON       python with mpitailor installed (default: python)
-# MPITAILOR_MERGE_RANKS  MPI ranks of the merge (default 2; the job needs --ntasks >= this)
+# MPITAILOR_MERGE_RANKS  MPI ranks of the merge (default 2; on several nodes the job's
+#                        $SLURM_NTASKS; the job needs --ntasks >= this)
 # MPITAILOR_LAUNCH       launcher (default: srun --mpi=pmi2 -n $MPITAILOR_MERGE_RANKS). As the
 #                        first step of a batch script, srun runs in the job's allocation.
 #                        From a Slurm Prolog (root, before the job starts: no job steps and
@@ -29,7 +44,17 @@
 set -euo pipefail
 
 PY=${MPITAILOR_PYTHON:-python}
-RANKS=${MPITAILOR_MERGE_RANKS:-2}
+NODES=${MPITAILOR_NODES:-1}
+if [[ -z ${MPITAILOR_NODES:-} && -n ${SLURM_JOB_ID:-} ]]; then
+    NODES=${SLURM_JOB_NUM_NODES:-1}
+fi
+[[ $NODES =~ ^[1-9][0-9]*$ ]] \
+    || { echo "resume-prologue: MPITAILOR_NODES=$NODES is not a node count" >&2; exit 2; }
+if ((NODES > 1)); then
+    RANKS=${MPITAILOR_MERGE_RANKS:-${SLURM_NTASKS:-$NODES}}
+else
+    RANKS=${MPITAILOR_MERGE_RANKS:-2}
+fi
 LAUNCH=${MPITAILOR_LAUNCH:-srun --mpi=pmi2 -n $RANKS}
 
 log() { printf '%s resume-prologue: %s\n' "$(date '+%F %T')" "$*" >&2; }
@@ -44,16 +69,38 @@ announce() {
 
 # Complete (manifest and latest, both written last) and assembled from this newest save:
 # the same path and, where the save records one, the same save id (a tag rewritten after a
-# rollback is another save under the same name).
+# rollback is another save under the same name). On several nodes, also complete on every
+# node of the job (each node's part is published on it; a node whose part is missing would
+# fail the resume).
 is_recovery_of() {
     [[ -f $1/mpitailor_manifest.json && -f $1/latest ]] || return 1
+    # The save id from the save's own record (a partial save's manifest, or the record beside
+    # a full save's files; in an HF checkpoint-N/, in the tag dir its `latest` names), as
+    # read_meta finds it, but reading no rank files: on a node that holds only its own
+    # ranks' files (node-local storage) read_meta would refuse the save.
     "$PY" -c 'import json, sys
-from mpitailor.zero3.read import read_meta
+from pathlib import Path
+from mpitailor.zero3.files import PARTIAL_MANIFEST, read_latest, read_save_record
 m = json.load(open(sys.argv[1] + "/mpitailor_manifest.json"))
 base = m["sources"][m["base"]]
-lineage = read_meta(sys.argv[2]).lineage
+tag = save = Path(sys.argv[2])
+if not (save / PARTIAL_MANIFEST).is_file() and (save / "latest").is_file():
+    tag = save / read_latest(save / "latest")
+lineage = read_save_record(tag, (tag / PARTIAL_MANIFEST).is_file())[0]
 sys.exit(base["path"] != sys.argv[2]
-         or base.get("save_id") != (lineage.save_id if lineage else None))' "$1" "$2"
+         or base.get("save_id") != (lineage.save_id if lineage else None))' "$1" "$2" \
+        || return 1
+    ((NODES == 1)) && return 0
+    srun --mpi=none -N "$NODES" -n "$NODES" --ntasks-per-node=1 \
+        sh -c 'test -f "$1/mpitailor_manifest.json" && test -f "$1/latest"' sh "$1" 2>/dev/null
+}
+
+# Exists here; on several nodes, on any node of the job (a node-local part left behind).
+exists() {
+    [[ -e $1 ]] && return 0
+    ((NODES == 1)) && return 1
+    [[ -n $(srun --mpi=none -N "$NODES" -n "$NODES" --ntasks-per-node=1 \
+            sh -c 'test -e "$1" && echo y' sh "$1" 2>/dev/null) ]]
 }
 
 SAVE_DIR=${1:-${MPITAILOR_SAVE_DIR:-}}
@@ -75,7 +122,16 @@ compgen -G "$SAVE_DIR/[!.]*/" >/dev/null || nothing  # first start: no save dir,
 err=$(mktemp)
 trap 'rm -f "$err"' EXIT
 rc=0
-recipe=$("$PY" -m mpitailor recover "$SAVE_DIR" --emit-recipe 2>"$err") || rc=$?
+if ((NODES > 1)); then
+    # Node-local saves are whole only on all of the job's nodes together; one rank per node
+    # will do (each lists and checks its node's files).
+    log "planning on $NODES nodes: srun -N $NODES -n $NODES $PY -m mpitailor recover" \
+        "--emit-recipe"
+    recipe=$(srun --mpi=pmi2 -N "$NODES" -n "$NODES" --ntasks-per-node=1 \
+             "$PY" -m mpitailor recover "$SAVE_DIR" --emit-recipe 2>"$err") || rc=$?
+else
+    recipe=$("$PY" -m mpitailor recover "$SAVE_DIR" --emit-recipe 2>"$err") || rc=$?
+fi
 cat "$err" >&2  # what recover skipped, and why, belongs in the job's log
 # Exit 3: no save ever finished (a first start, or a first save killed half-way). Any other
 # failure is an error: saves exist, and training from scratch would lose them.
@@ -90,12 +146,12 @@ log "newest save is $base (step $step)"
 # A recovery of another save of this step (a timeline abandoned by a rollback) stays as it
 # is: this one takes the next free name.
 n=1
-while [[ -e $OUT ]] && ! is_recovery_of "$OUT" "$base_path"; do
+while exists "$OUT" && ! is_recovery_of "$OUT" "$base_path"; do
     OUT=$OUT_PARENT/recovered-step$step.$n
     n=$((n + 1))
 done
 
-if [[ -e $OUT ]]; then
+if exists "$OUT"; then
     log "reusing $OUT: already recovered from $base"
     announce "$OUT"
     exit 0

@@ -218,6 +218,12 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 SchedulerParameters=batch_sched_delay=0,sched_interval=1
 ReturnToService=2
+# A node that dies (its slurmd and job steps killed) is DOWN after ~10 s, not 300, and its
+# jobs end (a --requeue batch job is requeued); once its slurmd is back it returns to service
+# (ReturnToService=2). KillWait: 5 s from SIGTERM to SIGKILL (default 30), which also bounds
+# how long srun waits for a dead node's step to report.
+SlurmdTimeout=10
+KillWait=5
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/jobcomp.txt

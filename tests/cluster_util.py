@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,3 +77,48 @@ def start_cluster(nodes: int) -> tuple[Cluster | None, subprocess.CompletedProce
 def stop_cluster(cluster: Cluster) -> None:
     subprocess.run(["bash", str(SLURM / "stop-cluster.sh"), "--nodes", str(cluster.nodes)],
                    env={**os.environ, "MPITAILOR_CLUSTER_DIR": str(cluster.dir)}, timeout=120)
+
+
+def wait_for(what: str, check, timeout: float, interval: float = 0.2):
+    """check()'s first truthy value, polled every `interval` s; TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := check()):
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"no {what} after {timeout:.0f} s")
+
+
+def scontrol(args, env: dict, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(["scontrol", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def job_state(job: str, env: dict) -> str:
+    show = scontrol(["show", "job", job], env).stdout
+    return m.group(1) if (m := re.search(r"JobState=(\S+)", show)) else "UNKNOWN"
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def node_state(node: str, env: dict) -> str:
+    """sinfo's state of one node, e.g. idle, down*, allocated, drain."""
+    r = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    return r.stdout.strip()
+
+
+def kill_node(i: int) -> list[int]:
+    """Node nI dies: SIGKILL to every process in its network namespace (mpt-nI, see
+    slurm/start-cluster.sh): its slurmd, slurmstepds and job tasks. Its node-local disk stays
+    (the host's dir); start_cluster() starts its slurmd again, as a reboot would. The pids."""
+    found = subprocess.run(["ip", "netns", "pids", f"mpt-n{i}"], capture_output=True,
+                           text=True, timeout=30)
+    pids = [int(p) for p in found.stdout.split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids

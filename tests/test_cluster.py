@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,8 @@ from pathlib import Path
 import pytest
 
 import ckpt_fixtures
-from cluster_util import REPO, Cluster, start_cluster, stop_cluster
+from cluster_util import (ENDED, REPO, Cluster, job_state, kill_node, node_state, scontrol,
+                          start_cluster, stop_cluster, wait_for)
 from mpitailor.extras import MANIFEST
 from mpitailor.tinytrain import TrainSpec
 
@@ -375,15 +378,14 @@ def test_requeued_two_node_training_resumes_on_both_nodes_from_node_local_saves(
     disk) is requeued after its first partial save: the prologue recovers across both nodes
     (one MPI job of the job's 4 tasks), each node gets its ranks' part of the composite, and
     all 4 ranks resume from their own node's part."""
-    from cluster_util import ENDED, job_state, scontrol, wait_for
     name = f"requeue-{uuid.uuid4().hex[:8]}"
     root = f"{cluster.node_local}/{name}"
     out = tmp_path / "train.out"
-    # Saves at 2 (full), 4 and 6 (partial); 1.5 s after each step leaves ~3.5 s to requeue
-    # between the partial save at 4 and the next.
+    # Saves at 1 (full) and 2 (partial); 2 s after each step leaves ~4 s to requeue between
+    # the partial save and the end of the run.
     env = {**cluster, "MPITAILOR_SAVE_DIR": f"{root}/save", "MPITAILOR_PYTHON": PY,
-           "MPITAILOR_TRAIN_ARGS": "--node-local-storage --steps 6 --save-at 2,4,6 "
-                                   "--step-sleep 1.5"}
+           "MPITAILOR_TRAIN_ARGS": "--node-local-storage --steps 4 --save-at 1,2 "
+                                   "--step-sleep 2"}
     sub = subprocess.run(["sbatch", "--parsable", "-N", "2", "-n", "4", "--ntasks-per-node=2",
                           "--nodelist=n1,n2", f"--output={out}", REPO / "slurm/train.sbatch"],
                          env=env, capture_output=True, text=True, timeout=30, cwd=REPO)
@@ -392,7 +394,7 @@ def test_requeued_two_node_training_resumes_on_both_nodes_from_node_local_saves(
     host = {i: cluster.node_dir(i) / name for i in (1, 2, 3)}
     try:
         wait_for("partial save on both nodes", lambda: all(
-            (host[i] / "save/global_step4/mpitailor_partial.json").exists() for i in (1, 2)), 120)
+            (host[i] / "save/global_step2/mpitailor_partial.json").exists() for i in (1, 2)), 120)
         requeue = scontrol(["requeue", job], cluster)
         assert requeue.returncode == 0, requeue.stderr
         state = wait_for("end of the job", lambda: (s := job_state(job, cluster)) in ENDED and s,
@@ -400,34 +402,168 @@ def test_requeued_two_node_training_resumes_on_both_nodes_from_node_local_saves(
         text = out.read_text()
         assert state == "COMPLETED", text
         assert "restart 1" in text and "DUE TO JOB REQUEUE" in text, text
-        recovered = f"{root}/recovered-step4"
+        recovered = f"{root}/recovered-step2"
         assert (host[1] / "resume-from").read_text() == f"{recovered}\n", text
-        assert f"recovered {recovered} (tag global_step4)" in text, text
+        assert f"recovered {recovered} (tag global_step2)" in text, text
         assert "planning on 2 nodes" in text and "written by 4 rank(s)" in text, text
         # The composite: each node holds its own ranks' part, n3 nothing.
-        common = ["latest", MANIFEST, "zero_to_fp32.py", "zero_to_torch.py"]
         for i, ranks in ((1, (0, 1)), (2, (2, 3))):
-            part = host[i] / "recovered-step4"
-            assert tree(part) == sorted([*common, *zero_files(ranks, "global_step4")]), i
+            part = host[i] / "recovered-step2"
+            files = [f for f in tree(part) if f.startswith("global_step2/zero_pp_rank_")]
+            assert files == zero_files(ranks, "global_step2"), (i, tree(part))
+            assert {"latest", MANIFEST} <= set(tree(part)), (i, tree(part))
             manifest = json.loads((part / MANIFEST).read_text())
             steps = {layer["global_steps"] for layer in manifest["layers"].values()}
-            assert steps == {2, 4}, manifest["layers"]  # a composite of the full and partial
+            assert steps == {1, 2}, manifest["layers"]  # a composite of the full and partial
             assert manifest["node_local"]["node"] == f"n{i}"
         assert not host[3].exists()
         results = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
         assert len(results) == 1, text  # the first run was killed before it printed one
         result = results[0]
-        assert (result["first_step"], result["global_steps"], result["world_size"]) == (4, 6, 4)
+        assert (result["first_step"], result["global_steps"], result["world_size"]) == (2, 4, 4)
         assert len(result["losses"]) == 2 and all(map(math.isfinite, result["losses"])), result
         # Every rank loaded its own files, from its own node's part of the composite.
         assert result["loaded"] == [
             [f"n{r // 2 + 1}",
-             f"{recovered}/global_step4/zero_pp_rank_{r}_mp_rank_00_model_states.pt"]
+             f"{recovered}/global_step2/zero_pp_rank_{r}_mp_rank_00_model_states.pt"]
             for r in range(4)], result["loaded"]
     except (AssertionError, TimeoutError) as e:
         show = scontrol(["show", "job", job], cluster)
         pytest.fail(f"{e}\n--- {out}:\n{out.read_text() if out.exists() else '(none)'}\n"
                     f"--- scontrol show job:\n{show.stdout}{show.stderr}\n{cluster.logs()}")
+    finally:
+        subprocess.run(["scancel", job], env=cluster, capture_output=True, timeout=30)
+        for d in host.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# -- a node dies during a merge ----------------------------------------------------------------
+
+def srun_task_ends(stderr: str) -> dict[int, str]:
+    """srun's report of how each task ended ("n1: tasks 0-1: Exited with exit code 143",
+    "n1: task 1: Segmentation fault"): task -> what srun said."""
+    ends = {}
+    for m in re.finditer(r"srun: error: \S+: tasks? (\d+)(?:-(\d+))?: (.+)", stderr):
+        for t in range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1):
+            ends[t] = m.group(3).strip()
+    return ends
+
+
+@pytest.mark.parametrize("netmod", ["ucx", "ofi"])
+def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
+        cluster, node_local_run, tmp_path, netmod):
+    """n2 dies (its slurmd and the merge's ranks 2 and 3 killed) while rank 0 on n1 waits
+    just before publishing (failpoint commit:0:sleep). The survivors on n1 must end, each
+    with at most one line, no traceback; nothing is published on any node; srun returns once
+    Slurm finds n2 down (SlurmdTimeout=10 in the cluster's slurm.conf) or sooner. With
+    --kill-on-bad-exit=1 the first survivor that fails ends the other at once.
+
+    What the survivors do is up to MPI (both of MPICH's netmods are run): with the default,
+    UCX, rank 1, waiting in the collective, dies by SIGSEGV inside MPICH/UCX when rank 0 wakes
+    and the collective reaches the dead ranks (no line from it; srun says "Segmentation
+    fault"); srun then ends rank 0, which removes its staging dir and prints one line. With
+    OFI (MPIR_CVAR_CH4_NETMOD=ofi) MPI returns an error instead, which mpitailor turns into
+    one line and exit 1 (comm.CommFailed) rather than a traceback and MPI's error stack.
+    Then n2's slurmd comes back (start-cluster.sh), n2 returns to idle, and the same merge
+    run again succeeds, reclaiming the staging dir the dead node left."""
+    run = node_local_run
+    name = f"killed-{uuid.uuid4().hex[:8]}"
+    recipe = tmp_path / "parity.yml"
+    recipe.write_text(PARITY.format(save=run.save_dir, out=f"{cluster.node_local}/{name}"))
+    host = {i: cluster.node_dir(i) for i in (1, 2, 3)}
+    staged = [host[i] / f".{name}.mpitailor-staging" / MANIFEST for i in (1, 2)]
+    mpi = {"MPIR_CVAR_CH4_NETMOD": netmod}
+    merge = subprocess.Popen(
+        ["srun", "--kill-on-bad-exit=1", "-N", "2", "-n", "4", "--ntasks-per-node=2",
+         *merge_cmd(recipe)], env={**cluster, **mpi, "MPITAILOR_FAILPOINT": "commit:0:sleep=10"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        # Both nodes staged their part; rank 0 now sleeps for 10 s before publishing.
+        wait_for("both nodes staged", lambda: all(p.exists() for p in staged), 120, 0.05)
+        killed = kill_node(2)
+        t_kill = time.monotonic()
+        out, err = merge.communicate(timeout=120)
+        after_kill = time.monotonic() - t_kill
+    finally:
+        if merge.poll() is None:
+            merge.kill()
+            merge.communicate()
+    ends = srun_task_ends(err)
+    print(f"killed n2 ({len(killed)} processes); srun exited {merge.returncode} "
+          f"{after_kill:.1f} s later; srun on the tasks: {ends}\n{err}")
+    assert len(killed) >= 4, killed  # slurmd, slurmstepd, ranks 2 and 3
+    assert merge.returncode != 0 and after_kill < 90, (merge.returncode, after_kill, err)
+    assert {0, 1} <= ends.keys(), err  # both survivors ended, and srun saw them end
+    lines = re.findall(r"^\[rank (\d+)\] mpitailor: .*$", err, re.M)
+    assert all(lines.count(r) <= 1 for r in ("0", "1")), err
+    assert not {"2", "3"} & set(lines), err  # the dead ranks said nothing
+    assert "Traceback" not in err and "error stack" not in err, err
+    if netmod == "ofi":  # MPI's error, as one line of mpitailor's, and exit 1
+        assert ends[1] == "Exited with exit code 1", err
+        assert re.search(r"^\[rank 1\] mpitailor: error: MPI communication failed on rank 1 ",
+                         err, re.M), err
+    assert "merged" not in out, out
+    # Nothing published anywhere: no output on any node (n2's staging dir may be left).
+    for i in (1, 2, 3):
+        assert not (host[i] / name).exists(), i
+    assert not (host[1] / f".{name}.mpitailor-staging").exists()  # rank 0 removed its own
+
+    # n2 comes back (as after a reboot, its disk as it was) and returns to service.
+    restarted, start = start_cluster(NODES)
+    assert restarted is not None and start.returncode == 0, start.stderr
+    assert "started slurmd of n2" in start.stderr, start.stderr
+    wait_for("n2 idle", lambda: node_state("n2", cluster) == "idle", 60, 0.5)
+    # The same merge again: published on both nodes, the stale staging dir reclaimed.
+    ok(cluster.srun(["--kill-on-bad-exit=1", "-N", 2, "-n", 4, "--ntasks-per-node", 2,
+                     *merge_cmd(recipe)], mpi, timeout=300), cluster)
+    try:
+        for i, ranks in ((1, (0, 1)), (2, (2, 3))):
+            files = tree(host[i] / name)
+            assert [f for f in files if "zero_pp_rank_" in f] == zero_files(ranks, run.tag)
+            assert {"latest", MANIFEST} <= set(files)
+            assert not [p.name for p in host[i].iterdir() if p.name.startswith(f".{name}.")]
+        assert not (host[3] / name).exists()
+    finally:
+        for i in (1, 2, 3):
+            shutil.rmtree(host[i] / name, ignore_errors=True)
+
+
+def test_prologue_on_two_nodes_reuses_only_a_recovery_complete_on_both(
+        cluster, node_local_run, tmp_path):
+    """In a 2-node job, slurm/resume-prologue.sh plans and recovers across both nodes; run
+    again it reuses the recovery; with the recovery's part on n1 gone (published on n2 only)
+    it is no longer reused, and a fresh one takes the next name."""
+    run = node_local_run
+    name = f"prologue-{uuid.uuid4().hex[:8]}"
+    parent = f"{cluster.node_local}/{name}"
+    prologue = f'bash {REPO}/slurm/resume-prologue.sh {run.save_dir} {parent}'
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\nset -e\n{prologue}\n{prologue}\n"
+                      f"rm -r {parent}/recovered-step2  # on the batch host, n1, only\n"
+                      f"{prologue}\n")
+    out = tmp_path / "job.out"
+    r = subprocess.run(["sbatch", "--parsable", "-N", "2", "-n", "4", "--ntasks-per-node=2",
+                        "--nodelist=n1,n2", f"--output={out}", script],
+                       env={**cluster, "MPITAILOR_PYTHON": PY}, capture_output=True,
+                       text=True, timeout=30, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    host = {i: cluster.node_dir(i) / name for i in (1, 2, 3)}
+    try:
+        # Polled: `sbatch --wait` notices the end up to ~10 s late.
+        state = wait_for("end of the job", lambda: (s := job_state(job, cluster)) in ENDED
+                         and s, 240, interval=0.5)
+        text = out.read_text() if out.exists() else ""
+        assert state == "COMPLETED", text
+        first, again, fresh = re.findall(r"^MPITAILOR_RESUME_FROM=(.*)$", text, re.M)
+        assert first == again == f"{parent}/recovered-step2", text
+        assert f"reusing {first}" in text and text.count("written by 4 rank(s)") == 2, text
+        assert fresh == f"{parent}/recovered-step2.1", text
+        for i, ranks in ((1, (0, 1)), (2, (2, 3))):
+            files = tree(host[i] / "recovered-step2.1")
+            assert [f for f in files if "zero_pp_rank_" in f] == zero_files(ranks, run.tag)
+        assert (host[2] / "recovered-step2").exists()  # n2's part of the first is left alone
+        assert not host[3].exists()
     finally:
         subprocess.run(["scancel", job], env=cluster, capture_output=True, timeout=30)
         for d in host.values():

@@ -5,6 +5,9 @@
 
 Starts the world_size training processes itself (one Slurm task runs this launcher) and
 prints rank 0's result as one JSON line: losses, first_step, global_steps, world_size.
+With --slurm-ranks every task of an srun step is one training rank instead, on any number of
+nodes (`srun -N 2 -n 4 python -m mpitailor.tinytrain --slurm-ranks --world-size 4 ...`);
+rank 0 prints the result.
 Exit codes: 0 ok, 1 the training failed, 2 bad arguments.
 """
 from __future__ import annotations
@@ -45,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-state", action="store_true",
                    help="save ordinary objects in client_state (a Namespace, a numpy scalar, a "
                         "dataclass), as training scripts do; a resume prints them back")
+    p.add_argument("--node-local-storage", action="store_true",
+                   help="DeepSpeed's use_node_local_storage: each node saves its own ranks' "
+                        "files (save dir on a disk of its own)")
+    p.add_argument("--slurm-ranks", action="store_true",
+                   help="this process is one training rank of an srun step (rank, world and "
+                        "rendezvous from Slurm; --world-size must be the step's task count)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="give up on the run after this long")
     return p
@@ -57,10 +66,13 @@ def main(argv: list[str] | None = None) -> int:
                          save_at=args.save_at, grouping=args.grouping,
                          policy={"name": args.policy} if args.policy else None,
                          load_dir=args.resume_from, load_tag=args.resume_tag,
-                         step_sleep=args.step_sleep, client_state=args.client_state)
+                         step_sleep=args.step_sleep, client_state=args.client_state,
+                         node_local_storage=args.node_local_storage)
     except ValueError as e:
         print(f"tinytrain: error: {e}", file=sys.stderr)
         return 2
+    if args.slurm_ranks:
+        return run_slurm_rank(spec)
     # scancel / requeue send SIGTERM: exit through launch's cleanup, which kills the ranks,
     # rather than leave them orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -70,6 +82,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tinytrain: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result), flush=True)
+    return 0
+
+
+def run_slurm_rank(spec: TrainSpec) -> int:
+    """One rank of the run, in this process (the srun step is the world)."""
+    import os
+
+    from mpitailor.tinytrain import slurm_worker
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS")
+    if "SLURM_PROCID" not in os.environ or tasks != str(spec.world_size):
+        print(f"tinytrain: error: --slurm-ranks runs as the tasks of an srun step of "
+              f"--world-size {spec.world_size} tasks (this step: {tasks or 'none'})",
+              file=sys.stderr)
+        return 2
+    os.environ.update(slurm_worker.rank_env(dict(os.environ)))
+    from mpitailor.tinytrain import worker  # after OMP_NUM_THREADS: it imports torch
+    worker.run(spec, "-")  # exits the process
     return 0
 
 

@@ -113,14 +113,20 @@ def _save_full(engine, spec: TrainSpec, step: int) -> None:
 
 
 def main(spec_path: str, result_path: str) -> None:
-    spec = TrainSpec.from_json(Path(spec_path).read_text())
+    run(TrainSpec.from_json(Path(spec_path).read_text()), result_path)
+
+
+def run(spec: TrainSpec, result_path: str) -> None:
+    """Train as spec says; rank 0 writes the result to result_path ("-": one JSON line on
+    stdout). Exits the process (shutdown)."""
     engine = build_engine(spec)
-    first, client = 0, None
+    first, client, loaded = 0, None, None
     if spec.load_dir is not None:
         path, client = engine.load_checkpoint(spec.load_dir, tag=spec.load_tag)
         if path is None:
             raise SystemExit(f"DeepSpeed loaded nothing from {spec.load_dir}/{spec.load_tag}")
         first = engine.global_steps
+        loaded = loaded_by_rank(path)
     on_save = None
     if spec.policy is not None:
         from mpitailor.training.checkpointer import LayerwiseCheckpointer
@@ -135,11 +141,30 @@ def main(spec_path: str, result_path: str) -> None:
     eval_loss = held_out_loss(spec, engine) if spec.eval_batches else None
     resumed = resume_own_saves(spec, engine) if spec.then_resume else None
     if engine.global_rank == 0:
-        Path(result_path).write_text(json.dumps(
+        result = json.dumps(
             {"losses": losses, "first_step": first, "global_steps": engine.global_steps,
              "world_size": engine.world_size, "eval_loss": eval_loss,
-             "client_state": shown_client_state(client), "resumed": resumed}))
+             "client_state": shown_client_state(client), "resumed": resumed,
+             "loaded": loaded})
+        if result_path == "-":
+            print(result, flush=True)
+        else:
+            Path(result_path).write_text(result)
     shutdown()
+
+
+def loaded_by_rank(path) -> list[list[str]]:
+    """Collective: [host, file DeepSpeed loaded] of every rank, in rank order (which node
+    read which checkpoint file: under node-local storage each reads its node's disk)."""
+    import socket
+
+    import torch.distributed as dist
+    mine = [socket.gethostname(), str(path)]
+    if not dist.is_initialized():
+        return [mine]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
 
 
 def resume_own_saves(spec: TrainSpec, engine) -> dict:

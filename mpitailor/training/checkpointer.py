@@ -59,8 +59,10 @@ class LayerwiseCheckpointer:
         return self.policy.decide(self.save_index, self.keys, rel, self.staleness)
 
     def next_lineage(self, decision: Decision) -> Lineage:
-        """The lineage of the save about to be written: a full save starts a chain."""
-        save_id = uuid.uuid4().hex
+        """Collective: the lineage of the save about to be written (a full save starts a
+        chain); rank 0's save id on every rank, so that every node's copy of a save's
+        manifest (node-local storage) records the same lineage."""
+        save_id = agreed_save_id()
         if decision.full or self.lineage is None:
             return Lineage(save_id, save_id, None)
         return Lineage(save_id, self.lineage.chain, self.lineage.save_id)
@@ -105,6 +107,14 @@ class LayerwiseCheckpointer:
             shutil.rmtree(stale)
         if dist.is_initialized():
             dist.barrier()
+
+
+def agreed_save_id() -> str:
+    """Collective: a fresh id, rank 0's on every rank."""
+    box = [uuid.uuid4().hex]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def refuse_unsupported(engine) -> None:
