@@ -14,12 +14,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import ckpt_fixtures
+from cluster_util import wait_for
 from mpitailor.tinytrain import TrainSpec
 from mpitailor.tinytrain.worker import client_state, shown_client_state
 
@@ -50,15 +50,6 @@ def env():
 def run(cmd, env, timeout=120, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True,
                           timeout=timeout, **kwargs)
-
-
-def wait_for(what: str, check, timeout: float, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (value := check()):
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"no {what} after {timeout:.0f} s")
 
 
 def job_state(job: str, env) -> str:
