@@ -449,7 +449,14 @@ def srun_task_ends(stderr: str) -> dict[int, str]:
     return ends
 
 
-@pytest.mark.parametrize("netmod", ["ucx", "ofi"])
+# MPICH's two netmods fail differently when a peer dies (below). `make test` runs OFI, where
+# MPI reports the error and mpitailor's one-line path (comm.CommFailed) is exercised; the
+# default UCX (a survivor segfaults inside MPICH; nothing published either) runs with
+# MPITAILOR_ALL_NETMODS=1 (both passed in the last full run, ~40 s each).
+NETMODS = ["ucx", "ofi"] if os.environ.get("MPITAILOR_ALL_NETMODS") == "1" else ["ofi"]
+
+
+@pytest.mark.parametrize("netmod", NETMODS)
 def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
         cluster, node_local_run, tmp_path, netmod):
     """n2 dies (its slurmd and the merge's ranks 2 and 3 killed) while rank 0 on n1 waits
@@ -458,8 +465,8 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
     Slurm finds n2 down (SlurmdTimeout=10 in the cluster's slurm.conf) or sooner. With
     --kill-on-bad-exit=1 the first survivor that fails ends the other at once.
 
-    What the survivors do is up to MPI (both of MPICH's netmods are run): with the default,
-    UCX, rank 1, waiting in the collective, dies by SIGSEGV inside MPICH/UCX when rank 0 wakes
+    What the survivors do is up to MPI (NETMODS: which of MPICH's netmods run): with the
+    default, UCX, rank 1, waiting in the collective, dies by SIGSEGV inside MPICH/UCX when rank 0 wakes
     and the collective reaches the dead ranks (no line from it; srun says "Segmentation
     fault"); srun then ends rank 0, which removes its staging dir and prints one line. With
     OFI (MPIR_CVAR_CH4_NETMOD=ofi) MPI returns an error instead, which mpitailor turns into
