@@ -57,8 +57,8 @@ def commands(src: Path, out: Path) -> dict[str, list[str]]:
         "zero_to_fp32": [py, "-m", "deepspeed.utils.zero_to_fp32", str(src),
                          str(out / "zero_to_fp32"), "--safe_serialization"],
         # what mpitailor guarantees (fsync before publishing), for zero_to_fp32's output
-        "zero_to_fp32+sync": ["sh", "-c", f'"$0" -m deepspeed.utils.zero_to_fp32 "$1" "$2" '
-                              f'--safe_serialization && sync -f "$2"/*', py, str(src),
+        "zero_to_fp32+sync": ["sh", "-c", '"$0" -m deepspeed.utils.zero_to_fp32 "$1" "$2" '
+                              '--safe_serialization && sync -f "$2"/*', py, str(src),
                               str(out / "zero_to_fp32-synced")],
         "mpitailor 1 rank": [*mine, str(out / "mpitailor-1")],
         "mpitailor 2 ranks": [MPIEXEC, "-n", "2", *mine, str(out / "mpitailor-2")],
