@@ -6,7 +6,7 @@ Collective throughout (`write_partitions` is called on every rank). Three steps:
    final size (zeros: the padding needs no write) and writes the small records; a Universal
    file (one whole parameter) is laid out the same way. The data offset of every buffer is
    shared with all ranks.
-2. Copy: every rank fills its byte ranges of the flat buffers (program.split) straight at
+2. Copy (copystep.py): every rank fills its byte ranges of the flat buffers (program.split) at
    their final offsets, in bounded chunks: pread from the source, CRC-32, pwrite. No buffer
    larger than a chunk is ever held. Each range's CRC is shared.
 3. Finish: the home rank joins the CRCs of each record in order (crc32_combine), writes the
@@ -28,10 +28,10 @@ import torch
 
 from mpitailor import failpoints, program
 from mpitailor.comm import Comm
-from mpitailor.copyio import Copier, copy_unchanged, pwrite_all, sync_close
-from mpitailor.crc import crc32, crc32_combine, crc32_zeros
+from mpitailor.copyio import pwrite_all
+from mpitailor.copystep import Copy, Shards, output_file, raise_error
+from mpitailor.crc import crc32, crc32_combine
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.exchange import Exchanged, Request, exchange
 from mpitailor.iostats import snapshot
 from mpitailor.nodes import Placement, shard_paths
 from mpitailor.partition_states import (merged_model_states, merged_optim, placeholders,
@@ -39,8 +39,7 @@ from mpitailor.partition_states import (merged_model_states, merged_optim, place
                                         resharded_optim)
 from mpitailor.plan import MergePlan
 from mpitailor.zero3 import opaque, ptzip
-from mpitailor.zero3.files import model_file, optim_file
-from mpitailor.zero3.shard import open_shard
+from mpitailor.zero3.files import model_file
 
 @dataclass
 class _Laid:
@@ -81,7 +80,7 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
                                                      range(len(nodes.names))], comm.size)
         homes = program.home_ranks(bufs, work, {u: nodes.leader(n) for u, n in node_of.items()})
     mine = [p for p, r in homes.items() if r == comm.rank]
-    shards = _Shards(plan, place, comm.rank)
+    shards = Shards(plan, place, comm.rank)
     try:
         return _write(comm, plan, tag_dir, verify, progress, bufs, work, mine, shards, before)
     finally:
@@ -89,7 +88,7 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
 
 
 def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: bool, bufs,
-           work, mine, shards: _Shards, before) -> tuple[dict[str, dict], dict]:
+           work, mine, shards: Shards, before) -> tuple[dict[str, dict], dict]:
     clock = [time.perf_counter()]
 
     def lap() -> float:  # seconds since the last lap: where a rank's time goes, in --stats
@@ -102,10 +101,10 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
     for part in comm.allgather({b: lay.layout.entries[i].data_offset
                                 for lay in laid.values() for b, i in lay.flat_records.items()}):
         offsets.update(part)
-    copy = comm.step(_Copy, plan, bufs, work[comm.rank], offsets, tag_dir, verify, shards)
+    copy = comm.step(Copy, plan, bufs, work[comm.rank], offsets, tag_dir, verify, shards)
     try:
         moved = copy.fetch_remote(comm)
-        comm.step(_raise, moved.error)
+        comm.step(raise_error, moved.error)
         crcs, (written, unchanged) = comm.step(copy.run, moved, progress and comm.rank == 0)
     finally:
         copy.close()
@@ -128,44 +127,7 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
     return records, stats
 
 
-class _Shards:
-    """The source shards this rank opened, by (source, rank): each parsed once per merge
-    (home and copier of a partition are often the same rank); descriptors closed between
-    partitions and reopened when needed, so that few are open at a time."""
-
-    def __init__(self, plan: MergePlan, place: Placement | None, rank: int) -> None:
-        self.plan, self.open, self.used = plan, {}, set()
-        self.place = place if place is not None and place.node_local else None
-        self.node = self.place.nodes.of_rank[rank] if self.place else 0
-
-    def local(self, source: str, rank: int) -> bool:
-        """Does this rank's node hold rank `rank`'s files of `source`?"""
-        return self.place is None or all(self.place.holds(self.node, p)
-                                         for p in shard_paths(self.plan.meta(source), rank))
-
-    def reader(self, source: str, rank: int, spread: int) -> int:
-        """A rank whose node holds them (the spread-th, modulo)."""
-        return self.place.reader(shard_paths(self.plan.meta(source), rank), spread)
-
-    def get(self, source: str, rank: int):
-        if (source, rank) not in self.open:
-            if not self.local(source, rank):  # never reached by a correct program
-                raise RuntimeError(f"internal error: {source} rank {rank}: read off-node")
-            self.used.add((source, rank))
-            self.open[source, rank] = open_shard(self.plan.meta(source), rank)
-        shard = self.open[source, rank]
-        shard.reopen()
-        return shard
-
-    def release(self) -> None:
-        """Close every descriptor; the parsed shards stay."""
-        for s in self.open.values():
-            s.close()
-
-    close = release
-
-
-def _rank0_states(comm: Comm, plan: MergePlan, shards: _Shards):
+def _rank0_states(comm: Comm, plan: MergePlan, shards: Shards):
     """A reshard starts every output partition from the sources' rank-0 states. Under
     node-local storage they are read on a node that holds them and sent to every rank:
     (the base's rank-0 shard as (model, optim), every source's rank-0 model states). None:
@@ -191,7 +153,7 @@ def _rank0_states(comm: Comm, plan: MergePlan, shards: _Shards):
 
 
 def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
-             shards: _Shards, rank0_states) -> dict[int, _Laid]:
+             shards: Shards, rank0_states) -> dict[int, _Laid]:
     """Home ranks: create the files of the units `mine`, their small records written."""
     out = {}
     first = {}  # unit -> its first buffer
@@ -202,14 +164,14 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
         if not program.is_partition(b):
             flats = {(b.kind, -1): torch.empty(b.nbytes // 4, dtype=torch.float32)}
             (tag_dir / "zero" / b.param).mkdir(parents=True, exist_ok=True)
-            out[u] = _lay_out_one(bufs, u, tag_dir / _file(plan, b), flats,
+            out[u] = _lay_out_one(bufs, u, tag_dir / output_file(plan, b), flats,
                                   flats[b.kind, -1], None)
     mine = [u for u in mine if program.is_partition(bufs[first[u]])]
     if plan.target is not None and mine:  # what every partition of a reshard starts from
         base0, rank0 = rank0_states or (shards.get(plan.base, 0), rank0_model_states(plan))
         for p in mine:
             flats = placeholders(plan.target.layout.subgroup_sizes)
-            out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
+            out[p] = _lay_out_one(bufs, p, tag_dir / output_file(plan, bufs[first[p]]), flats,
                                   resharded_optim(plan, base0, flats),
                                   resharded_model_states(plan, p, base0, rank0))
         shards.release()
@@ -224,7 +186,7 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
                     f"merge in place with the layout the checkpoint was saved with (the "
                     f"same ranks per node), or pass --ranks-per-node")
         models = {name: shards.get(name, p) for name, _ in plan.sources}
-        out[p] = _lay_out_one(bufs, p, tag_dir / _file(plan, bufs[first[p]]), flats,
+        out[p] = _lay_out_one(bufs, p, tag_dir / output_file(plan, bufs[first[p]]), flats,
                               merged_optim(plan, models[plan.base], flats),
                               merged_model_states(plan, models))
         shards.release()
@@ -258,188 +220,6 @@ def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | No
         os.close(fd)
     return _Laid(path.name if model is not None else f"zero/{path.parent.name}/{path.name}",
                  layout, crcs, flat_records, model)
-
-
-def _file(plan: MergePlan, b: program.Buffer) -> str:
-    """The output file of buffer b, relative to the tag dir."""
-    if program.is_partition(b):
-        return optim_file(b.unit, plan.base_meta.files.bf16_prefix)
-    return f"zero/{b.param}/{b.kind}.pt"
-
-
-class _Copy:
-    """This rank's byte ranges of the output buffers: planned (pieces clipped to its tasks,
-    each piece local or held on another node), then the remote pieces fetched over MPI,
-    then the local ones copied, every range's CRC-32 taken on the way."""
-
-    def __init__(self, plan: MergePlan, bufs, tasks: list[program.Task],
-                 offsets: dict[int, int], tag_dir: Path, verify: bool,
-                 opened: _Shards) -> None:
-        self.plan, self.bufs, self.tasks, self.offsets = plan, bufs, tasks, offsets
-        self.tag_dir, self.opened = tag_dir, opened
-        self.outs: dict[str, int] = {}
-        self.copier = Copier()
-        self.shards: dict[tuple[str, int], object] = {}  # the local ones these tasks read
-        self.wanted: dict[int, list[Request]] = {}        # reader rank -> remote pieces
-        self.remote: dict[tuple[int, int], int] = {}      # (plan, piece) -> request key
-        self.dests: dict[int, tuple[str, int]] = {}       # key -> (out file, offset)
-        self.plans = []
-        pieces_of: dict[int, dict] = {}
-        for t in tasks:
-            b = bufs[t.buffer]
-            if b.unit not in pieces_of:
-                pieces_of[b.unit] = program.pieces(plan, b.unit) if program.is_partition(b) \
-                    else {-1: program.param_pieces(plan, b.param)}
-            ps = program.clip(pieces_of[b.unit].get(b.subgroup, []), t.lo // 4, t.hi // 4)
-            for j, p in enumerate(ps):
-                if opened.local(p.source, p.src_rank):
-                    if (p.source, p.src_rank) not in self.shards:
-                        self.shards[p.source, p.src_rank] = opened.get(p.source, p.src_rank)
-                    continue
-                key = len(self.dests)
-                self.remote[len(self.plans), j] = key
-                self.dests[key] = (_file(plan, b), offsets[t.buffer] + p.dst_start * 4)
-                reader = opened.reader(p.source, p.src_rank, t.buffer)
-                self.wanted.setdefault(reader, []).append(Request(
-                    key, (p.source, p.src_rank, b.kind, p.src_group, p.src_start, p.length),
-                    p.length * 4))
-            self.plans.append((t, b, ps))
-        if verify:
-            _verify(self.shards, self.plans)
-        failpoints.hit("read")
-        opened.release()  # reopened partition by partition below: few descriptors at a time
-
-    def fetch_remote(self, comm: Comm) -> Exchanged:
-        """Collective: the pieces held on other nodes, written in place; serve theirs."""
-        running: dict[int, int] = {}
-
-        def read(what: tuple, off: int, n: int) -> bytes:
-            source, rank, kind, group, start, length = what
-            shard = self.opened.get(source, rank)
-            out = bytearray()
-            for fd, pos, size in shard.byte_ranges(kind, group, start, length):
-                lo, hi = max(off, 0), min(off + n, size)
-                if lo < hi:
-                    out += _pread(fd, hi - lo, pos + lo, shard.path_of(fd))
-                off -= size
-            return bytes(out)
-
-        def write(key: int, off: int, data: bytes) -> int:
-            name, dst = self.dests[key]
-            pwrite_all(self._out(name), data, dst + off)
-            running[key] = crc32(data, running.get(key, 0))
-            return running[key]
-        try:
-            moved = exchange(comm, self.wanted, read, write)
-            try:
-                sync_close(self.copier, self.outs)
-            except OSError as e:  # raised by the caller on every rank, like the others
-                moved.error = moved.error or e
-            return moved
-        finally:
-            self.opened.release()
-
-    def _out(self, name: str) -> int:
-        if name not in self.outs:
-            self.outs[name] = os.open(self.tag_dir / name, os.O_WRONLY)
-        return self.outs[name]
-
-    def run(self, moved: Exchanged, progress: bool) -> tuple[dict, tuple[int, int]]:
-        """The local pieces: ({buffer: [(lo, hi, crc)]}, (bytes written, of which whole
-        source records copied unchanged))."""
-        from tqdm import tqdm
-        crcs: dict[int, list[tuple[int, int, int]]] = {}
-        written = unchanged = 0
-        copier, outs, shards = self.copier, self.outs, self.shards
-        unit = None
-        bar = tqdm(total=sum(t.hi - t.lo for t in self.tasks), unit="B", unit_scale=True,
-                   desc="rank 0 copies", disable=not progress or None, leave=False)
-        for i, (t, b, ps) in enumerate(self.plans):
-            if b.unit != unit:  # the previous unit's files are done: sync and close them
-                sync_close(copier, outs)
-                self.opened.release()
-                unit = b.unit
-            for p in ps:
-                if (p.source, p.src_rank) in shards:
-                    shards[p.source, p.src_rank].reopen()
-            out = self._out(_file(self.plan, b))
-            base = self.offsets[t.buffer]  # file offset of the buffer's byte 0
-            whole = None if (i, 0) in self.remote else _whole_record(b, t, ps, shards)
-            if whole is not None:  # a source record copied unchanged: its CRC as it is
-                shard = shards[ps[0].source, ps[0].src_rank]
-                [(fd, off, n)] = shard.byte_ranges(b.kind, ps[0].src_group, 0, ps[0].length)
-                copy_unchanged(fd, off, n, out, base, copier, shard.path_of(fd))
-                crcs.setdefault(t.buffer, []).append((t.lo, t.hi, whole))
-                written += n
-                unchanged += n
-                bar.update(n)
-                continue
-            crc, pos = 0, t.lo
-            for j, p in enumerate(ps):
-                start = p.dst_start * 4
-                crc = crc32_zeros(start - pos, crc)  # padding: the file is zeros there
-                if (i, j) in self.remote:  # written by fetch_remote: its CRC as received
-                    crc = crc32_combine(crc, moved.crcs.get(self.remote[i, j], 0),
-                                        p.length * 4)
-                else:
-                    shard = shards[p.source, p.src_rank]
-                    dst = base + start
-                    for fd, off, n in shard.byte_ranges(b.kind, p.src_group, p.src_start,
-                                                        p.length):
-                        crc = copier.copy(fd, off, n, out, dst, crc, shard.path_of(fd))
-                        dst += n
-                written += p.length * 4
-                pos = start + p.length * 4
-            crc = crc32_zeros(t.hi - pos, crc)
-            crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
-            bar.update(t.hi - t.lo)
-        bar.close()
-        sync_close(copier, outs)
-        return crcs, (written, unchanged)
-
-    def close(self) -> None:
-        self.copier.close()  # no write in flight when the descriptors close
-        for fd in self.outs.values():
-            os.close(fd)
-        self.outs.clear()
-        self.opened.release()
-
-
-def _pread(fd: int, n: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, n, offset)
-    while len(data) < n:
-        more = os.pread(fd, n - len(data), offset + len(data))
-        if not more:
-            raise CheckpointError(f"{path}: ends before byte {offset + n}; the file is "
-                                  f"truncated")
-        data += more
-    return data
-
-
-def _raise(error: Exception | None) -> None:
-    if error is not None:
-        raise error
-
-
-def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
-    """The CRC-32 of the one source record that is all of buffer b unchanged, if it is."""
-    if t.lo != 0 or t.hi != b.nbytes or len(ps) != 1:
-        return None
-    p = ps[0]
-    if p.dst_start != 0 or p.src_start != 0 or p.length * 4 != b.nbytes:
-        return None
-    rec = shards[p.source, p.src_rank].whole_record(b.kind, p.src_group)
-    return rec[0] if rec is not None and rec[1] == b.nbytes else None
-
-
-def _verify(shards: dict, plans) -> None:
-    used: dict[tuple[str, int], set] = {}
-    for _, b, ps in plans:
-        for p in ps:
-            used.setdefault((p.source, p.src_rank), set()).add((b.kind, p.src_group))
-    for key, kinds in used.items():
-        if not shards[key].meta.files.partial:
-            shards[key].verify(kinds)
 
 
 def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int, int]]],
