@@ -39,7 +39,7 @@ from mpitailor.partition_states import (merged_model_states, merged_optim, place
                                         resharded_optim)
 from mpitailor.plan import MergePlan
 from mpitailor.zero3 import opaque, ptzip
-from mpitailor.zero3.files import model_file
+from mpitailor.zero3.files import STAGE12_MODEL, model_file
 
 @dataclass
 class _Laid:
@@ -50,7 +50,8 @@ class _Laid:
     crcs: list[int | None]            # per record; None where the copy step supplies it
     flat_records: dict[int, int]      # program buffer index -> record index
     model: dict | None                # the model states, written after the optimizer file
-                                      # (None: a Universal file)
+                                      # (None: a Universal file, or a stage 1/2 partition
+    model_name: str | None = None     # but the first, which share partition 0's)
 
 
 def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = False,
@@ -165,19 +166,21 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
             flats = {(b.kind, -1): torch.empty(b.nbytes // 4, dtype=torch.float32)}
             (tag_dir / "zero" / b.param).mkdir(parents=True, exist_ok=True)
             out[u] = _lay_out_one(bufs, u, tag_dir / output_file(plan, b), flats,
-                                  flats[b.kind, -1], None)
+                                  flats[b.kind, -1], None, universal=True)
     mine = [u for u in mine if program.is_partition(bufs[first[u]])]
     if plan.target is not None and mine:  # what every partition of a reshard starts from
         base0, rank0 = rank0_states or (shards.get(plan.base, 0), rank0_model_states(plan))
         for p in mine:
-            flats = placeholders(plan.target.layout.subgroup_sizes)
+            flats = placeholders(plan.target.layout, p)
+            model = resharded_model_states(plan, p, base0, rank0) \
+                if _has_model_states(plan, p) else None
             out[p] = _lay_out_one(bufs, p, tag_dir / output_file(plan, bufs[first[p]]), flats,
-                                  resharded_optim(plan, base0, flats),
-                                  resharded_model_states(plan, p, base0, rank0))
+                                  resharded_optim(plan, base0, flats, p), model,
+                                  _model_name(plan, p))
         shards.release()
         return out
     for p in mine:
-        flats = placeholders(plan.base_meta.layout.subgroup_sizes)
+        flats = placeholders(plan.base_meta.layout, p)
         for name, _ in plan.sources:
             if not shards.local(name, p):
                 raise CheckpointError(
@@ -186,16 +189,28 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
                     f"merge in place with the layout the checkpoint was saved with (the "
                     f"same ranks per node), or pass --ranks-per-node")
         models = {name: shards.get(name, p) for name, _ in plan.sources}
+        model = merged_model_states(plan, models) if _has_model_states(plan, p) else None
         out[p] = _lay_out_one(bufs, p, tag_dir / output_file(plan, bufs[first[p]]), flats,
-                              merged_optim(plan, models[plan.base], flats),
-                              merged_model_states(plan, models))
+                              merged_optim(plan, models[plan.base], flats), model,
+                              _model_name(plan, p))
         shards.release()
     return out
 
 
-def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | None) -> _Laid:
+def _has_model_states(plan: MergePlan, p: int) -> bool:
+    """Stage 3 writes model states per partition; stages 1/2 one file, with partition 0."""
+    return p == 0 or not plan.base_meta.layout.flat
+
+
+def _model_name(plan: MergePlan, p: int) -> str:
+    return STAGE12_MODEL if plan.base_meta.layout.flat else model_file(p)
+
+
+def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | None,
+                 model_name: str | None = None, universal: bool = False) -> _Laid:
     """Lay out the torch file of `obj` (holding the placeholders `flats` of unit's buffers),
-    create it at path, write its small records."""
+    create it at path, write its small records; `model`: the model states written after it
+    (stage 3: every partition's; stage 1/2: partition 0's, for all)."""
     kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(obj) else {}
     tf = ptzip.describe(obj, **kwargs)
     layout = tf.layout()
@@ -218,8 +233,8 @@ def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | No
             crcs[i] = crc32(data)
     finally:
         os.close(fd)
-    return _Laid(path.name if model is not None else f"zero/{path.parent.name}/{path.name}",
-                 layout, crcs, flat_records, model)
+    name = f"zero/{path.parent.name}/{path.name}" if universal else path.name
+    return _Laid(name, layout, crcs, flat_records, model, model_name)
 
 
 def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int, int]]],
@@ -239,11 +254,13 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
         finally:
             os.close(fd)
         records[lay.name] = {"bytes": lay.layout.size, "crc32": f"{lay.layout.file_crc(crcs):08x}"}
-        if lay.model is None:  # a Universal file
+        if lay.name.startswith("zero/"):  # a Universal file
             failpoints.hit("export")
             continue
         failpoints.hit("write")
-        name = model_file(p)
+        if lay.model is None:  # stage 1/2: partition 0 writes the model states
+            continue
+        name = lay.model_name
         kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(lay.model) else {}
         records[name] = ptzip.write_torch_file(tag_dir / name, lay.model, **kwargs)
     return records

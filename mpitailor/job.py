@@ -326,6 +326,10 @@ class MergeOptions:
             raise UserError("--export-dtype applies to --export safetensors; add that option")
         if self.max_shard_size is not None and "safetensors" not in self.export:
             raise UserError("--max-shard-size applies to --export safetensors; add that option")
+        if "universal" in self.export and plan.base_meta.layout.flat:
+            raise UserError(f"a ZeRO stage {plan.base_meta.zero_stage} checkpoint: the Universal "
+                            f"export is for ZeRO-3 checkpoints; reshard it natively with "
+                            f"--world-size N (DeepSpeed resumes that at N ranks)")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UserError(f"--ranks-per-node {self.ranks_per_node}: give a positive count")
 

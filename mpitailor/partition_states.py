@@ -17,36 +17,44 @@ from types import SimpleNamespace
 import torch
 
 from mpitailor.plan import MergePlan
-from mpitailor.zero3.layout import KINDS
+from mpitailor.zero3.layout import KINDS, Layout
 from mpitailor.zero3.safeload import load
 
 Placeholders = dict[tuple[str, int], torch.Tensor]  # (kind, sub-group) -> placeholder
 
 
-def placeholders(sizes: tuple[int, ...]) -> Placeholders:
-    """Untouched fp32 tensors, one per (kind, sub-group): virtual memory only."""
-    return {(k, g): torch.empty(n, dtype=torch.float32) for g, n in enumerate(sizes)
-            for k in KINDS}
+# Where each layout keeps the torch optimizer's state dict and the fp32 master partitions.
+INNER = {False: "optimizer_state_dict", True: "base_optimizer_state"}
+FP32 = {False: "fp32_flat_groups", True: "single_partition_of_fp32_groups"}
+
+
+def placeholders(layout: Layout, rank: int) -> Placeholders:
+    """Untouched fp32 tensors, one per (kind, sub-group) of rank's file: virtual memory only."""
+    return {(k, g): torch.empty(layout.buffer_size(k, g, rank), dtype=torch.float32)
+            for g in range(len(layout.subgroup_sizes)) for k in KINDS}
 
 
 def merged_optim(plan: MergePlan, base, flats: Placeholders) -> dict:
     """Output partition's optimizer dict (same world size): the base's, with the plan's Adam
     step per sub-group and the flat buffers `flats`."""
+    flat = plan.base_meta.layout.flat
     osd = dict(base.optim["optimizer_state_dict"])
-    inner = dict(osd["optimizer_state_dict"])
+    inner = dict(osd[INNER[flat]])
     inner["state"] = {g: {"step": step_like(inner["state"][g]["step"], sg.step),
                           "exp_avg": flats["exp_avg", g], "exp_avg_sq": flats["exp_avg_sq", g]}
                       for g, sg in enumerate(plan.subgroups)}
-    osd["optimizer_state_dict"] = inner
-    osd["fp32_flat_groups"] = [flats["fp32", g] for g in range(len(plan.subgroups))]
+    osd[INNER[flat]] = inner
+    osd[FP32[flat]] = [flats["fp32", g] for g in range(len(plan.subgroups))]
     return {**base.optim, "optimizer_state_dict": osd}
 
 
-def resharded_optim(plan: MergePlan, base0, flats: Placeholders) -> dict:
-    """Output partition's optimizer dict at the target world size, from the base's rank 0."""
+def resharded_optim(plan: MergePlan, base0, flats: Placeholders, rank: int) -> dict:
+    """Output partition `rank`'s optimizer dict at the target world size, from the base's
+    rank 0."""
     target = plan.target
+    flat = target.layout.flat
     osd = dict(base0.optim["optimizer_state_dict"])
-    inner = dict(osd["optimizer_state_dict"])
+    inner = dict(osd[INNER[flat]])
     step_t = inner["state"][0]["step"]
     n_groups = len(target.layout.subgroup_sizes)
     inner["state"] = {g: {"step": step_like(step_t, target.steps[g]),
@@ -54,10 +62,33 @@ def resharded_optim(plan: MergePlan, base0, flats: Placeholders) -> dict:
                       for g in range(n_groups)}
     inner["param_groups"] = [{**pg, "params": list(ids)}
                              for pg, ids in zip(inner["param_groups"], target.param_groups)]
-    osd.update(optimizer_state_dict=inner, fp32_flat_groups=[flats["fp32", g]
-                                                             for g in range(n_groups)],
-               partition_count=target.world_size)
+    osd.update({INNER[flat]: inner, FP32[flat]: [flats["fp32", g] for g in range(n_groups)]})
+    if not flat:
+        osd["partition_count"] = target.world_size
+        return {**base0.optim, "optimizer_state_dict": osd}
+    layout = target.layout
+    osd["partition_count"] = [target.world_size] * n_groups
+    osd["group_paddings"] = [layout.subgroup_sizes[g] - layout.lean_size(g, rank)
+                             for g in range(n_groups)]
+    if osd.get("param_slice_mappings") is not None:
+        osd["param_slice_mappings"] = _slice_mappings(layout, rank,
+                                                      osd["param_slice_mappings"])
     return {**base0.optim, "optimizer_state_dict": osd}
+
+
+def _slice_mappings(layout: Layout, rank: int, like: list) -> list:
+    """Stage 1/2 `param_slice_mappings` of rank at the new world size: per group, name ->
+    (numel, start) of the rank's fragment, in the record type (and mapping type) of `like`."""
+    record = next((type(v) for group in like for v in group.values()), None)
+    out = []
+    for g in range(len(layout.subgroup_sizes)):
+        group = type(like[0])() if like else {}
+        for s in layout.subgroup_slots(g):
+            at, _, n = layout.held(s, rank)
+            if n:
+                group[s.name] = record(numel=n, start=at)
+        out.append(group)
+    return out
 
 
 def step_like(template, value: float):
@@ -72,12 +103,14 @@ def merged_model_states(plan: MergePlan, shards: dict) -> dict:
     `shards`: source name -> an object with `.model` (that source's model states)."""
     base = shards[plan.base].model
     model = dict(base)
+    if plan.base_meta.layout.flat:
+        model["module"] = _flat_module(plan, shards)
     if plan.frozen_source:
         model["frozen_param_fragments"] = type(base["frozen_param_fragments"])(
             (name, shards[src].model["frozen_param_fragments"][name])
             for name, src in plan.frozen_source)
     buffers = set(base.get("buffer_names") or ())
-    if buffers:
+    if buffers and not plan.base_meta.layout.flat:
         key_source = dict(plan.layer_source)
         classify = plan.classifier()
         module = type(base["module"])()
@@ -86,6 +119,22 @@ def merged_model_states(plan: MergePlan, shards: dict) -> dict:
             module[name] = shards[src].model["module"][name]
         model["module"] = module
     return model
+
+
+def _flat_module(plan: MergePlan, shards: dict):
+    """Stage 1/2 model states hold the whole model (16-bit weights, buffers): each entry
+    from the source of its layer, a tied alias from the source of the parameter it names.
+    The 16-bit weights are the source's own: DeepSpeed keeps them equal to its fp32 master
+    weights cast down, so they are the merged fp32 weights cast down."""
+    base = shards[plan.base].model["module"]
+    key_source = dict(plan.layer_source)
+    classify = plan.classifier()
+    aliases = dict(plan.base_meta.shared_params)
+    module = type(base)()
+    for name in base:
+        src = key_source.get(classify(aliases.get(name, name)), plan.base)
+        module[name] = shards[src].model["module"][name]
+    return module
 
 
 def rank0_model_states(plan: MergePlan) -> dict:
@@ -99,11 +148,13 @@ def resharded_model_states(plan: MergePlan, rank: int, base0, rank0: dict) -> di
     rank-0 model states (rank0_model_states)."""
     target = plan.target
     model = merged_model_states(plan, rank0)
+    model["dp_world_size"] = target.world_size
+    if target.layout.flat:  # one file for all ranks; frozen parameters are kept whole
+        return model
     model["param_shapes"] = [
         type(base0.model["param_shapes"][0])((s.name, torch.Size(s.shape))
                                              for s in target.layout.subgroup_slots(g))
         for g in range(len(target.layout.subgroup_sizes))]
-    model["dp_world_size"] = target.world_size
     if rank != 0:
         model["shared_params"] = {}
     if plan.frozen_source:

@@ -26,8 +26,8 @@ DTYPE_ALIASES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": 
 @dataclass(frozen=True, slots=True)
 class CopyRun:
     source: str
-    start: int   # element offset in the sub-group's flat buffer (same on every rank)
-    length: int
+    start: int   # element offset in the sub-group's flat buffer (stage 3: the same on every
+    length: int  # rank; stages 1/2: in the whole group's buffer, which the ranks cut up)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,8 @@ class MergePlan:
         for sg in self.subgroups:
             for run in sg.runs:
                 out[run.source] += run.length * BYTES_PER_ELEMENT
+        if self.base_meta.layout.flat:  # runs span the whole group: a partition reads 1/W
+            return {name: n // self.world_size for name, n in out.items()}
         return out
 
 

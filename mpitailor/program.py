@@ -1,6 +1,6 @@
 """The copy program of a merge or reshard (and its Universal export): what every byte of
 every output flat buffer is made of, and which MPI rank makes it. Pure: no torch, no MPI,
-no I/O.
+no I/O. ZeRO stages 1/2 (flat layouts) and 3 alike: the layout says where elements lie.
 
 An output partition's optimizer file holds three fp32 flat buffers per sub-group (fp32
 master, exp_avg, exp_avg_sq; one layout). Each buffer is a sequence of `Piece`s, element runs
@@ -56,9 +56,9 @@ def buffers(plan: MergePlan, universal: bool = False) -> tuple[Buffer, ...]:
     """Every output flat buffer, partition by partition, in file order within one; then,
     with `universal`, every parameter's three Universal files, in model order."""
     layout = plan.target.layout if plan.target else plan.base_meta.layout
-    out = [Buffer(p, kind, g, n * ELEMENT)
+    out = [Buffer(p, kind, g, layout.buffer_size(kind, g, p) * ELEMENT)
            for p in range(layout.world_size)
-           for g, n in enumerate(layout.subgroup_sizes) for kind in KINDS]
+           for g in range(len(layout.subgroup_sizes)) for kind in KINDS]
     if universal:
         files = [(s, kind) for s in plan.base_meta.layout.slots for kind in KINDS]
         out += [Buffer(layout.world_size + i, kind, -1, s.numel * ELEMENT, s.name)
@@ -121,18 +121,25 @@ def param_pieces(plan: MergePlan, name: str) -> list[Piece]:
     """The pieces of a whole parameter (Universal file), from the source it comes from:
     source rank r holds its elements [r * pn, min((r + 1) * pn, numel))."""
     src = dict(plan.param_source)[name]
-    s = plan.meta(src).layout.by_name()[name]
-    return [Piece(src, r, s.subgroup, s.offset, -1, r * s.length, s.valid(r))
-            for r in range(plan.meta(src).world_size) if s.valid(r) > 0]
+    layout = plan.meta(src).layout
+    s = layout.by_name()[name]
+    held = [(r, *layout.held(s, r)) for r in range(layout.world_size)]
+    return [Piece(src, r, s.subgroup, at, -1, first, n) for r, at, first, n in held if n > 0]
 
 
 def pieces(plan: MergePlan, partition: int) -> dict[int, list[Piece]]:
     """Output sub-group -> the element pieces of output `partition`'s buffers, in order."""
     out: dict[int, list[Piece]] = {}
     if plan.target is None:
+        layout = plan.base_meta.layout
         for g, sg in enumerate(plan.subgroups):
-            out[g] = [Piece(r.source, partition, g, r.start, g, r.start, r.length)
-                      for r in sg.runs]
+            # stage 3: runs are in every rank's coordinates; flat: in the group's, and
+            # the partition is its window of them
+            lo = layout.window(g, partition)
+            hi = lo + layout.subgroup_sizes[g]
+            out[g] = [Piece(r.source, partition, g, a - lo, g, a - lo, b - a)
+                      for r in sg.runs
+                      if (a := max(lo, r.start)) < (b := min(hi, r.start + r.length))]
         return out
     for p in pieces_for(plan.target, partition, plan.base_meta.layout, dict(plan.param_source)):
         out.setdefault(p.dst_group, []).append(p)

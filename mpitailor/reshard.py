@@ -1,10 +1,11 @@
-"""Resharding: the ZeRO-3 layout a checkpoint must have at another world size, and where
+"""Resharding: the ZeRO layout a checkpoint must have at another world size, and where
 each output partition's elements live in the sources. Pure: no I/O.
 
-At world size W a parameter of n elements has pn = ceil(n / W) elements per rank, and
-DeepSpeed closes an optimizer sub-group (per param group, walking its parameters in order)
-once the per-rank sizes add up to `sub_group_size`: sub-group boundaries move with W. The
-target keeps the parameter order and the param groups, and recomputes the rest.
+Stage 3: at world size W a parameter of n elements has pn = ceil(n / W) elements per rank,
+and DeepSpeed closes an optimizer sub-group (per param group, walking its parameters in
+order) once the per-rank sizes add up to `sub_group_size`: sub-group boundaries move with W.
+Stages 1/2: each param group stays one flat buffer, padded and cut for the new W. The target
+keeps the parameter order and the param groups, and recomputes the rest.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from mpitailor.zero3 import CheckpointMeta, Layout, compute_layout
+from mpitailor.zero3.layout import compute_flat_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +44,8 @@ class Piece:
 
 
 def target_layout(ref: CheckpointMeta, world_size: int, step_of) -> Target:
-    """Sub-groups as DeepSpeed forms them at `world_size`; step_of(g_new, names) -> step."""
+    """Sub-groups as DeepSpeed forms them at `world_size`; step_of(g_new, names) -> step.
+    Stages 1/2 (flat layouts) keep one flat group per param group."""
     by_sub = [[s.name for s in ref.layout.subgroup_slots(g)]
               for g in range(len(ref.layout.subgroup_sizes))]
     shapes = {s.name: s.shape for s in ref.layout.slots}
@@ -51,11 +54,14 @@ def target_layout(ref: CheckpointMeta, world_size: int, step_of) -> Target:
     for old_ids in ref.param_groups:
         names = [n for g in old_ids for n in by_sub[g]]
         ids = []
-        for chunk in close_subgroups(names, shapes, world_size, ref.sub_group_size):
+        chunks = [names] if ref.layout.flat else close_subgroups(names, shapes, world_size,
+                                                                 ref.sub_group_size)
+        for chunk in chunks:
             ids.append(len(subs))
             subs.append(chunk)
         groups.append(tuple(ids))
-    layout = compute_layout([{n: shapes[n] for n in chunk} for chunk in subs], world_size)
+    make = compute_flat_layout if ref.layout.flat else compute_layout
+    layout = make([{n: shapes[n] for n in chunk} for chunk in subs], world_size)
     steps = tuple(step_of(g, chunk) for g, chunk in enumerate(subs))
     return Target(layout, tuple(groups), steps)
 
@@ -82,12 +88,12 @@ def pieces_for(target: Target, rank: int, src_layout: Layout,
     out = []
     for s2 in target.layout.slots:
         s1 = old[s2.name]
-        lo, hi = rank * s2.length, min((rank + 1) * s2.length, s2.numel)
-        e = lo
-        while e < hi:  # element e of the parameter lives on source rank e // pn1
-            r1, within = divmod(e, s1.length)
-            n = min(hi - e, s1.length - within)
-            out.append(Piece(param_source[s2.name], r1, s1.subgroup, s1.offset + within,
-                             s2.subgroup, s2.offset + (e - lo), n))
-            e += n
+        at, lo, n = target.layout.held(s2, rank)
+        e, hi = lo, lo + n
+        while e < hi:  # element e of the parameter, where the sources hold it
+            r1, at1, run = src_layout.locate(s1, e)
+            k = min(hi - e, run)
+            out.append(Piece(param_source[s2.name], r1, s1.subgroup, at1, s2.subgroup,
+                             at + (e - lo), k))
+            e += k
     return out

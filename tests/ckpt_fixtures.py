@@ -38,7 +38,13 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "hf_w2_bf16": (dict(world_size=2, dtype="bf16"), HF_MODULE),
     "hf_w3_bf16_weights_tied": (dict(world_size=3, dtype="bf16", tie=True, save_16bit=True),
                                 HF_MODULE),
-    "w2_stage2": (dict(world_size=2, zero_stage=2, steps=2, save_at=(2,)), None),
+    # ZeRO stages 1 and 2: flat partitions, one model-states file.
+    "s2_w2_bf16_per_layer": (dict(world_size=2, zero_stage=2, dtype="bf16",
+                                  grouping="per_layer"), None),
+    "s2_w3_fp32_decay_tied_frozen": (dict(world_size=3, zero_stage=2, grouping="decay",
+                                          tie=True, frozen=FROZEN), None),
+    "s1_w2_fp32_one": (dict(world_size=2, zero_stage=1), None),
+    "hf_s2_w2_bf16": (dict(world_size=2, zero_stage=2, dtype="bf16"), HF_MODULE),
     # Big enough (~12 MB of optimizer state per rank) that per-file metadata is noise.
     "w2_fp32_wide": (dict(world_size=2, hidden=256, intermediate=512, vocab=2048,
                           steps=6, save_at=(3, 6)), None),
@@ -56,7 +62,9 @@ SAVING_VARIANTS: dict[str, tuple[dict, str | None]] = {
     "hf_w2_parity": (dict(world_size=2, steps=8, save_at=(2, 4, 6, 8),
                           policy={"name": "parity"}), HF_MODULE),
 }
-ZERO3_VARIANTS = [n for n in VARIANTS if n not in ("w2_stage2", "w2_fp32_wide")]
+STAGE12_VARIANTS = ["s2_w2_bf16_per_layer", "s2_w3_fp32_decay_tied_frozen", "s1_w2_fp32_one",
+                    "hf_s2_w2_bf16"]
+ZERO3_VARIANTS = [n for n in VARIANTS if n not in ("w2_fp32_wide", *STAGE12_VARIANTS)]
 VARIANTS.update(SAVING_VARIANTS)
 
 

@@ -2,7 +2,8 @@
 
 `check_merge` compares every parameter slice of every output rank (fp32 master, exp_avg,
 exp_avg_sq; padding excluded) with the same slice of the source the test says that layer
-must come from, plus frozen fragments, counters and per-sub-group Adam steps.
+must come from, plus frozen fragments, counters and per-sub-group Adam steps; for ZeRO
+stages 1/2 also every 16-bit weight and buffer of the one model-states file.
 """
 from __future__ import annotations
 
@@ -36,13 +37,19 @@ def check_merge(out: Path, expected: dict[str, Path], base: Path) -> None:
 
 
 def _check_rank(m, shards, expected, base) -> None:
-    for slot in m.meta.layout.slots:
+    layout = m.meta.layout
+    for slot in layout.slots:
         src = shards[expected[classify(slot.name)]]
-        n = slot.valid(m.rank)
+        at, _, n = layout.held(slot, m.rank)
         for kind in KINDS:
-            got = m.read(kind, slot.subgroup, slot.offset, n)
-            want = src.read(kind, slot.subgroup, slot.offset, n)
+            got = m.read(kind, slot.subgroup, at, n)
+            want = src.read(kind, slot.subgroup, at, n)
             assert torch.equal(got, want), (slot.name, kind, m.rank)
+    if layout.flat:  # stage 1/2: the whole model's 16-bit weights, each from its source
+        aliases = dict(m.meta.shared_params)
+        for name, t in m.model["module"].items():
+            want = shards[expected[classify(aliases.get(name, name))]].model["module"][name]
+            assert torch.equal(t, want), name
     for name, frag in (m.model.get("frozen_param_fragments") or {}).items():
         want = shards[expected[classify(name)]].model["frozen_param_fragments"][name]
         assert torch.equal(frag, want), name

@@ -20,13 +20,15 @@ def recipe_env(new: Path, old: Path, out: Path) -> dict[str, str]:
     return {"NEW": str(new), "OLD": str(old), "OUT": str(out)}
 
 
-def merge_in_process(recipe: str | Path, env: dict[str, str], monkeypatch, comm=None):
-    """Serial merge through the library API (a world of one unless comm is given)."""
+def merge_in_process(recipe: str | Path, env: dict[str, str], monkeypatch, comm=None,
+                     world_size: int | None = None):
+    """Serial merge through the library API (a world of one unless comm is given);
+    world_size: reshard to it."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     comm = comm or Comm(None)
     path = recipe if Path(recipe).is_absolute() else RECIPES / recipe
-    _, plan = plan_merge(comm, str(path))
+    _, plan = plan_merge(comm, str(path), world_size=world_size)
     return merge(comm, plan, progress=False)
 
 

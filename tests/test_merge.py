@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_fixtures import ZERO3_VARIANTS, build
+from ckpt_fixtures import STAGE12_VARIANTS, ZERO3_VARIANTS, build
 from conftest import tree_digest
 from merge_check import assert_same, check_merge, filter_first_last, parity
 from merging import merge_in_process, recipe_env
@@ -15,7 +15,7 @@ RECIPES = {"parity.yml": parity, "filter.yml": filter_first_last, "layer-pattern
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-@pytest.mark.parametrize("name", ZERO3_VARIANTS)
+@pytest.mark.parametrize("name", ZERO3_VARIANTS + STAGE12_VARIANTS)
 def test_merge_takes_every_slice_from_its_source(ckpt, tmp_path, monkeypatch, name, recipe):
     new, old = ckpt(name, 10), ckpt(name, 5)
     before = tree_digest(build(name))

@@ -17,7 +17,9 @@ from mpitailor.zero3.read import read_meta
 
 
 @pytest.mark.parametrize("name,world", [("w2_bf16_small_subgroups_tied_frozen", 3),
-                                        ("w4_fp32_per_layer", 2)])
+                                        ("w4_fp32_per_layer", 2),
+                                        ("s2_w3_fp32_decay_tied_frozen", 2),
+                                        ("s2_w2_bf16_per_layer", 3)])
 def test_resharded_merge_resumes_and_matches(ckpt, tmp_path, monkeypatch, name, world):
     new, old = ckpt(name, 10), ckpt(name, 5)
     plain = tmp_path / "plain"
@@ -38,6 +40,28 @@ def test_resharded_merge_resumes_and_matches(ckpt, tmp_path, monkeypatch, name, 
     result = launch(spec)
     assert result["world_size"] == world and result["global_steps"] == 13
     assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
+
+
+def test_stage1_reshard_there_and_back_is_the_identity(ckpt, tmp_path, monkeypatch):
+    """ZeRO stage 1, 2 -> 3 -> 2 ranks: the same bytes as the checkpoint merged with itself,
+    and DeepSpeed resumes it loss for loss like the original."""
+    name = "s1_w2_fp32_one"
+    src = ckpt(name, 10)
+    identity = tmp_path / "identity"
+    merge_in_process("parity.yml", recipe_env(src, src, identity), monkeypatch)
+    there, back = tmp_path / "w3", tmp_path / "w2"
+    merge_in_process("parity.yml", recipe_env(src, src, there), monkeypatch,
+                     world_size=3)
+    assert read_meta(there).world_size == 3
+    merge_in_process("parity.yml", recipe_env(there / "global_step10", there / "global_step10",
+                                              back), monkeypatch, world_size=2)
+    for f in sorted((identity / "global_step10").iterdir()):
+        assert f.read_bytes() == (back / "global_step10" / f.name).read_bytes(), f.name
+    spec = replace(spec_for(name, tmp_path / "r"), steps=13, save_at=())
+    a = launch(replace(spec, load_dir=str(back), load_tag="global_step10"))
+    b = launch(replace(spec, load_dir=str(src.parent), load_tag="global_step10",
+                       save_dir=str(tmp_path / "r2")))
+    assert a["losses"] == b["losses"] and len(a["losses"]) == 3
 
 
 def test_reshard_to_the_same_world_size_is_a_plain_merge(ckpt, tmp_path):

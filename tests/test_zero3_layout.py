@@ -5,8 +5,9 @@ import pytest
 import torch
 from deepspeed.utils import zero_to_fp32 as z2f
 
-from ckpt_fixtures import ZERO3_VARIANTS
+from ckpt_fixtures import STAGE12_VARIANTS, ZERO3_VARIANTS
 from mpitailor.zero3 import compute_layout
+from mpitailor.zero3.layout import compute_flat_layout
 from mpitailor.zero3.consolidate import consolidate
 from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.shard import open_shard
@@ -19,11 +20,16 @@ def deepspeed_moments(tag_dir, meta, kind: str) -> dict[str, torch.Tensor]:
     shards = [open_shard(meta, r) for r in range(meta.world_size)]
     groups = [[s.read(kind, g) for g in range(len(meta.layout.subgroup_sizes))] for s in shards]
     out: dict = {}
-    z2f._zero3_merge_trainable_params(out, meta.world_size, groups, states)
+    if meta.layout.flat:  # stage 1/2: DeepSpeed's reader takes the partitions unpadded
+        groups = [[t[:meta.layout.lean_size(g, r)] for g, t in enumerate(ts)]
+                  for r, ts in enumerate(groups)]
+        z2f._zero2_merge_trainable_params(out, meta.world_size, groups, states)
+    else:
+        z2f._zero3_merge_trainable_params(out, meta.world_size, groups, states)
     return {k: v.contiguous() for k, v in out.items()}
 
 
-@pytest.mark.parametrize("name", ZERO3_VARIANTS)
+@pytest.mark.parametrize("name", ZERO3_VARIANTS + STAGE12_VARIANTS)
 @pytest.mark.parametrize("step", [5, 10])
 def test_weights_match_deepspeed_consolidation(ckpt, name, step):
     path = ckpt(name, step)
@@ -37,7 +43,7 @@ def test_weights_match_deepspeed_consolidation(ckpt, name, step):
         assert torch.equal(ours[aliases.get(name_, name_)], t), name_
 
 
-@pytest.mark.parametrize("name", ZERO3_VARIANTS)
+@pytest.mark.parametrize("name", ZERO3_VARIANTS + STAGE12_VARIANTS)
 def test_moments_match_deepspeed_reconstruction(ckpt, name):
     meta = read_meta(ckpt(name, 10))
     ours = consolidate(meta, kinds=("exp_avg", "exp_avg_sq"))
@@ -60,6 +66,40 @@ def test_slot_table_accounts_for_every_element(ckpt, name):
                                              for i in range(len(slots))]
     for s in layout.slots:
         assert sum(s.valid(r) for r in range(layout.world_size)) == s.numel
+
+
+@pytest.mark.parametrize("name", STAGE12_VARIANTS)
+def test_flat_layout_tiles_each_group(ckpt, name):
+    """Stage 1/2: the ranks' partitions tile each group's parameters, in order, once."""
+    layout = read_meta(ckpt(name, 5)).layout
+    assert layout.flat
+    for g, size in enumerate(layout.subgroup_sizes):
+        slots = layout.subgroup_slots(g)
+        used = sum(s.numel for s in slots)
+        assert size * layout.world_size >= used and size % 2 == 0
+        for s in slots:
+            held = [layout.held(s, r) for r in range(layout.world_size)]
+            starts = [first for _, first, n in held if n]
+            assert sum(n for *_, n in held) == s.numel and starts == sorted(starts)
+            for r, (at, first, n) in enumerate(held):
+                if n:  # the element at `at` of rank r is element `first` of the parameter
+                    assert layout.locate(s, first)[:2] == (r, at)
+                    assert at + n <= layout.lean_size(g, r)
+
+
+def test_flat_layout_arithmetic():
+    """Groups are padded to a multiple of 2W, cut into W partitions; a parameter can
+    straddle ranks, and the fp32 partitions are stored without their padding."""
+    layout = compute_flat_layout([{"a": (5,), "b": (2, 3)}, {"c": (1,)}], world_size=4)
+    a, b, c = layout.slots
+    assert layout.subgroup_sizes == (4, 2)     # 11 -> 16 elements; 1 -> 8
+    assert [layout.held(a, r) for r in range(4)] == [(0, 0, 4), (0, 4, 1), (0, 0, 0),
+                                                    (0, 0, 0)]
+    assert [layout.held(b, r) for r in range(4)] == [(0, 0, 0), (1, 0, 3), (0, 3, 3),
+                                                    (0, 0, 0)]
+    assert [layout.lean_size(0, r) for r in range(4)] == [4, 4, 3, 0]
+    assert [layout.held(c, r)[2] for r in range(4)] == [1, 0, 0, 0]
+    assert layout.buffer_size("exp_avg", 0, 3) == 4 and layout.buffer_size("fp32", 0, 3) == 0
 
 
 def test_layout_padding_arithmetic():

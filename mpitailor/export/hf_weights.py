@@ -40,6 +40,7 @@ from mpitailor.export.hf_layout import (
 from mpitailor.extras import weight_files
 from mpitailor.stwrite import as_bytes
 from mpitailor.zero3 import CheckpointMeta, Slot
+from mpitailor.zero3.consolidate import read_range
 from mpitailor.zero3.shard import RankShard, open_all_shards
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -180,11 +181,7 @@ def _elements(shards: Sequence[RankShard], slot: Slot | None, name: str, a: int,
             yield _frozen_range(shards, name, lo, hi)
             continue
         out = buf[: hi - lo]
-        for s in shards:  # rank r holds elements [r * length, r * length + valid(r))
-            first = s.rank * slot.length
-            x, y = max(lo, first), min(hi, first + slot.valid(s.rank))
-            if x < y:
-                s.read_into("fp32", slot.subgroup, slot.offset + x - first, out[x - lo: y - lo])
+        read_range(shards, slot, "fp32", lo, out)
         yield out
 
 

@@ -14,24 +14,19 @@ def full_tensor(shards: Sequence[RankShard], slot: Slot, kind: str) -> torch.Ten
     """The whole parameter `slot` of kind fp32/exp_avg/exp_avg_sq, from all ranks' shards,
     each rank's real elements read straight into their place (no per-rank copies)."""
     out = torch.empty(slot.numel, dtype=torch.float32)
-    pos = 0
-    for s in shards:
-        n = slot.valid(s.rank)
-        if n:
-            s.read_into(kind, slot.subgroup, slot.offset, out[pos: pos + n])
-        pos += n
+    read_range(shards, slot, kind, 0, out)
     return out.view(slot.shape)
 
 
 def read_range(shards: Sequence, slot: Slot, kind: str, lo: int, out: torch.Tensor) -> None:
     """Elements [lo, lo + out.numel()) of the whole parameter `slot` (flattened) into `out`,
-    from the ranks that hold them (rank r: elements [r * length, r * length + valid(r)))."""
+    from the ranks that hold them (layout.held)."""
     hi = lo + out.numel()
     for s in shards:
-        first = s.rank * slot.length
-        a, b = max(lo, first), min(hi, first + slot.valid(s.rank))
+        at, first, n = s.meta.layout.held(slot, s.rank)
+        a, b = max(lo, first), min(hi, first + n)
         if a < b:
-            s.read_into(kind, slot.subgroup, slot.offset + a - first, out[a - lo: b - lo])
+            s.read_into(kind, slot.subgroup, at + a - first, out[a - lo: b - lo])
 
 
 def frozen_tensor(shards: Sequence[RankShard], name: str, shape: tuple[int, ...]) -> torch.Tensor:

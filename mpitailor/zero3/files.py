@@ -1,4 +1,7 @@
-"""Find the rank files of a DeepSpeed ZeRO-3 checkpoint on disk.
+"""Find the rank files of a DeepSpeed ZeRO checkpoint on disk.
+
+ZeRO-3 writes a model-states file per rank; stages 1 and 2 write one (`mp_rank_00_model_
+states.pt`, the whole model) beside the per-rank optimizer files.
 
 A checkpoint may be named by its tag dir (`save/global_step10`), by a save dir whose
 `latest` file names the tag, or by an HF Trainer `checkpoint-N/` (a save dir with extras).
@@ -72,13 +75,16 @@ class CheckpointFiles:
     bf16_prefix: bool
     save_dir: Path | None  # the dir holding `latest` (and HF extras), if named that way
     partial: bool = False  # an mpitailor partial checkpoint rather than a DeepSpeed one
+    flat: bool = False     # ZeRO stage 1/2: one model-states file for all ranks
 
     @property
     def tag(self) -> str:
         return self.tag_dir.name
 
     def model_path(self, rank: int) -> Path:
-        return self.tag_dir / (partial_files(rank)["model"] if self.partial else model_file(rank))
+        if self.partial:
+            return self.tag_dir / partial_files(rank)["model"]
+        return self.tag_dir / (STAGE12_MODEL if self.flat else model_file(rank))
 
     def optim_path(self, rank: int) -> Path:
         """DeepSpeed's optim states; for a partial checkpoint, its non-tensor part."""
@@ -177,15 +183,18 @@ def _scan_tag_dir(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> Checkpoin
             f"mpitailor merges data-parallel ZeRO-3 checkpoints only (mp_world_size 1)")
     model_ranks = sorted(int(m.group(1)) for n in names if (m := MODEL_RE.fullmatch(n)))
     optim = [(bool(m.group(1)), int(m.group(2))) for n in names if (m := OPTIM_RE.fullmatch(n))]
-    if not model_ranks and STAGE12_MODEL in names:
+    flat = not model_ranks and STAGE12_MODEL in names
+    if flat and not optim:
         raise CheckpointError(
-            f"{tag_dir}: a ZeRO stage 1/2 (or non-ZeRO) checkpoint; mpitailor supports ZeRO "
-            f"stage 3 only (stage 1/2 layouts are not supported)")
+            f"{tag_dir}: {STAGE12_MODEL} without zero_pp_rank_*_optim_states.pt files: a "
+            f"checkpoint saved without ZeRO; mpitailor merges ZeRO stage 1, 2 and 3 checkpoints")
+    if flat:
+        model_ranks = sorted(r for _, r in optim)
     if not model_ranks:
         raise CheckpointError(f"{tag_dir}: no zero_pp_rank_*_model_states.pt files")
     world = max(model_ranks) + 1
     missing = sorted(set(range(world)) - set(model_ranks))
-    if missing:
+    if missing and not flat:
         raise CheckpointError(f"{tag_dir}: missing {model_file(missing[0])} "
                               f"(have ranks {model_ranks}); the checkpoint is incomplete")
     prefixes = {bf16 for bf16, _ in optim}
@@ -202,4 +211,4 @@ def _scan_tag_dir(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> Checkpoin
         raise CheckpointError(f"{tag_dir}: optim_states for ranks {optim_ranks} but model "
                               f"states for ranks 0..{world - 1}; files from different runs?")
     return CheckpointFiles(tag_dir=tag_dir, world_size=world, bf16_prefix=bf16,
-                           save_dir=save_dir)
+                           save_dir=save_dir, flat=flat)

@@ -1,10 +1,19 @@
-"""ZeRO-3 partition arithmetic: where each parameter's slice lives in a rank's flat buffers.
+"""ZeRO partition arithmetic: where each parameter's elements live in a rank's flat buffers.
 
-Every parameter is partitioned on its own: with world size W and n elements, each rank
-holds pn = ceil(n / W) elements, rank r the elements [r*pn, (r+1)*pn) of the zero-padded
-parameter; the last ranks' slices end in pn*W - n padding elements of undefined content.
-A rank's flat buffer for sub-group g is the concatenation of its slices of the parameters
-of `param_shapes[g]`, in order. exp_avg and exp_avg_sq share that layout.
+Stage 3: every parameter is partitioned on its own: with world size W and n elements, each
+rank holds pn = ceil(n / W) elements, rank r the elements [r*pn, (r+1)*pn) of the
+zero-padded parameter; the last ranks' slices end in pn*W - n padding elements of undefined
+content. A rank's flat buffer for sub-group g is the concatenation of its slices of the
+parameters of `param_shapes[g]`, in order. exp_avg and exp_avg_sq share that layout.
+
+Stages 1 and 2 (`flat` layouts): each param group's parameters are concatenated, in
+`param_shapes[g]` order, into one flat buffer of N elements, zero-padded to a multiple of
+2W (DeepSpeed's nccl_start_alignment_factor times W) and cut into W equal partitions of P
+elements: rank r holds flat elements [r*P, (r+1)*P). A parameter can straddle ranks; the
+padding is at the end. The optimizer file keeps the Adam moments whole (P elements) but the
+fp32 master partition without its padding (`lean_size`).
+
+`held(slot, rank)` and `locate(slot, e)` answer "which elements where" for both.
 """
 from __future__ import annotations
 
@@ -24,8 +33,8 @@ class Slot:
     name: str
     shape: tuple[int, ...]
     subgroup: int
-    offset: int  # start within the sub-group's flat buffer (the same on every rank)
-    length: int  # pn: elements per rank, padding included
+    offset: int  # stage 3: start within every rank's sub-group buffer; flat: within the group
+    length: int  # stage 3: pn, elements per rank, padding included; flat: numel
 
     @property
     def numel(self) -> int:
@@ -43,12 +52,49 @@ class Layout:
     world_size: int
     slots: tuple[Slot, ...]
     subgroup_sizes: tuple[int, ...]  # elements per rank in each sub-group's flat buffer
+    flat: bool = False               # stages 1/2: a group's parameters in one flat buffer
 
     def by_name(self) -> dict[str, Slot]:
         return {s.name: s for s in self.slots}
 
     def subgroup_slots(self, g: int) -> tuple[Slot, ...]:
         return tuple(s for s in self.slots if s.subgroup == g)
+
+    def held(self, slot: Slot, rank: int) -> tuple[int, int, int]:
+        """(offset in rank's buffer, first element of the parameter, count) of the part of
+        `slot` that rank holds; count 0 when it holds none (padding excluded)."""
+        if not self.flat:
+            return slot.offset, rank * slot.length, slot.valid(rank)
+        p = self.subgroup_sizes[slot.subgroup]
+        lo, hi = max(slot.offset, rank * p), min(slot.offset + slot.numel, (rank + 1) * p)
+        if lo >= hi:
+            return 0, 0, 0
+        return lo - rank * p, lo - slot.offset, hi - lo
+
+    def locate(self, slot: Slot, e: int) -> tuple[int, int, int]:
+        """Element e of the parameter: (rank, offset in that rank's buffer, how many
+        elements from there on are contiguous on that rank)."""
+        if not self.flat:
+            rank, within = divmod(e, slot.length)
+            return rank, slot.offset + within, slot.length - within
+        rank, within = divmod(slot.offset + e, self.subgroup_sizes[slot.subgroup])
+        return rank, within, self.subgroup_sizes[slot.subgroup] - within
+
+    def window(self, g: int, rank: int) -> int:
+        """Where rank's buffer of sub-group g starts, in the coordinates of the slots'
+        offsets: 0 for stage 3 (per-rank offsets), rank * P for flat layouts."""
+        return rank * self.subgroup_sizes[g] if self.flat else 0
+
+    def buffer_size(self, kind: str, g: int, rank: int) -> int:
+        """Elements of rank's buffer of (kind, sub-group g) as the optimizer file stores it."""
+        return self.lean_size(g, rank) if self.flat and kind == "fp32" else self.subgroup_sizes[g]
+
+    def lean_size(self, g: int, rank: int) -> int:
+        """Elements of rank's fp32 master partition of group g as a flat (stage 1/2) file
+        stores it: the partition without its padding."""
+        p = self.subgroup_sizes[g]
+        used = sum(s.numel for s in self.subgroup_slots(g))
+        return max(0, min(p, used - rank * p))
 
 
 def compute_layout(param_shapes: Sequence[Mapping[str, Sequence[int]]],
@@ -66,3 +112,24 @@ def compute_layout(param_shapes: Sequence[Mapping[str, Sequence[int]]],
             off += pn
         sizes.append(off)
     return Layout(world_size, tuple(slots), tuple(sizes))
+
+
+ALIGNMENT = 2  # DeepSpeed stage 1/2 nccl_start_alignment_factor: a group is padded to 2W
+
+
+def compute_flat_layout(param_shapes: Sequence[Mapping[str, Sequence[int]]],
+                        world_size: int) -> Layout:
+    """Stage 1/2 slot table: each group one flat buffer, padded to a multiple of 2W and
+    split into W equal partitions."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    slots, sizes = [], []
+    for g, shapes in enumerate(param_shapes):
+        off = 0
+        for name, shape in shapes.items():
+            shape = tuple(int(d) for d in shape)
+            slots.append(Slot(name, shape, g, off, math.prod(shape)))
+            off += math.prod(shape)
+        align = ALIGNMENT * world_size
+        sizes.append(math.ceil(off / align) * align // world_size)
+    return Layout(world_size, tuple(slots), tuple(sizes), flat=True)

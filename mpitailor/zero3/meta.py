@@ -1,4 +1,4 @@
-"""What one ZeRO-3 checkpoint is: layout, counters, groups, dtype. The record only.
+"""What one ZeRO checkpoint is: layout, counters, groups, dtype. The record only.
 
 The record is small, frozen and picklable, so rank 0 can read it once and broadcast it;
 each rank then checks its own rank files against it when it opens them (`shard.py`).
@@ -36,6 +36,7 @@ class CheckpointMeta:
     # partial checkpoints: the manifest's record of every file ((name, record) pairs), read
     # once with the rest, so that nodes without the manifest can check their ranks' files
     partial_records: tuple[tuple[str, object], ...] = ()
+    zero_stage: int = 3  # 1 and 2 have flat layouts (layout.flat) and one model-states file
 
     @property
     def world_size(self) -> int:

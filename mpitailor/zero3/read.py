@@ -14,7 +14,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.zero3 import files as zfiles
 from mpitailor.zero3.files import CheckpointFiles
 from mpitailor.zero3.fsview import LOCAL
-from mpitailor.zero3.layout import compute_layout
+from mpitailor.zero3.layout import compute_flat_layout, compute_layout
 from mpitailor.zero3.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
 from mpitailor.zero3.rawio import materialize
 from mpitailor.zero3.safeload import load
@@ -33,37 +33,41 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
     _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
     _require_keys(files.optim_path(0), optim, ("optimizer_state_dict",))
     osd = optim["optimizer_state_dict"]
-    stage = int(osd.get("zero_stage", 3))
-    if stage != 3:
-        raise CheckpointError(f"{files.optim_path(0)}: a ZeRO stage {stage} checkpoint; "
-                              f"mpitailor supports ZeRO stage 3 only (not supported)")
+    stage = _stage(files, osd)
     if int(model.get("mp_world_size") or 1) > 1:
         raise CheckpointError(f"{files.model_path(0)}: mp_world_size="
                               f"{model['mp_world_size']}: a tensor/pipeline-parallel checkpoint; "
-                              f"mpitailor merges data-parallel ZeRO-3 checkpoints only")
+                              f"mpitailor merges data-parallel ZeRO checkpoints only")
     world = int(model["dp_world_size"])
     if world > files.world_size:
         raise CheckpointError(
             f"{files.tag_dir}: the files of ranks 0-{files.world_size - 1}, but the checkpoint "
-            f"was saved by {world} ranks: {zfiles.model_file(files.world_size)} and those "
+            f"was saved by {world} ranks: {files.optim_path(files.world_size).name} and those "
             f"after it are missing (node-local storage: run on every node that holds the "
             f"checkpoint's files)")
-    if world != files.world_size or int(osd.get("partition_count", world)) != world:
+    counts = osd.get("partition_count", world)
+    counts = set(counts) if isinstance(counts, (list, tuple)) else {counts}
+    if world != files.world_size or {int(c) for c in counts} != {world}:
         raise CheckpointError(
             f"{files.tag_dir}: {files.world_size} rank files but dp_world_size={world} and "
             f"partition_count={osd.get('partition_count')}; files from different runs?")
-    layout = compute_layout(_checked_shapes(files.model_path(0), model["param_shapes"]), world)
-    inner = osd["optimizer_state_dict"]
+    shapes = _checked_shapes(files.model_path(0), model["param_shapes"])
+    layout = (compute_flat_layout if files.flat else compute_layout)(shapes, world)
+    inner = osd["base_optimizer_state"] if files.flat else osd["optimizer_state_dict"]
     n_sub = len(layout.subgroup_sizes)
-    flat = osd.get("fp32_flat_groups", [])
+    if files.flat:
+        _check_flat_optimizer(files.optim_path(0), osd, layout)
+    flat = osd.get("single_partition_of_fp32_groups" if files.flat else "fp32_flat_groups", [])
+    sizes = [layout.lean_size(g, 0) if files.flat else n
+             for g, n in enumerate(layout.subgroup_sizes)]
     if not files.partial and (len(flat) != n_sub or any(
-            t.numel() != n for t, n in zip(flat, layout.subgroup_sizes))):
+            t.numel() != n for t, n in zip(flat, sizes))):
         raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
                               f"param_shapes of {files.model_path(0)}; files from different runs?")
     lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial, view)
     manifest_of = _partial_manifest(files, view) if files.partial else None
     return CheckpointMeta(
-        files=files, layout=layout, dtype=_model_dtype(model),
+        files=files, layout=layout, dtype=_model_dtype(model), zero_stage=stage,
         global_steps=int(model["global_steps"]),
         global_samples=int(model.get("global_samples", 0)),
         param_groups=tuple(tuple(int(i) for i in g["params"]) for g in inner["param_groups"]),
@@ -78,6 +82,59 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
         sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
                            .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )
+
+
+def _stage(files: CheckpointFiles, osd: dict) -> int:
+    """The ZeRO stage the optimizer file says, checked against the file names."""
+    if files.flat and "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd:
+        raise CheckpointError(
+            f"{files.optim_path(0)}: saved by DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage "
+            f"1 and fp32 gradient accumulation); mpitailor reads the ZeRO optimizer's stage 1/2 "
+            f"files: train with data_types.grad_accum_dtype bf16, or with ZeRO stage 2 or 3")
+    try:
+        stage = int(osd.get("zero_stage", 3))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{files.optim_path(0)}: zero_stage is "
+                              f"{osd.get('zero_stage')!r}; not a DeepSpeed ZeRO optim file") from None
+    if stage not in (1, 2, 3) or (stage == 3) == files.flat:
+        raise CheckpointError(
+            f"{files.optim_path(0)}: a ZeRO stage {stage} optimizer file beside "
+            f"{files.model_path(0).name}; files from different runs?")
+    return stage
+
+
+def _check_flat_optimizer(path: Path, osd: dict, layout) -> None:
+    """Stage 1/2 layouts mpitailor does not rebuild, refused by name."""
+    if not isinstance(osd.get("base_optimizer_state"), dict):
+        raise CheckpointError(f"{path}: an elastic ZeRO checkpoint (zero_optimization."
+                              f"elastic_checkpoint true); save with elastic_checkpoint false")
+    paddings = osd.get("param_alignment_paddings") or []
+    if any(any(int(x) for x in group) for group in paddings):
+        raise CheckpointError(f"{path}: parameters padded for alignment (zero_optimization."
+                              f"parameter_alignment or round_robin_gradients); save without them")
+    mappings = osd.get("param_slice_mappings")
+    if mappings is not None and not flat_mappings_agree(mappings, layout, 0):
+        raise CheckpointError(f"{path}: param_slice_mappings disagree with param_shapes "
+                              f"(parameters reordered, e.g. round_robin_gradients); save "
+                              f"with zero_optimization.round_robin_gradients false")
+
+
+def flat_mappings_agree(mappings, layout, rank: int) -> bool:
+    """Does a stage 1/2 file's `param_slice_mappings` (per group: name -> (numel, start) of
+    this rank's fragment) place every parameter where the layout does?"""
+    try:
+        for g, group in enumerate(mappings):
+            want = {}
+            for s in layout.subgroup_slots(g):
+                off, _, n = layout.held(s, rank)
+                if n:
+                    want[s.name] = (n, off)
+            got = {name: (int(a.numel), int(a.start)) for name, a in group.items()}
+            if got != want:
+                return False
+        return len(mappings) == len(layout.subgroup_sizes)
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def _partial_manifest(files: CheckpointFiles, view) -> tuple[frozenset[str], tuple]:

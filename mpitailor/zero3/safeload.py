@@ -1,7 +1,7 @@
 """Load DeepSpeed checkpoint files without ever unpickling arbitrary objects.
 
 `torch.load(weights_only=True)` refuses every global outside an allow-list. DeepSpeed's
-optimizer files pickle two small classes of its own; they are allowed by name. Model-states
+optimizer files pickle a few small classes of its own; they are allowed by name. Model-states
 files may also hold the training script's own objects (client state): loaded with
 `opaque_ok=True`, those become stand-ins that are carried through unbuilt (see opaque.py).
 Classes the user names with `trust()` (`--safe-globals`) are imported and built for real.
@@ -33,9 +33,10 @@ def _deepspeed_globals() -> list:
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address  # stage 1/2 files
     finally:
         ds_log.removeFilter(mute)
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def _numpy_globals() -> list:

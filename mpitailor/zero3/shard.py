@@ -35,7 +35,9 @@ class RankShard:
 
     @property
     def inner(self) -> dict:
-        return self.optim["optimizer_state_dict"]["optimizer_state_dict"]
+        """The torch optimizer's state dict (state per sub-group, param groups)."""
+        osd = self.optim["optimizer_state_dict"]
+        return osd["base_optimizer_state"] if self.meta.layout.flat else osd["optimizer_state_dict"]
 
     def read_into(self, kind: str, g: int, start: int, out: torch.Tensor) -> None:
         """Fill fp32 `out` with elements [start, start + out.numel()) of sub-group g's
@@ -63,7 +65,7 @@ class RankShard:
         return str(self.meta.files.optim_path(self.rank))
 
     def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
-        size = self.meta.layout.subgroup_sizes[g]
+        size = self.meta.layout.buffer_size(kind, g, self.rank)
         out = torch.empty(size - start if length is None else length, dtype=torch.float32)
         self.read_into(kind, g, start, out)
         return out
@@ -101,13 +103,16 @@ def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
         return open_partial_shard(meta, rank)
     model_path, optim_path = meta.files.model_path(rank), meta.files.optim_path(rank)
     model = load(model_path, opaque_ok=True)
-    if rank != 0:
+    if rank != 0 and not meta.files.flat:  # stage 1/2: one model-states file for all ranks
         _check_model_agrees(meta, model, model_path)
     optim = load(optim_path, index_only=True)
+    if meta.layout.flat:
+        _check_flat_rank(meta, optim, rank, optim_path)
     fd = os.open(optim_path, os.O_RDONLY)
     try:
-        offsets = _flat_offsets(meta, optim, os.fstat(fd).st_size, optim_path)
-        flats = frozenset(id(flat_tensor(optim, kind, g)) for kind, g in offsets)
+        offsets = _flat_offsets(meta, optim, rank, os.fstat(fd).st_size, optim_path)
+        flats = frozenset(id(flat_tensor(optim, kind, g, meta.layout.flat))
+                          for kind, g in offsets)
         return RankShard(meta, rank, model, rawio.materialize(optim, fd, flats), fd, offsets)
     except BaseException:
         os.close(fd)
@@ -133,12 +138,28 @@ def _check_model_agrees(meta: CheckpointMeta, model: dict, path) -> None:
                               f"(param_shapes or global_steps); files from different runs?")
 
 
-def flat_tensor(optim: dict, kind: str, g: int) -> torch.Tensor:
-    """Sub-group g's flat buffer of kind fp32/exp_avg/exp_avg_sq in a loaded optim dict."""
+def _check_flat_rank(meta: CheckpointMeta, optim: dict, rank: int, path) -> None:
+    from mpitailor.zero3.read import flat_mappings_agree
+    try:
+        osd = optim["optimizer_state_dict"]
+        mappings = osd.get("param_slice_mappings")
+        counts = osd["partition_count"]
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: not a DeepSpeed ZeRO stage 1/2 optim file") from None
+    counts = counts if isinstance(counts, (list, tuple)) else [counts]
+    if any(int(c) != meta.world_size for c in counts) or (
+            mappings is not None and not flat_mappings_agree(mappings, meta.layout, rank)):
+        raise CheckpointError(f"{path}: disagrees with rank 0's files (partition count or "
+                              f"parameter placement); files from different runs?")
+
+
+def flat_tensor(optim: dict, kind: str, g: int, flat: bool = False) -> torch.Tensor:
+    """Sub-group g's flat buffer of kind fp32/exp_avg/exp_avg_sq in a loaded optim dict
+    (flat: a stage 1/2 file)."""
     osd = optim["optimizer_state_dict"]
     if kind == "fp32":
-        return osd["fp32_flat_groups"][g]
-    return osd["optimizer_state_dict"]["state"][g][kind]
+        return osd["single_partition_of_fp32_groups" if flat else "fp32_flat_groups"][g]
+    return osd["base_optimizer_state" if flat else "optimizer_state_dict"]["state"][g][kind]
 
 
 def without_flat_buffers(osd: dict) -> dict:
@@ -151,13 +172,14 @@ def without_flat_buffers(osd: dict) -> dict:
     return osd
 
 
-def _flat_offsets(meta: CheckpointMeta, optim: dict, size: int, path) -> dict:
+def _flat_offsets(meta: CheckpointMeta, optim: dict, rank: int, size: int, path) -> dict:
     """Byte offset of every flat buffer, checked against the layout and the file size."""
     offsets = {}
     try:
-        for g, n in enumerate(meta.layout.subgroup_sizes):
+        for g in range(len(meta.layout.subgroup_sizes)):
             for kind in KINDS:
-                t = flat_tensor(optim, kind, g)
+                n = meta.layout.buffer_size(kind, g, rank)
+                t = flat_tensor(optim, kind, g, meta.layout.flat)
                 if t.dtype != torch.float32 or t.numel() != n:
                     raise CheckpointError(
                         f"{path}: sub-group {g} {kind} is {t.dtype} x {t.numel()}, expected "
