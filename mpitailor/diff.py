@@ -1,7 +1,8 @@
 """`diff A B`: which layers of two checkpoints differ, and by how much.
 
 Per layer key (layers.N, embed, norm, lm_head, other) and kind (the fp32 master weights,
-exp_avg, exp_avg_sq, frozen parameters, the 16-bit HF weights beside the checkpoints, the
+exp_avg, exp_avg_sq, frozen parameters, the 16-bit weights (HF weights beside the
+checkpoints, or a stage 1/2 model-states file), the
 Adam step): identical or not (bit for bit), the largest absolute difference and the norm of
 the difference relative to A's; then the counters and the LR scheduler. Values are compared
 whole (consolidated), so checkpoints of different world sizes compare; a partial save is
@@ -197,7 +198,17 @@ def _compare_rest(ma: CheckpointMeta, mb: CheckpointMeta, classify, held: set[st
 
 
 def _weights16(ma: CheckpointMeta, mb: CheckpointMeta):
-    """(name, A's, B's) of the 16-bit HF weights both checkpoints carry, one tensor at a time."""
+    """(name, A's, B's) of the 16-bit weights both checkpoints carry, one tensor at a time:
+    the whole model of a stage 1/2 model-states file, else HF's safetensors weights."""
+    if ma.layout.flat and mb.layout.flat:
+        mod_a = load(ma.files.model_path(0), opaque_ok=True)["module"]
+        mod_b = load(mb.files.model_path(0), opaque_ok=True)["module"]
+        for s in ma.layout.slots:
+            ta, tb = mod_a.get(s.name), mod_b.get(s.name)
+            if ta is not None and tb is not None and ta.shape == tb.shape \
+                    and ta.dtype == tb.dtype:
+                yield s.name, ta, tb
+        return
     from safetensors import safe_open
     files_a = [p for p in weight_files(ma) if p.suffix == ".safetensors"]
     files_b = [p for p in weight_files(mb) if p.suffix == ".safetensors"]

@@ -1,4 +1,4 @@
-"""`python -m mpitailor inspect CKPT`: what a ZeRO-3 checkpoint holds, layer by layer."""
+"""`python -m mpitailor inspect CKPT`: what a ZeRO checkpoint holds, layer by layer."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,8 @@ from mpitailor.zero3 import BYTES_PER_ELEMENT, CheckpointMeta
 
 
 def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
-    """A JSON-able summary; per-layer bytes are per rank (every rank holds the same).
+    """A JSON-able summary; per-layer bytes are per rank (stage 3: every rank holds the
+    same; stages 1/2: the mean, as a rank's share of a flat group varies).
     composite: the manifest of a merged checkpoint (then each layer says where it came from).
     A partial checkpoint lists only the layers it saved."""
     classify_fn = LayerClassifier(dict(meta.layer_patterns))
@@ -20,7 +21,8 @@ def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
         row = layers.setdefault(classify_fn(slot.name), _row())
         row["params"] += 1
         row["elements"] += slot.numel
-        row["bytes_per_rank"] += slot.length * BYTES_PER_ELEMENT
+        row["bytes_per_rank"] += (slot.numel / meta.world_size if meta.layout.flat
+                                  else slot.length) * BYTES_PER_ELEMENT
         row["subgroups"].add(slot.subgroup)
     for name, shape in meta.frozen_shapes:
         row = layers.setdefault(classify_fn(name), _row())
@@ -37,6 +39,7 @@ def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
             row["from_step"] = composite["layers"][key]["global_steps"]
     return {
         "path": str(meta.path), "tag": meta.files.tag, "kind": kind, "world_size": meta.world_size,
+        "zero_stage": meta.zero_stage,
         "dtype": meta.dtype, "global_steps": meta.global_steps,
         "global_samples": meta.global_samples, "ds_version": meta.ds_version,
         "param_groups": [list(g) for g in meta.param_groups],
@@ -70,7 +73,8 @@ def format_table(rep: dict) -> str:
     lines = [
         f"checkpoint   {rep['path']}",
         f"kind         {kind}",
-        f"world size   {rep['world_size']}   dtype {rep['dtype']}   step {rep['global_steps']}"
+        f"world size   {rep['world_size']}   ZeRO stage {rep['zero_stage']}   dtype {rep['dtype']}"
+        f"   step {rep['global_steps']}"
         f"   samples {rep['global_samples']}   deepspeed {rep['ds_version']}",
         f"optimizer    {len(rep['param_groups'])} param group(s), {rep['subgroups']} "
         f"sub-group(s), {human(rep['optimizer_bytes_per_rank'])} per rank",

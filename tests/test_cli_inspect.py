@@ -23,6 +23,18 @@ def test_inspect_json_describes_layers(ckpt):
         rep["optimizer_bytes_per_rank"]
 
 
+def test_inspect_describes_a_stage2_checkpoint(ckpt):
+    r = run("inspect", "--json", str(ckpt("s2_w3_fp32_decay_tied_frozen", 10)))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["zero_stage"], rep["world_size"], rep["global_steps"]) == (2, 3, 10)
+    assert rep["layers"]["layers.1"]["frozen"] == 1 and rep["tied"]
+    # the mean share of a rank; the groups' padding is the rest
+    share = sum(r["bytes_per_rank"] for r in rep["layers"].values())
+    assert 0 <= rep["optimizer_bytes_per_rank"] - share < 12 * 2 * len(rep["param_groups"])
+    assert "ZeRO stage 2" in run("inspect", str(ckpt("s2_w3_fp32_decay_tied_frozen", 10))).stdout
+
+
 def test_inspect_table_and_clear_error(ckpt, tmp_path):
     r = run("inspect", str(ckpt("w4_fp32_per_layer", 5).parent))
     assert r.returncode == 0 and "world size   4" in r.stdout and "layers.3" in r.stdout

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ckpt_fixtures import build
 from merging import RECIPES, recipe_env, run_cli
 
@@ -20,8 +22,9 @@ def differing(rep) -> set[str]:
             if any(not kinds[k]["identical"] for k in KINDS & kinds.keys())}
 
 
-def test_a_parity_merge_differs_from_each_source_where_it_took_the_other(ckpt, tmp_path):
-    new, old = ckpt("w2_fp32_one", 10), ckpt("w2_fp32_one", 5)
+@pytest.mark.parametrize("name", ["w2_fp32_one", "s2_w2_bf16_per_layer"])
+def test_a_parity_merge_differs_from_each_source_where_it_took_the_other(ckpt, tmp_path, name):
+    new, old = ckpt(name, 10), ckpt(name, 5)
     out = tmp_path / "merged"
     assert run_cli([str(RECIPES / "parity.yml")], recipe_env(new, old, out)).returncode == 0
     r, rep = diff(out, new, ranks=2)
@@ -41,15 +44,19 @@ def test_a_parity_merge_differs_from_each_source_where_it_took_the_other(ckpt, t
     assert "identical" in run_cli(["diff", str(new), str(new)], {}).stdout
 
 
-def test_the_same_state_at_another_world_size_is_identical(ckpt, tmp_path):
-    new = ckpt("w2_bf16_small_subgroups_tied_frozen", 10)
-    out = tmp_path / "w3"
+@pytest.mark.parametrize("name,world", [("w2_bf16_small_subgroups_tied_frozen", 3),
+                                        ("s2_w3_fp32_decay_tied_frozen", 2)])
+def test_the_same_state_at_another_world_size_is_identical(ckpt, tmp_path, name, world):
+    new = ckpt(name, 10)
+    out = tmp_path / "resharded"
     recipe = tmp_path / "identity.yml"
     recipe.write_text(f"layers: {{rest: '{new}'}}\noutput: '{out}'\n")
-    assert run_cli([str(recipe), "--world-size", "3"], {}, ranks=2).returncode == 0
+    assert run_cli([str(recipe), "--world-size", str(world)], {}, ranks=2).returncode == 0
     r, rep = diff(new, out, ranks=2)
     assert r.returncode == 0, (r.stderr, rep)
     assert "frozen" in rep["layers"]["layers.1"] and "adam_step" in rep["layers"]["layers.0"]
+    if name.startswith("s2_"):  # stage 1/2 model states hold the 16-bit weights: compared
+        assert rep["layers"]["layers.0"]["16bit"]["identical"]
 
 
 def test_a_partial_save_is_compared_on_the_layers_it_holds():

@@ -14,7 +14,9 @@ from merging import run_cli
 
 
 @pytest.mark.parametrize("name,ranks", [("w2_bf16_per_layer", 1),
-                                        ("w3_bf16_decay_tied_frozen", 2)])
+                                        ("w3_bf16_decay_tied_frozen", 2),
+                                        ("s2_w3_fp32_decay_tied_frozen", 2),
+                                        ("s1_w2_fp32_one", 1)])
 def test_fp32_export_equals_zero_to_fp32(tmp_path, name, ranks):
     save = build(name)  # a DeepSpeed save dir: `latest` names the newest full save
     out = tmp_path / "fp32"
@@ -64,3 +66,11 @@ def test_export_refuses_bad_input_and_writes_nothing(tmp_path):
     r = run_cli(["export", str(tmp_path / "nowhere"), "-o", str(out)], {}, ranks=1)
     assert r.returncode == 2 and "nowhere" in r.stderr
     assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_universal_export_of_a_stage2_checkpoint_is_refused_before_writing(tmp_path):
+    out = tmp_path / "u"
+    r = run_cli(["export", str(build("s2_w2_bf16_per_layer")), "-o", str(out), "--format",
+                 "universal"], {}, ranks=2)
+    assert r.returncode == 2 and "ZeRO stage 2" in r.stderr and "--world-size" in r.stderr
+    assert not out.exists() and not list(tmp_path.glob(".*"))

@@ -84,10 +84,48 @@ def test_rank_files_from_another_run_disagree(ckpt_copy, ckpt):
     assert "disagrees with rank 0" in one_line(e)
 
 
-def test_stage2_is_not_supported(ckpt):
+def _rewrite_optim(path, change) -> None:
+    """Rewrite a (trusted, test-made) stage 1/2 optimizer file with `change` applied."""
+    sd = torch.load(path, weights_only=False)
+    change(sd["optimizer_state_dict"])
+    torch.save(sd, path)
+
+
+@pytest.mark.parametrize("change,says", [
+    # BF16_Optimizer (bf16 + stage 1 + fp32 gradient accumulation) writes no zero_stage
+    (lambda osd: osd.pop("zero_stage"), "BF16_Optimizer"),
+    (lambda osd: osd.update(base_optimizer_state=[{}]), "elastic"),
+    (lambda osd: osd["param_alignment_paddings"][1].__setitem__(0, 4), "parameter_alignment"),
+    # round_robin_gradients reorders parameters: their fragments move
+    (lambda osd: osd["param_slice_mappings"][1].update(
+        {k: type(v)(numel=v.numel, start=v.start + 1)
+         for k, v in osd["param_slice_mappings"][1].items()}), "round_robin_gradients"),
+])
+def test_stage12_layouts_it_cannot_rebuild_are_refused(ckpt_copy, change, says):
+    tag = ckpt_copy("s2_w2_bf16_per_layer") / "global_step10"
+    _rewrite_optim(tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", change)
     with pytest.raises(CheckpointError) as e:
-        read_meta(ckpt("w2_stage2", 2))
-    assert "stage 3 only" in one_line(e)
+        read_meta(tag)
+    assert says in one_line(e)
+
+
+def test_stage12_rank_file_from_another_world_size_is_refused(ckpt, ckpt_copy):
+    tag = ckpt_copy("s2_w2_bf16_per_layer") / "global_step10"
+    other = ckpt("s2_w3_fp32_decay_tied_frozen", 10)
+    shutil.copy(other / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError) as e:
+        open_shard(read_meta(tag), 1)
+    assert "different runs" in one_line(e)
+
+
+def test_stage12_without_optimizer_files_is_not_a_zero_checkpoint(ckpt_copy):
+    tag = ckpt_copy("s1_w2_fp32_one") / "global_step10"
+    for f in tag.glob("*optim_states.pt"):
+        f.unlink()
+    with pytest.raises(CheckpointError) as e:
+        read_meta(tag)
+    assert "without ZeRO" in one_line(e)
 
 
 def test_save_dir_with_latest_and_hf_checkpoint_are_recognised(ckpt):
