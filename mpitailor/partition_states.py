@@ -12,12 +12,15 @@ tied aliases on rank 0 only.
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from types import SimpleNamespace
 
 import torch
 
 from mpitailor.plan import MergePlan
+from mpitailor.zero3.consolidate import full_tensor
 from mpitailor.zero3.layout import KINDS, Layout
+from mpitailor.zero3.shard import open_all_shards
 from mpitailor.zero3.safeload import load
 
 Placeholders = dict[tuple[str, int], torch.Tensor]  # (kind, sub-group) -> placeholder
@@ -124,16 +127,32 @@ def merged_model_states(plan: MergePlan, shards: dict) -> dict:
 def _flat_module(plan: MergePlan, shards: dict):
     """Stage 1/2 model states hold the whole model (16-bit weights, buffers): each entry
     from the source of its layer, a tied alias from the source of the parameter it names.
-    The 16-bit weights are the source's own: DeepSpeed keeps them equal to its fp32 master
-    weights cast down, so they are the merged fp32 weights cast down."""
+    DeepSpeed keeps the 16-bit weights equal to its fp32 master weights cast down, so a full
+    save's own are the merged fp32 weights cast down; where a source holds a placeholder (a
+    partial save), they are rebuilt so from its fp32 master weights (frozen parameters:
+    from its frozen fragments, which stage 1/2 keeps whole)."""
     base = shards[plan.base].model["module"]
     key_source = dict(plan.layer_source)
     classify = plan.classifier()
     aliases = dict(plan.base_meta.shared_params)
+    frozen = dict(plan.base_meta.frozen_shapes)
     module = type(base)()
-    for name in base:
-        src = key_source.get(classify(aliases.get(name, name)), plan.base)
-        module[name] = shards[src].model["module"][name]
+    opened: dict[str, list] = {}  # source -> all its ranks' shards, opened when needed
+    with ExitStack() as stack:
+        for name in base:
+            target = aliases.get(name, name)
+            src = key_source.get(classify(target), plan.base)
+            have = shards[src].model["module"][name]
+            meta = plan.meta(src)
+            slot = meta.layout.by_name().get(target)
+            if slot is not None and have.numel() != slot.numel:
+                if src not in opened:
+                    opened[src] = stack.enter_context(open_all_shards(meta))
+                have = full_tensor(opened[src], slot, "fp32").to(have.dtype)
+            elif target in frozen and have.numel() != math.prod(frozen[target]):
+                have = shards[src].model["frozen_param_fragments"][target].to(have.dtype) \
+                    .reshape(frozen[target])
+            module[name] = have
     return module
 
 

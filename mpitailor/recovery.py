@@ -30,8 +30,8 @@ from mpitailor.extras import MANIFEST
 from mpitailor.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
 from mpitailor.zero3 import CheckpointMeta
 from mpitailor.nodes import Placement, shard_paths, survey
-from mpitailor.zero3.files import (PARTIAL_MANIFEST, SAVE_RECORD, Lineage, model_file,
-                                   partial_files, read_latest, read_save_record)
+from mpitailor.zero3.files import (PARTIAL_MANIFEST, SAVE_RECORD, STAGE12_MODEL, Lineage,
+                                   model_file, partial_files, read_latest, read_save_record)
 from mpitailor.zero3.fsview import LOCAL
 from mpitailor.zero3.partial_shard import check_partial_rank
 from mpitailor.zero3.read import read_meta
@@ -248,7 +248,7 @@ def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> 
     return chain
 
 
-RANK0_FILES = (model_file(0), partial_files(0)["model"])
+RANK0_FILES = (model_file(0), STAGE12_MODEL, partial_files(0)["model"])
 
 
 def _finder(place: Placement, save_dir: Path) -> int:

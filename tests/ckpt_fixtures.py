@@ -61,6 +61,13 @@ SAVING_VARIANTS: dict[str, tuple[dict, str | None]] = {
     "w2_client_state": (dict(LAYERWISE, policy={"name": "parity"}, client_state=True), None),
     "hf_w2_parity": (dict(world_size=2, steps=8, save_at=(2, 4, 6, 8),
                           policy={"name": "parity"}), HF_MODULE),
+    # ZeRO stage 2 (bf16, W=3: parameters straddle ranks), its full-saving twin, and HF.
+    "s2_w3_bf16_parity": (dict(LAYERWISE, world_size=3, zero_stage=2, dtype="bf16",
+                               policy={"name": "parity"}, stats="stats.h5"), None),
+    "s2_w3_bf16_parity_twin_full": (dict(LAYERWISE, world_size=3, zero_stage=2,
+                                         dtype="bf16"), None),
+    "hf_s2_w2_parity": (dict(world_size=2, zero_stage=2, steps=8, save_at=(2, 4, 6, 8),
+                             policy={"name": "parity"}), HF_MODULE),
 }
 STAGE12_VARIANTS = ["s2_w2_bf16_per_layer", "s2_w3_fp32_decay_tied_frozen", "s1_w2_fp32_one",
                     "hf_s2_w2_bf16"]

@@ -13,7 +13,9 @@ import torch
 
 from mpitailor.layers import classify
 from mpitailor.zero3 import KINDS
+from mpitailor.zero3.consolidate import consolidate
 from mpitailor.zero3.read import read_meta
+from mpitailor.zero3.safeload import load
 from mpitailor.zero3.shard import open_shard
 
 
@@ -26,6 +28,8 @@ def check_merge(out: Path, expected: dict[str, Path], base: Path) -> None:
     assert merged.global_steps == base_meta.global_steps
     assert merged.layout == base_meta.layout
     assert merged.files.tag == base_meta.files.tag
+    if merged.layout.flat:
+        _check_weights16(merged, expected, metas)
     for r in range(merged.world_size):
         with open_shard(merged, r) as m:
             shards = {p: open_shard(meta, r) for p, meta in metas.items()}
@@ -34,6 +38,26 @@ def check_merge(out: Path, expected: dict[str, Path], base: Path) -> None:
             finally:
                 for s in shards.values():
                     s.close()
+
+
+def _check_weights16(merged, expected, metas) -> None:
+    """Stage 1/2: the one model-states file holds the whole model. Its 16-bit weights must be
+    the merged fp32 master weights cast down (checked against the sources above), frozen
+    parameters and buffers those of their layer's source."""
+    module = load(merged.files.model_path(0), opaque_ok=True)["module"]
+    fp32 = consolidate(merged, kinds=("fp32",))["fp32"]
+    aliases = dict(merged.shared_params)
+    trainable = {s.name for s in merged.layout.slots}
+    for name, t in module.items():
+        target = aliases.get(name, name)
+        if target in trainable:
+            assert torch.equal(t, fp32[target].to(t.dtype)), name
+            continue
+        src = load(metas[expected[classify(target)]].files.model_path(0), opaque_ok=True)
+        want = src["module"][name]
+        if want.numel() != t.numel():  # a partial save's placeholder: frozen, kept whole
+            want = src["frozen_param_fragments"][target].to(t.dtype).view(t.shape)
+        assert torch.equal(t, want), name
 
 
 def _check_rank(m, shards, expected, base) -> None:
@@ -45,11 +69,7 @@ def _check_rank(m, shards, expected, base) -> None:
             got = m.read(kind, slot.subgroup, at, n)
             want = src.read(kind, slot.subgroup, at, n)
             assert torch.equal(got, want), (slot.name, kind, m.rank)
-    if layout.flat:  # stage 1/2: the whole model's 16-bit weights, each from its source
-        aliases = dict(m.meta.shared_params)
-        for name, t in m.model["module"].items():
-            want = shards[expected[classify(aliases.get(name, name))]].model["module"][name]
-            assert torch.equal(t, want), name
+
     for name, frag in (m.model.get("frozen_param_fragments") or {}).items():
         want = shards[expected[classify(name)]].model["frozen_param_fragments"][name]
         assert torch.equal(frag, want), name

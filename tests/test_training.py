@@ -32,7 +32,9 @@ def parity_sources(root, prefix="global_step"):
 
 
 @pytest.mark.parametrize("name,prefix", [("w2_parity", "global_step"),
-                                         ("hf_w2_parity", "checkpoint-")])
+                                         ("hf_w2_parity", "checkpoint-"),
+                                         ("s2_w3_bf16_parity", "global_step"),
+                                         ("hf_s2_w2_parity", "checkpoint-")])
 def test_recover_takes_the_newest_copy_of_every_layer_and_resumes(tmp_path, name, prefix):
     root = build(name)
     before = tree_digest(root)
@@ -54,28 +56,42 @@ def test_recover_takes_the_newest_copy_of_every_layer_and_resumes(tmp_path, name
                                                    for x in result["losses"][-3:])
 
 
-def test_partial_slices_equal_a_full_save_of_the_same_step():
+@pytest.mark.parametrize("name", ["w2_parity", "s2_w3_bf16_parity"])
+def test_partial_slices_equal_a_full_save_of_the_same_step(name):
     """The twin run is the same training with full saves: bit for bit the same state."""
-    partial, full = read_meta(build("w2_parity") / "global_step8"), \
-        read_meta(build("w2_parity_twin_full") / "global_step8")
+    partial, full = read_meta(build(name) / "global_step8"), \
+        read_meta(build(f"{name}_twin_full") / "global_step8")
     assert partial.held_layers == frozenset({"layers.1", "layers.3", *AUX})
     assert partial.layout == full.layout and partial.subgroup_steps == full.subgroup_steps
-    for r in range(2):
+    layout = full.layout
+    for r in range(full.world_size):
         with open_shard(partial, r) as p, open_shard(full, r) as f:
-            held = [s for s in full.layout.slots
+            held = [s for s in layout.slots
                     if any(s.name.startswith(f"model.layers.{i}.") for i in (1, 3))]
             assert held
             for s in held:
+                at, _, n = layout.held(s, r) if layout.flat else (s.offset, 0, s.length)
                 for kind in ("fp32", "exp_avg", "exp_avg_sq"):
-                    assert torch.equal(p.read(kind, s.subgroup, s.offset, s.length),
-                                       f.read(kind, s.subgroup, s.offset, s.length))
+                    assert torch.equal(p.read(kind, s.subgroup, at, n),
+                                       f.read(kind, s.subgroup, at, n))
             assert p.model["lr_scheduler"] == f.model["lr_scheduler"]
 
 
-def test_partial_saves_are_smaller():
+def test_stage2_partial_saves_keep_no_16bit_weights():
+    """A stage 1/2 save's model states hold the whole 16-bit model; a partial one keeps
+    placeholders (a merge rebuilds the weights from fp32) and writes DeepSpeed's guard once."""
+    tag = build("s2_w3_bf16_parity") / "global_step8"
+    model = torch.load(tag / "rank_1_model_states.pt", weights_only=False)
+    assert all(t.numel() == 0 for t in model["module"].values())
+    assert (tag / "mp_rank_00_model_states.pt").is_file()
+    assert not list(tag.glob("zero_pp_rank_*_model_states.pt"))
+
+
+@pytest.mark.parametrize("name", ["w2_parity", "s2_w3_bf16_parity"])
+def test_partial_saves_are_smaller(name):
     sizes = {n: sum(p.stat().st_size for p in (build(n) / "global_step8").iterdir())
-             for n in ("w2_parity", "w2_parity_twin_full")}
-    assert sizes["w2_parity"] < 0.7 * sizes["w2_parity_twin_full"]
+             for n in (name, f"{name}_twin_full")}
+    assert sizes[name] < 0.7 * sizes[f"{name}_twin_full"]
 
 
 def test_stats_log_records_every_save():

@@ -118,13 +118,19 @@ def agreed_save_id() -> str:
 
 
 def refuse_unsupported(engine) -> None:
-    """Layer-wise saving reads ZeRO-3's partitioned flat buffers: refuse any other engine
+    """Layer-wise saving reads ZeRO's partitioned fp32 buffers: refuse any other engine
     when the checkpointer is made, not at its first partial save."""
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") \
         else None
-    if stage != 3:
-        raise UserError(f"layer-wise saving needs DeepSpeed ZeRO stage 3; this engine runs "
-                        f"stage {stage}. Use stage 3, or save with engine.save_checkpoint")
+    if stage not in (1, 2, 3):
+        raise UserError(f"layer-wise saving needs DeepSpeed ZeRO (stage 1, 2 or 3); this "
+                        f"engine runs stage {stage}. Enable zero_optimization, or save with "
+                        f"engine.save_checkpoint")
+    if stage in (1, 2) and not hasattr(engine.optimizer, "single_partition_of_fp32_groups"):
+        raise UserError(f"layer-wise saving at ZeRO stage {stage} reads DeepSpeed's ZeRO "
+                        f"optimizer; this engine runs {type(engine.optimizer).__name__} "
+                        f"(bf16 with fp32 gradient accumulation at stage 1): use "
+                        f"data_types.grad_accum_dtype bf16, or stage 2 or 3")
 
 
 def refuse_no_layers(engine, keys: list[str]) -> None:

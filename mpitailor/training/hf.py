@@ -54,9 +54,9 @@ class LayerwiseTrainer(transformers.Trainer):
         config = getattr(self.args, "hf_deepspeed_config", None)
         stage = ((config.config if config is not None else {}).get("zero_optimization") or
                  {}).get("stage") if config is not None else None
-        if stage != 3:
-            raise UserError(f"LayerwiseTrainer needs DeepSpeed ZeRO stage 3 (TrainingArguments"
-                            f"(deepspeed=...) with zero_optimization.stage 3); got "
+        if stage not in (1, 2, 3):
+            raise UserError(f"LayerwiseTrainer needs DeepSpeed ZeRO (TrainingArguments"
+                            f"(deepspeed=...) with zero_optimization.stage 1, 2 or 3); got "
                             f"{'no DeepSpeed config' if config is None else f'stage {stage}'}")
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         if not any(layer_index(self._classify(n)) is not None for n in names):

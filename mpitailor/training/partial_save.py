@@ -1,9 +1,12 @@
-"""`save_layers`: a partial checkpoint of some layers from a live DeepSpeed ZeRO-3 engine.
+"""`save_layers`: a partial checkpoint of some layers from a live DeepSpeed ZeRO engine.
 
 Every rank writes only the chosen layers' slices of its fp32 master weights and both Adam
 moments (safetensors), plus what a resume needs and which is small: DeepSpeed's own
 model-states dict (counters, lr scheduler, shapes, client state), the optimizer's non-tensor
-state (param groups, loss scaler, every sub-group's Adam `step`) and the rng states. The
+state (param groups, loss scaler, every sub-group's Adam `step`) and the rng states.
+ZeRO stages 1/2 keep the whole model's 16-bit weights in their model states: a partial save
+keeps empty placeholders there instead (as ZeRO-3 does), and a merge rebuilds the weights
+from the fp32 master weights, which DeepSpeed keeps them equal to. The
 checkpoint is staged in a hidden dir and published by rank 0 with one rename once every rank
 has written and fsynced its files; its manifest is the last file written.
 
@@ -26,8 +29,9 @@ import torch.distributed as dist
 from mpitailor.commit import fsync_and_record, fsync_dir, fsync_tree
 from mpitailor.layers import LayerClassifier
 from mpitailor.stwrite import write_safetensors
-from mpitailor.zero3.files import PARTIAL_MANIFEST, Lineage, model_file, partial_files
-from mpitailor.zero3.layout import KINDS, compute_layout
+from mpitailor.zero3.files import (PARTIAL_MANIFEST, STAGE12_MODEL, Lineage, model_file,
+                                   partial_files)
+from mpitailor.zero3.layout import KINDS, compute_flat_layout, compute_layout
 from mpitailor.zero3.shard import without_flat_buffers
 
 FORMAT = "mpitailor-partial"
@@ -64,27 +68,46 @@ class _ResumeGuard:
         return (refuse_partial_resume, (self.tag_dir,))
 
 
+def flat_engine(engine) -> bool:
+    """Does the engine run ZeRO stage 1 or 2 (flat partitions, one model-states file)?"""
+    return engine.zero_optimization_stage() in (1, 2)
+
+
 def model_states(engine, client_state: dict | None = None) -> dict:
-    """The dict DeepSpeed itself writes as zero_pp_rank_*_model_states.pt (small)."""
-    state = engine._common_checkpoint_state(engine.module_state_dict(), True, True)
+    """The dict DeepSpeed itself writes as its model states (small: stage 1/2 parameters
+    become empty placeholders in the model dtype, as ZeRO-3 writes them)."""
+    module = engine.module_state_dict()
+    if flat_engine(engine):
+        params = {n for n, _ in engine.module.named_parameters()}
+        module = type(module)((n, t.new_empty(0) if n in params else t)
+                              for n, t in module.items())
+    state = engine._common_checkpoint_state(module, True, True)
     state.update(client_state or {})
     return state
 
 
 def layer_slices(engine, param_shapes, layers: set[str],
                  classify: Callable[[str], str]) -> dict[str, torch.Tensor]:
-    """`{kind}/{name}` -> this rank's slice (padding included) for the chosen layers."""
+    """`{kind}/{name}` -> this rank's slice for the chosen layers (stage 3: padding
+    included; stages 1/2: the part of the parameter in this rank's partition, if any)."""
+    flat = flat_engine(engine)
     osd = engine.optimizer.state_dict()
-    flats = osd["fp32_flat_groups"]
-    state = osd["optimizer_state_dict"]["state"]
+    flats = osd["single_partition_of_fp32_groups" if flat else "fp32_flat_groups"]
+    state = osd["base_optimizer_state" if flat else "optimizer_state_dict"]["state"]
+    layout = (compute_flat_layout if flat else compute_layout)(param_shapes,
+                                                               engine.dp_world_size)
     out = {}
-    for slot in compute_layout(param_shapes, engine.dp_world_size).slots:
+    for slot in layout.slots:
         if classify(slot.name) not in layers:
             continue
+        at, _, n = layout.held(slot, engine.global_rank) if flat else \
+            (slot.offset, 0, slot.length)
+        if n == 0:
+            continue
         for kind in KINDS:
-            flat = flats[slot.subgroup] if kind == "fp32" else state[slot.subgroup][kind]
+            buf = flats[slot.subgroup] if kind == "fp32" else state[slot.subgroup][kind]
             # A view, not a copy: written before the engine takes another step.
-            out[f"{kind}/{slot.name}"] = flat.detach()[slot.offset: slot.offset + slot.length]
+            out[f"{kind}/{slot.name}"] = buf.detach()[at: at + n]
     return out
 
 
@@ -140,7 +163,9 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
         states = model_states(engine, client_state)
         records = _write_rank(staging, rank, states,
                               layer_slices(engine, states["param_shapes"], layers, classify),
-                              optimizer_meta(engine), final)
+                              optimizer_meta(engine), final,
+                              STAGE12_MODEL if flat_engine(engine) and leader else
+                              None if flat_engine(engine) else model_file(rank))
     except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
         records, error = {}, f"rank {rank}: {type(e).__name__}: {e}"
     _agree(error, cleanup=staging if leader else None)
@@ -153,6 +178,7 @@ def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_stat
                         "dtype": "bf16" if engine.bfloat16_enabled() else
                         "fp16" if engine.fp16_enabled() else "fp32",
                         "layers": sorted(layers),
+                        "zero_stage": engine.zero_optimization_stage(),
                         "layout_sha256": _layout_hash(states["param_shapes"]),
                         "lineage": lineage.to_json() if lineage else None,
                         "layer_patterns": classify.patterns,
@@ -204,11 +230,15 @@ def _prepare(final: Path, staging: Path) -> str | None:
 
 
 def _write_rank(staging: Path, rank: int, states: dict, slices: dict, optim: dict,
-                final: Path) -> dict:
+                final: Path, guard_name: str | None) -> dict:
+    """guard_name: where DeepSpeed's loader looks for this rank's model states (stage 3:
+    one per rank; stages 1/2: one for all, written by the leader), for _ResumeGuard."""
     names = partial_files(rank)
-    guard = staging / model_file(rank)  # where DeepSpeed's loader looks (see _ResumeGuard)
-    torch.save(_ResumeGuard(str(final)), guard)
-    records = {guard.name: fsync_and_record(guard)}
+    records = {}
+    if guard_name is not None:
+        guard = staging / guard_name
+        torch.save(_ResumeGuard(str(final)), guard)
+        records[guard.name] = fsync_and_record(guard)
     for key, obj in (("model", states), ("optim", optim), ("rng", rng_state())):
         path = staging / names[key]
         torch.save(obj, path)

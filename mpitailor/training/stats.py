@@ -1,4 +1,4 @@
-"""Per-layer update statistics of a live ZeRO-3 engine, and their HDF5 log.
+"""Per-layer update statistics of a live ZeRO engine (stage 1, 2 or 3), and their HDF5 log.
 
 The relative update of a layer is ||w - w_saved|| / ||w_saved||, where w_saved is the layer's
 fp32 master weights when it was last saved. Each rank keeps a copy of its own slices of the
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from mpitailor.layers import classify as default_classify
 from mpitailor.layers import sort_keys
-from mpitailor.zero3.layout import compute_layout
+from mpitailor.zero3.layout import compute_flat_layout, compute_layout
 
 
 def model_layer_keys(engine, classify: Callable[[str], str] = default_classify) -> list[str]:
@@ -29,17 +29,22 @@ def model_layer_keys(engine, classify: Callable[[str], str] = default_classify) 
 class UpdateTracker:
     def __init__(self, engine, classify: Callable[[str], str] = default_classify) -> None:
         self.engine = engine
-        layout = compute_layout(engine._get_zero_param_shapes(), engine.dp_world_size)
+        self.flat = engine.zero_optimization_stage() in (1, 2)
+        layout = (compute_flat_layout if self.flat else compute_layout)(
+            engine._get_zero_param_shapes(), engine.dp_world_size)
         rank = engine.global_rank
         self.pieces: dict[str, list[tuple[int, int, int]]] = {}
         for s in layout.slots:
-            if (n := s.valid(rank)) > 0:
-                self.pieces.setdefault(classify(s.name), []).append((s.subgroup, s.offset, n))
+            at, _, n = layout.held(s, rank)
+            if n > 0:
+                self.pieces.setdefault(classify(s.name), []).append((s.subgroup, at, n))
         self.keys = model_layer_keys(engine, classify)
         self.snapshot: dict[str, torch.Tensor] = {}
 
     def _current(self, key: str) -> torch.Tensor:
-        flats = self.engine.optimizer.fp32_partitioned_groups_flat
+        opt = self.engine.optimizer
+        flats = opt.single_partition_of_fp32_groups if self.flat else \
+            opt.fp32_partitioned_groups_flat
         parts = [flats[g].detach()[o: o + n] for g, o, n in self.pieces.get(key, [])]
         return torch.cat(parts) if parts else torch.empty(0)
 

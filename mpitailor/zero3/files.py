@@ -157,6 +157,7 @@ def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFile
     try:
         manifest = json.loads(view.read_bytes(tag_dir / PARTIAL_MANIFEST))
         world, dtype = int(manifest["world_size"]), manifest["dtype"]
+        flat = int(manifest.get("zero_stage", 3)) in (1, 2)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{tag_dir / PARTIAL_MANIFEST}: unreadable partial-checkpoint "
                               f"manifest ({e}); the partial save did not complete") from None
@@ -166,7 +167,7 @@ def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFile
         raise CheckpointError(f"{tag_dir}: missing {missing[0]}; the partial checkpoint is "
                               f"incomplete")
     return CheckpointFiles(tag_dir=tag_dir, world_size=world, bf16_prefix=dtype == "bf16",
-                           save_dir=save_dir, partial=True)
+                           save_dir=save_dir, partial=True, flat=flat)
 
 
 def _has_rank_files(path: Path, view=LOCAL) -> bool:

@@ -1,7 +1,8 @@
 """One rank's part of a partial checkpoint, read with the same interface as `RankShard`.
 
-A partial checkpoint stores, per rank, each saved parameter's slice (padding included) as
-safetensors records `{kind}/{name}` (fp32). `byte_ranges` (and `read_into`) serve a run of a
+A partial checkpoint stores, per rank, each saved parameter's slice (stage 3: padding
+included; stages 1/2: the part of the flat partition the rank holds, if any) as safetensors
+records `{kind}/{name}` (fp32). `byte_ranges` (and `read_into`) serve a run of a
 sub-group's flat buffer by walking the parameters that overlap it; asking for a parameter the
 checkpoint does not hold is a bug in the plan, and says so. The safetensors header is parsed
 here (8-byte length, JSON): the copy program needs each record's byte offset in the file.
@@ -35,14 +36,24 @@ class PartialShard:
 
     @property
     def inner(self) -> dict:
-        return self.optim["optimizer_state_dict"]["optimizer_state_dict"]
+        osd = self.optim["optimizer_state_dict"]
+        return osd["base_optimizer_state"] if self.meta.layout.flat else osd["optimizer_state_dict"]
+
+    def _span(self, slot: Slot) -> tuple[int, int]:
+        """(start, length) of this rank's record of `slot` in its sub-group buffer: stage 3
+        the slice with its padding; stages 1/2 the part of the parameter the rank holds."""
+        if not self.meta.layout.flat:
+            return slot.offset, slot.length
+        at, _, n = self.meta.layout.held(slot, self.rank)
+        return at, n
 
     def byte_ranges(self, kind: str, g: int, start: int, n: int) -> list[tuple[int, int, int]]:
         """Where elements [start, start + n) of sub-group g's `kind` buffer lie:
         (open file descriptor, byte offset, byte count) runs, in order."""
         end, out = start + n, []
         for slot in self._by_subgroup[g]:
-            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.length)
+            first, length = self._span(slot)
+            lo, hi = max(start, first), min(end, first + length)
             if lo >= hi:
                 continue
             key = f"{kind}/{slot.name}"
@@ -51,10 +62,10 @@ class PartialShard:
                     f"{self.meta.files.layers_path(self.rank)}: no record {key!r}; this partial "
                     f"checkpoint does not hold that layer")
             offset, size = self.records[key]
-            if (hi - slot.offset) * 4 > size:
+            if (hi - first) * 4 > size:
                 raise CheckpointError(f"{self.meta.files.layers_path(self.rank)}: record {key!r} "
                                       f"is shorter than the parameter's slice; the file is damaged")
-            out.append((self.fd, offset + (lo - slot.offset) * 4, (hi - lo) * 4))
+            out.append((self.fd, offset + (lo - first) * 4, (hi - lo) * 4))
         return out
 
     def whole_record(self, kind: str, g: int) -> None:
@@ -75,7 +86,7 @@ class PartialShard:
             pos += nbytes // 4
 
     def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
-        size = self.meta.layout.subgroup_sizes[g]
+        size = self.meta.layout.buffer_size(kind, g, self.rank)
         out = torch.empty(size - start if length is None else length, dtype=torch.float32)
         self.read_into(kind, g, start, out)
         return out

@@ -163,12 +163,16 @@ def flat_tensor(optim: dict, kind: str, g: int, flat: bool = False) -> torch.Ten
 
 
 def without_flat_buffers(osd: dict) -> dict:
-    """DeepSpeed's ZeRO-3 optimizer state (the optim file's `optimizer_state_dict`) minus
-    the fp32 flat groups and Adam moments: counters, loss scaler, param groups, steps."""
-    osd = {k: v for k, v in osd.items() if k != "fp32_flat_groups"}
-    inner = dict(osd["optimizer_state_dict"])
+    """DeepSpeed's ZeRO optimizer state (the optim file's `optimizer_state_dict`, stage 3
+    or 1/2) minus the fp32 flat groups and Adam moments: counters, loss scaler, param
+    groups, steps."""
+    flat = "base_optimizer_state" in osd
+    fp32, inner_key = ("single_partition_of_fp32_groups", "base_optimizer_state") if flat \
+        else ("fp32_flat_groups", "optimizer_state_dict")
+    osd = {k: v for k, v in osd.items() if k != fp32}
+    inner = dict(osd[inner_key])
     inner["state"] = {g: {"step": st["step"]} for g, st in inner["state"].items()}
-    osd["optimizer_state_dict"] = inner
+    osd[inner_key] = inner
     return osd
 
 
