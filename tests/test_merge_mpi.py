@@ -39,7 +39,7 @@ def on_root(comm: Comm, fn) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", ["w3_bf16_decay_tied_frozen", "w4_fp32_per_layer",
-                                  "hf_w3_bf16_weights_tied"])
+                                  "hf_w3_bf16_weights_tied", "s2_w3_fp32_decay_tied_frozen"])
 def test_same_output_for_any_number_of_ranks(ckpt, monkeypatch, name):
     comm = Comm.world()
     root = Path(comm.bcast(tempfile.mkdtemp(prefix="mpitailor-mpi-") if comm.rank == 0

@@ -1,5 +1,6 @@
 """The same inputs give the same output bytes whatever the number of MPI ranks (1, 2, 3, 5):
-here a reshard 2 -> 3; tests/test_hf_shards.py does the same for a merge with the base's
+here a reshard 2 -> 3 (ZeRO-3, and stage 2 whose parameters straddle ranks);
+tests/test_hf_shards.py does the same for a merge with the base's
 16-bit weights rebuilt and both exports. With 3 and 5 ranks the ranks outnumber or do not
 divide the partitions, so partitions are split into byte ranges and several ranks write one
 file."""
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from merging import RECIPES, recipe_env, run_cli
 
@@ -28,8 +31,9 @@ def tree(root: Path) -> dict[str, bytes]:
     return out
 
 
-def test_reshard_output_bytes_do_not_depend_on_the_rank_count(ckpt, tmp_path):
-    name, args = "w2_bf16_small_subgroups_tied_frozen", ["--world-size", "3"]
+@pytest.mark.parametrize("name", ["w2_bf16_small_subgroups_tied_frozen", "s2_w2_bf16_per_layer"])
+def test_reshard_output_bytes_do_not_depend_on_the_rank_count(ckpt, tmp_path, name):
+    args = ["--world-size", "3"]
     new, old = ckpt(name, 10), ckpt(name, 5)
     trees = {}
     for ranks in RANKS:

@@ -188,3 +188,18 @@ def test_a_partial_save_replaces_an_existing_tag(tmp_path):
     assert meta.held_layers == frozenset({"layers.1", "layers.3", *AUX})
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
     assert read_meta(root / "global_step6").held_layers is None  # the new chain's full save
+
+
+def test_stage1_adaptive_saves_recover_and_resume_inside_the_job(tmp_path):
+    """ZeRO stage 1, adaptive policy (update statistics from the flat partitions): the
+    training ranks recover their own saves and resume from the composite."""
+    spec = replace(spec_for("w2_adaptive", tmp_path / "run"), zero_stage=1, stats=None,
+                   then_resume=2)
+    result = launch(spec)
+    resumed = result["resumed"]
+    assert ".mpitailor-resume/recovered-global_step8-" in resumed["from"]
+    assert (resumed["first_step"], resumed["global_steps"]) == (8, 10)
+    assert all(math.isfinite(x) for x in resumed["losses"])
+    held = [set(json.loads((tmp_path / "run" / f"global_step{s}" / "mpitailor_partial.json")
+                           .read_text())["layers"]) for s in (4, 6, 8)]
+    assert all(0 < len({k for k in h if k.startswith("layers.")}) < 4 for h in held)
