@@ -54,7 +54,7 @@ class Copier:
                 raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
                                       f"{off + done}; the file is truncated")
             crc = crc32(view[:got], crc)
-            self.pending[self.turn] = self.writer.submit(_write_out, dst, view[:got],
+            self.pending[self.turn] = self.writer.submit(write_out, dst, view[:got],
                                                          dst_off + done)
             done += got
         return crc
@@ -98,7 +98,7 @@ def copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, copier: C
         done += k
 
 
-def _write_out(fd: int, data, offset: int) -> None:
+def write_out(fd: int, data, offset: int) -> None:
     """pwrite a chunk and start its writeback (the final fsync then waits for little)."""
     pwrite_all(fd, data, offset)
     writeback.start(fd, offset, len(data))

@@ -14,7 +14,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 
 from mpitailor.comm import Comm
 from mpitailor.commit import copy_synced, write_synced
-from mpitailor.copyio import pwrite_all
+from mpitailor.copyio import write_out
 from mpitailor.crc import crc32, crc32_combine
 from mpitailor.errors import CheckpointError, MergeFailed
 from mpitailor.export.hf_layout import (
@@ -46,7 +47,7 @@ from mpitailor.zero3.shard import RankShard, open_all_shards
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HF_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-CHUNK = 1 << 24  # elements read, cast and written at a time: 64 MiB of fp32 at most
+CHUNK = 1 << 20  # elements read, cast and written at a time: 4 MiB of fp32, two in flight
 _SHARD_FILE = re.compile(r"\w[\w.-]*\.safetensors")
 
 
@@ -148,41 +149,85 @@ def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
     work = list(share(plan, rank, size))
     if not work:
         return []
-    dtype, slots, done = DTYPES[plan.dtype], meta.layout.by_name(), []
+    slots, done = meta.layout.by_name(), []
     needed = {str(m.path): m for m in [meta, *sources.values()]}
     with ExitStack() as stack:
         opened = {key: stack.enter_context(open_all_shards(m)) for key, m in needed.items()}
+        out = stack.enter_context(_Pipeline(DTYPES[plan.dtype]))
         for f, runs in work:
             first = runs[0][0].offset + runs[0][1] * plan.itemsize
-            pos, crc = first, 0
             fd = os.open(dest / f.name, os.O_WRONLY)
             try:
+                out.start(fd, first)
                 for piece, a, b in runs:
                     shards = opened[str(sources.get(piece.name, meta).path)]
-                    for chunk in _elements(shards, slots.get(piece.name), piece.name, a, b):
-                        data = as_bytes(chunk.to(dtype))
-                        pwrite_all(fd, data, pos)
-                        crc, pos = crc32(data, crc), pos + len(data)
+                    slot = slots.get(piece.name)
+                    for lo in range(a, b, CHUNK):
+                        out.put(shards, slot, piece.name, lo, min(b, lo + CHUNK))
+                pos, crc = out.finish()
                 os.fsync(fd)
             finally:
+                out.settle()  # no write may still be in flight on a closed descriptor
                 os.close(fd)
             done.append((f.name, first, pos - first, crc))
     return done
 
 
-def _elements(shards: Sequence[RankShard], slot: Slot | None, name: str, a: int,
-              b: int) -> Iterator[torch.Tensor]:
-    """Elements [a, b) of parameter `name`, flattened, CHUNK at a time (the fp32 master
-    weights of a trainable one, a frozen one's fragments as saved)."""
-    buf = torch.empty(min(CHUNK, b - a), dtype=torch.float32) if slot is not None else None
-    for lo in range(a, b, CHUNK):
-        hi = min(b, lo + CHUNK)
+class _Pipeline:
+    """Reads, casts and CRCs one chunk while a writer thread pwrites the one before
+    (preadv, the cast, the CRC and pwrite release the GIL): one rank keeps two cores busy.
+    Memory: two chunks and their casts."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.bufs = [torch.empty(CHUNK, dtype=torch.float32) for _ in range(2)]
+        self.pending: list[Future | None] = [None, None]
+        self.turn, self.fd, self.pos, self.crc = 0, -1, 0, 0
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="mpitailor-export-writer")
+
+    def start(self, fd: int, pos: int) -> None:
+        self.fd, self.pos, self.crc = fd, pos, 0
+
+    def put(self, shards: Sequence[RankShard], slot: Slot | None, name: str, lo: int,
+            hi: int) -> None:
+        """Elements [lo, hi) of parameter `name` (flattened) next in the file: the fp32
+        master weights of a trainable one, a frozen one's fragments as saved."""
+        self.turn ^= 1
+        self._wait(self.turn)  # its buffer (and the cast of it) is free again
+        chunk = self.bufs[self.turn][: hi - lo]
         if slot is None:
-            yield _frozen_range(shards, name, lo, hi)
-            continue
-        out = buf[: hi - lo]
-        read_range(shards, slot, "fp32", lo, out)
-        yield out
+            chunk.copy_(_frozen_range(shards, name, lo, hi))
+        else:
+            read_range(shards, slot, "fp32", lo, chunk)
+        data = as_bytes(chunk.to(self.dtype))
+        self.crc = crc32(data, self.crc)
+        self.pending[self.turn] = self.writer.submit(write_out, self.fd, data, self.pos)
+        self.pos += len(data)
+
+    def finish(self) -> tuple[int, int]:
+        """Wait for the file's writes (their errors raise here): (end position, CRC-32)."""
+        for i in range(2):
+            self._wait(i)
+        return self.pos, self.crc
+
+    def settle(self) -> None:
+        """Wait for the writes in flight, their errors dropped (another error is on its
+        way up, or finish() has raised them already)."""
+        for i in range(2):
+            f, self.pending[i] = self.pending[i], None
+            if f is not None:
+                f.exception()
+
+    def _wait(self, i: int) -> None:
+        if (f := self.pending[i]) is not None:
+            self.pending[i] = None
+            f.result()
+
+    def __enter__(self) -> "_Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.writer.shutdown(wait=True)
 
 
 def _frozen_range(shards: Sequence[RankShard], name: str, a: int, b: int) -> torch.Tensor:
