@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 from mpitailor.zero3 import CheckpointMeta, Layout, compute_layout
-from mpitailor.zero3.layout import compute_flat_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +59,8 @@ def target_layout(ref: CheckpointMeta, world_size: int, step_of) -> Target:
             ids.append(len(subs))
             subs.append(chunk)
         groups.append(tuple(ids))
-    make = compute_flat_layout if ref.layout.flat else compute_layout
-    layout = make([{n: shapes[n] for n in chunk} for chunk in subs], world_size)
+    layout = compute_layout([{n: shapes[n] for n in chunk} for chunk in subs], world_size,
+                            flat=ref.layout.flat)
     steps = tuple(step_of(g, chunk) for g, chunk in enumerate(subs))
     return Target(layout, tuple(groups), steps)
 

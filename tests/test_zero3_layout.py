@@ -7,7 +7,6 @@ from deepspeed.utils import zero_to_fp32 as z2f
 
 from ckpt_fixtures import STAGE12_VARIANTS, ZERO3_VARIANTS
 from mpitailor.zero3 import compute_layout
-from mpitailor.zero3.layout import compute_flat_layout
 from mpitailor.zero3.consolidate import consolidate
 from mpitailor.zero3.read import read_meta
 from mpitailor.zero3.shard import open_shard
@@ -90,7 +89,7 @@ def test_flat_layout_tiles_each_group(ckpt, name):
 def test_flat_layout_arithmetic():
     """Groups are padded to a multiple of 2W, cut into W partitions; a parameter can
     straddle ranks, and the fp32 partitions are stored without their padding."""
-    layout = compute_flat_layout([{"a": (5,), "b": (2, 3)}, {"c": (1,)}], world_size=4)
+    layout = compute_layout([{"a": (5,), "b": (2, 3)}, {"c": (1,)}], world_size=4, flat=True)
     a, b, c = layout.slots
     assert layout.subgroup_sizes == (4, 2)     # 11 -> 16 elements; 1 -> 8
     assert [layout.held(a, r) for r in range(4)] == [(0, 0, 4), (0, 4, 1), (0, 0, 0),

@@ -31,7 +31,7 @@ from mpitailor.layers import LayerClassifier
 from mpitailor.stwrite import write_safetensors
 from mpitailor.zero3.files import (PARTIAL_MANIFEST, STAGE12_MODEL, Lineage, model_file,
                                    partial_files)
-from mpitailor.zero3.layout import KINDS, compute_flat_layout, compute_layout
+from mpitailor.zero3.layout import KINDS, compute_layout
 from mpitailor.zero3.shard import without_flat_buffers
 
 FORMAT = "mpitailor-partial"
@@ -94,8 +94,7 @@ def layer_slices(engine, param_shapes, layers: set[str],
     osd = engine.optimizer.state_dict()
     flats = osd["single_partition_of_fp32_groups" if flat else "fp32_flat_groups"]
     state = osd["base_optimizer_state" if flat else "optimizer_state_dict"]["state"]
-    layout = (compute_flat_layout if flat else compute_layout)(param_shapes,
-                                                               engine.dp_world_size)
+    layout = compute_layout(param_shapes, engine.dp_world_size, flat=flat)
     out = {}
     for slot in layout.slots:
         if classify(slot.name) not in layers:

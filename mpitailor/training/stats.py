@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from mpitailor.layers import classify as default_classify
 from mpitailor.layers import sort_keys
-from mpitailor.zero3.layout import compute_flat_layout, compute_layout
+from mpitailor.zero3.layout import compute_layout
 
 
 def model_layer_keys(engine, classify: Callable[[str], str] = default_classify) -> list[str]:
@@ -30,8 +30,8 @@ class UpdateTracker:
     def __init__(self, engine, classify: Callable[[str], str] = default_classify) -> None:
         self.engine = engine
         self.flat = engine.zero_optimization_stage() in (1, 2)
-        layout = (compute_flat_layout if self.flat else compute_layout)(
-            engine._get_zero_param_shapes(), engine.dp_world_size)
+        layout = compute_layout(engine._get_zero_param_shapes(), engine.dp_world_size,
+                                flat=self.flat)
         rank = engine.global_rank
         self.pieces: dict[str, list[tuple[int, int, int]]] = {}
         for s in layout.slots:

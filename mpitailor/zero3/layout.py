@@ -97,30 +97,14 @@ class Layout:
         return max(0, min(p, used - rank * p))
 
 
-def compute_layout(param_shapes: Sequence[Mapping[str, Sequence[int]]],
-                   world_size: int) -> Layout:
-    """Slot table from `param_shapes` (one mapping per sub-group) and the world size."""
-    if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
-    slots, sizes = [], []
-    for g, shapes in enumerate(param_shapes):
-        off = 0
-        for name, shape in shapes.items():
-            shape = tuple(int(d) for d in shape)
-            pn = math.ceil(math.prod(shape) / world_size)
-            slots.append(Slot(name, shape, g, off, pn))
-            off += pn
-        sizes.append(off)
-    return Layout(world_size, tuple(slots), tuple(sizes))
-
-
 ALIGNMENT = 2  # DeepSpeed stage 1/2 nccl_start_alignment_factor: a group is padded to 2W
 
 
-def compute_flat_layout(param_shapes: Sequence[Mapping[str, Sequence[int]]],
-                        world_size: int) -> Layout:
-    """Stage 1/2 slot table: each group one flat buffer, padded to a multiple of 2W and
-    split into W equal partitions."""
+def compute_layout(param_shapes: Sequence[Mapping[str, Sequence[int]]], world_size: int,
+                   flat: bool = False) -> Layout:
+    """Slot table from `param_shapes` (one mapping per sub-group) and the world size.
+    flat: stage 1/2, each group one flat buffer, padded to a multiple of 2W and split into W
+    equal partitions."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     slots, sizes = [], []
@@ -128,8 +112,9 @@ def compute_flat_layout(param_shapes: Sequence[Mapping[str, Sequence[int]]],
         off = 0
         for name, shape in shapes.items():
             shape = tuple(int(d) for d in shape)
-            slots.append(Slot(name, shape, g, off, math.prod(shape)))
-            off += math.prod(shape)
+            n = math.prod(shape) if flat else math.ceil(math.prod(shape) / world_size)
+            slots.append(Slot(name, shape, g, off, n))
+            off += n
         align = ALIGNMENT * world_size
-        sizes.append(math.ceil(off / align) * align // world_size)
-    return Layout(world_size, tuple(slots), tuple(sizes), flat=True)
+        sizes.append(math.ceil(off / align) * align // world_size if flat else off)
+    return Layout(world_size, tuple(slots), tuple(sizes), flat=flat)

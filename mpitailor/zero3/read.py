@@ -14,7 +14,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.zero3 import files as zfiles
 from mpitailor.zero3.files import CheckpointFiles
 from mpitailor.zero3.fsview import LOCAL
-from mpitailor.zero3.layout import compute_flat_layout, compute_layout
+from mpitailor.zero3.layout import compute_layout
 from mpitailor.zero3.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
 from mpitailor.zero3.rawio import materialize
 from mpitailor.zero3.safeload import load
@@ -52,7 +52,7 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
             f"{files.tag_dir}: {files.world_size} rank files but dp_world_size={world} and "
             f"partition_count={osd.get('partition_count')}; files from different runs?")
     shapes = _checked_shapes(files.model_path(0), model["param_shapes"])
-    layout = (compute_flat_layout if files.flat else compute_layout)(shapes, world)
+    layout = compute_layout(shapes, world, flat=files.flat)
     inner = osd["base_optimizer_state"] if files.flat else osd["optimizer_state_dict"]
     n_sub = len(layout.subgroup_sizes)
     if files.flat:
