@@ -42,7 +42,7 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
     if world > files.world_size:
         raise CheckpointError(
             f"{files.tag_dir}: the files of ranks 0-{files.world_size - 1}, but the checkpoint "
-            f"was saved by {world} ranks: {files.optim_path(files.world_size).name} and those "
+            f"was saved by {world} ranks: {_rank_file(files, files.world_size)} and those "
             f"after it are missing (node-local storage: run on every node that holds the "
             f"checkpoint's files)")
     counts = osd.get("partition_count", world)
@@ -82,6 +82,11 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
         sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
                            .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )
+
+
+def _rank_file(files: CheckpointFiles, rank: int) -> str:
+    """The file that names a rank: its model states (stage 3), its optimizer file (1/2)."""
+    return files.optim_path(rank).name if files.flat else zfiles.model_file(rank)
 
 
 def _stage(files: CheckpointFiles, osd: dict) -> int:
