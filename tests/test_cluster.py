@@ -134,7 +134,7 @@ def node_local_run(cluster, tmp_path_factory) -> NodeLocalRun:
                      save_at=(1, 2), node_local_storage=True)
     shared = tmp_path_factory.mktemp("node-local-run")  # /tmp: every node sees it
     spec.write(shared / "spec.json")
-    r = cluster.srun(["-N", 2, "-n", 4, "--ntasks-per-node", 2, PY, "-m",
+    r = cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2, PY, "-m",
                       "mpitailor.tinytrain.slurm_worker", shared / "spec.json",
                       shared / "result.json"], timeout=300)
     ok(r, cluster)
@@ -230,7 +230,7 @@ def merged_in_place(cluster, node_local_run, tmp_path_factory):
     name = f"merged-{uuid.uuid4().hex[:8]}"
     recipe = work / "parity.yml"
     recipe.write_text(PARITY.format(save=run.save_dir, out=f"{cluster.node_local}/{name}"))
-    r = cluster.srun(["-N", 2, "-n", 4, "--ntasks-per-node", 2,
+    r = cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2,
                       *merge_cmd(recipe, "--stats", work / "stats.json")], timeout=300)
     ok(r, cluster)
     shared = shared_copy(run, work / "shared-save")
@@ -322,7 +322,8 @@ def test_node_local_recover_across_nodes(cluster, node_local_run, merged_in_plac
     """`recover` of the node-local save dir on its 2 nodes: the newest full save, each
     node's part written on it, as a recover of the shared copy writes it."""
     name = f"recovered-{uuid.uuid4().hex[:8]}"
-    r = cluster.srun(["-N", 2, "-n", 4, "--ntasks-per-node", 2, PY, "-m", "mpitailor",
+    r = cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2, PY, "-m",
+                      "mpitailor",
                       "recover", node_local_run.save_dir, "-o", f"{cluster.node_local}/{name}",
                       "--no-progress"], timeout=300)
     ok(r, cluster)
@@ -361,7 +362,8 @@ def test_node_local_bad_input(cluster, node_local_run, merged_in_place):
         recipe = m["work"] / "save-dir.yml"
         recipe.write_text(f"sources:\n  a: {run.save_dir}\nlayers:\n  rest: a\n"
                           f"output: {out}\n")
-        r = cluster.srun(["-N", 2, "-n", 4, "--ntasks-per-node", 2, *merge_cmd(recipe)])
+        r = cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2,
+                          *merge_cmd(recipe)])
         one_line_per_rank(r, 4, "nodes n1 and n2 hold different copies")
     finally:
         stale.unlink()
@@ -481,7 +483,7 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
     staged = [host[i] / f".{name}.mpitailor-staging" / MANIFEST for i in (1, 2)]
     mpi = {"MPIR_CVAR_CH4_NETMOD": netmod}
     merge = subprocess.Popen(
-        ["srun", "--kill-on-bad-exit=1", "-N", "2", "-n", "4", "--ntasks-per-node=2",
+        ["srun", "--kill-on-bad-exit=1", "-N", "2", "-w", "n1,n2", "-n", "4", "--ntasks-per-node=2",
          *merge_cmd(recipe)], env={**cluster, **mpi, "MPITAILOR_FAILPOINT": "commit:0:sleep=10"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
@@ -521,7 +523,8 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
     assert "started slurmd of n2" in start.stderr, start.stderr
     wait_for("n2 idle", lambda: node_state("n2", cluster) == "idle", 60, 0.5)
     # The same merge again: published on both nodes, the stale staging dir reclaimed.
-    ok(cluster.srun(["--kill-on-bad-exit=1", "-N", 2, "-n", 4, "--ntasks-per-node", 2,
+    ok(cluster.srun(["--kill-on-bad-exit=1", "-N", 2, "-w", "n1,n2", "-n", 4,
+                     "--ntasks-per-node", 2,
                      *merge_cmd(recipe)], mpi, timeout=300), cluster)
     try:
         for i, ranks in ((1, (0, 1)), (2, (2, 3))):
