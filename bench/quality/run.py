@@ -1,145 +1,126 @@
-"""Does training resumed from a composite checkpoint end as well as from a full one?
+"""For the bytes I can afford to write, which checkpointing policy loses the least training?
 
-    python -m bench.quality.run [--seeds 3] [--steps 200] [--fail-at 75] [--every 10]
+    nice -n 10 python -m bench.quality.run [--quick] [--seeds 5] [--steps 1500]
+        [--budgets 40 120] [--horizon 50] [--parallel 2] [--out bench/quality/results]
 
-A 4-layer Llama (hidden 128) learns a copy task (8 random tokens, a separator, the same 8
-again; only the copy is scored) with real DeepSpeed ZeRO-3 in 2 processes, one optimizer
-group per layer. Per seed, side by side:
-  uninterrupted   N steps
-  full            saves every S steps, fails after step F, resumes from the newest (full) save
-  identity        as full, but resumes from `recover`'s composite of that save (must equal full)
-  parity/filter/adaptive   layer-wise saves by that policy, fails after F, resumes from the
-                  `recover`ed composite of the newest copy of every layer
-Reports final train loss (mean of the last 10 steps) and held-out loss (mean and spread over
-seeds), and the bytes each policy wrote before the failure against full saves. Writes
-bench/out/quality.json and bench/out/quality.png.
+A byte-level Llama (6 layers, hidden 128) learns the Python standard library's own sources
+(held-out files never trained on) with real DeepSpeed ZeRO-3 on CPU. Per byte budget (full
+saves every K steps), each layer-wise policy saves as often as the same bytes allow, paced by
+the measured size of its own saves (a short calibration run measures the first estimate).
+Per seed, one uninterrupted run carries every policy's saves; failures early, mid and late in
+training; for each, the saves made by then are recovered (`mpiexec -n 2 python -m mpitailor
+recover`) and resumed by DeepSpeed's load_checkpoint. See bench/quality/README.md for the
+method and the reading.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import logging
+import os
+import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-from dataclasses import replace
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from mpitailor.tinytrain import TrainSpec, launch
+from bench.quality import corpus, report
+from bench.quality.spec import POLICIES, Job, Model, Saver
+from bench.quality.study import WORKER, Plan, run_seed, save_json
+from mpitailor.tinytrain import launch
 
-OUT = Path(__file__).resolve().parents[1] / "out"
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
-POLICIES = {"parity": {"name": "parity"},
-            "filter": {"name": "filter", "always": (0, -1), "every": 4},
-            "adaptive": {"name": "adaptive", "top_fraction": 0.5, "max_staleness": 3}}
-
-
-def du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.suffix != ".h5")
+ROOT = Path(__file__).resolve().parents[2]
+SCRATCH = ROOT / "bench" / "out" / "quality"
+log = logging.getLogger("bench.quality")
 
 
-def recover(save_dir: Path, out: Path) -> None:
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpitailor", "recover",
-                        str(save_dir), "-o", str(out), "-q", "--no-progress"],
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise SystemExit(f"recover failed: {r.stderr}")
-
-
-def one_seed(seed: int, args, tmp: Path) -> dict:
-    base = TrainSpec(save_dir="", world_size=2, layers=4, hidden=128, intermediate=256,
-                     heads=4, kv_heads=4, vocab=32, seq_len=17, micro_batch=8, lr=3e-3,
-                     grouping="per_layer", task="copy", eval_batches=8, seed=seed,
-                     data_seed=seed, steps=args.steps, save_at=())
-    saves = tuple(range(args.every, args.fail_at + 1, args.every))
-    last = saves[-1]
-    runs = {"uninterrupted": launch(replace(base, save_dir=str(tmp / "a")))}
-    out = {"uninterrupted": {**runs["uninterrupted"], "bytes": 0}}
-    for kind in ("full", *POLICIES):
-        save_dir = tmp / kind
-        before = replace(base, save_dir=str(save_dir), steps=args.fail_at, save_at=saves,
-                         policy=POLICIES.get(kind))
-        pre = launch(before)
-        written = du(save_dir)
-        starts = {"full": (save_dir, f"global_step{last}")}
-        if kind == "full":
-            recover(save_dir, tmp / "identity-ckpt")
-            starts["identity"] = (tmp / "identity-ckpt", f"global_step{last}")
-        else:
-            recover(save_dir, tmp / f"{kind}-ckpt")
-            starts = {kind: (tmp / f"{kind}-ckpt", f"global_step{last}")}
-        for name, (load_dir, tag) in starts.items():
-            resumed = launch(replace(base, save_dir=str(tmp / f"{name}-resumed"),
-                                     load_dir=str(load_dir), load_tag=tag))
-            out[name] = {**resumed, "bytes": written, "pre_losses": pre["losses"]}
+def calibrate(model: Model, saves: int = 8) -> dict:
+    """Bytes of one full save and the mean bytes of a policy's saves after its first
+    (full) one, measured: every policy saves at each of `saves` + 1 steps."""
+    d = SCRATCH / "calibrate"
+    savers = [Saver("full", "full", str(d / "full"), every=1)]
+    # A budget of one full save per step: a paced policy saves at every step.
+    savers += [Saver(p, p, str(d / p), bytes_per_step=1e15) for p in POLICIES]
+    r = launch(Job("train", str(d / "job"), replace(model, eval_every=10**9), seed=0,
+                   steps=saves + 1, savers=tuple(savers)), module=WORKER, timeout=1800)
+    full = statistics.fmean(r["saves"]["full"]["bytes"])
+    out = {"full_bytes": full, "per_save": {}, "ratio": {}}
+    for p in POLICIES:
+        later = r["saves"][p]["bytes"][1:]
+        out["per_save"][p] = r["saves"][p]["bytes"]
+        out["ratio"][p] = statistics.fmean(later) / full
+    shutil.rmtree(d, ignore_errors=True)
     return out
 
 
-def main() -> None:
+def saver_table(budgets: list[int]) -> list[tuple[str, str, int]]:
+    """(name, policy, K) per budget: full every K steps, and each layer-wise policy paced to
+    the same bytes per step (spec.Saver)."""
+    return [(f"{p}@{k}", p, k) for k in budgets for p in ("full", *POLICIES)]
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--fail-at", type=int, default=75)
-    ap.add_argument("--every", type=int, default=10)
-    args = ap.parse_args()
-    OUT.mkdir(exist_ok=True)
-    per_seed = []
-    for seed in range(args.seeds):
-        with tempfile.TemporaryDirectory(prefix="mpitailor-quality-", dir=OUT) as tmp:
-            per_seed.append(one_seed(1000 + seed, args, Path(tmp)))
-        print(f"seed {seed} done", flush=True)
-    kinds = list(per_seed[0])
-    full_bytes = statistics.mean(s["full"]["bytes"] for s in per_seed)
-    table = {}
-    for k in kinds:
-        train = [statistics.mean(s[k]["losses"][-10:]) for s in per_seed]
-        held = [s[k]["eval_loss"] for s in per_seed]
-        table[k] = {"train_loss": statistics.mean(train), "train_spread": _spread(train),
-                    "heldout_loss": statistics.mean(held), "heldout_spread": _spread(held),
-                    "bytes_vs_full": (statistics.mean(s[k]["bytes"] for s in per_seed) /
-                                      full_bytes) if k != "uninterrupted" else None}
-    identical = all(s["identity"]["losses"] == s["full"]["losses"] for s in per_seed)
-    print(f"{args.seeds} seeds, {args.steps} steps, failure after step {args.fail_at}, "
-          f"saves every {args.every} steps")
-    print(f"{'run':<14}{'train loss':>18}{'held-out loss':>20}{'bytes vs full':>15}")
-    for k, t in table.items():
-        b = f"{t['bytes_vs_full']:.2f}" if t["bytes_vs_full"] is not None else "-"
-        print(f"{k:<14}{t['train_loss']:>10.4f} ± {t['train_spread']:.4f}"
-              f"{t['heldout_loss']:>12.4f} ± {t['heldout_spread']:.4f}{b:>15}")
-    print(f"identity resume equals full resume, loss for loss: {identical}")
-    (OUT / "quality.json").write_text(json.dumps({"args": vars(args), "table": table,
-                                                  "identity_equals_full": identical,
-                                                  "runs": per_seed}, indent=2))
-    plot(per_seed, args, OUT / "quality.png")
-    print(f"wrote {OUT / 'quality.json'} and {OUT / 'quality.png'}")
+    ap.add_argument("--quick", action="store_true", help="a smoke run of about 2 minutes")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[40, 120],
+                    help="full-save intervals K; each is one byte budget")
+    ap.add_argument("--horizon", type=int, default=50,
+                    help="layer-wise resumes train to F + this")
+    ap.add_argument("--failures", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--parallel", type=int, default=2, help="seeds at a time")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "quality" / "results")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild the table and plots from OUT/plan.json and OUT/runs/")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds, args.steps, args.budgets, args.horizon = 2, 60, [20], 10
+        args.failures = [0.5]
+        args.out = SCRATCH / "quick-results"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    os.chdir(ROOT)  # the training processes run `python -m bench.quality.worker`
+    if args.report_only:
+        report.rewrite(args.out)
+        return 0
+    return study(args)
 
 
-def _spread(xs: list[float]) -> float:
-    return statistics.pstdev(xs) if len(xs) > 1 else 0.0
+def study(args) -> int:
+    started = time.time()
+    text = corpus.load()
+    model = Model(total_steps=args.steps, warmup=min(100, args.steps // 10))
+    log.info("corpus: %s", text.info)
+    cal = calibrate(model)
+    log.info("calibration: full save %.1f MB; bytes per save vs full: %s", cal["full_bytes"] / 1e6,
+             {k: round(v, 3) for k, v in cal["ratio"].items()})
+    savers = saver_table(args.budgets)
+    plan = Plan(model, args.steps, tuple(savers), tuple(args.failures), args.horizon,
+                jitter=max(args.budgets), full_bytes=cal["full_bytes"],
+                estimates=tuple((p, cal["ratio"][p] * cal["full_bytes"]) for p in POLICIES))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "runs").mkdir(exist_ok=True)
+    command = "nice -n 10 python -m bench.quality.run " + " ".join(sys.argv[1:])
+    save_json(args.out / "plan.json", {"command": command.strip(), "plan": asdict(plan),
+                                       "calibration": cal, "corpus": text.info,
+                                       "seeds": args.seeds, "started": started})
 
+    def one(seed: int) -> dict:
+        t = time.time()
+        record = run_seed(plan, seed, SCRATCH / f"seed{seed}")
+        record["finished"] = time.time()
+        save_json(args.out / "runs" / f"seed{seed}.json", record)
+        log.info("seed %d done in %.0f s (%s)", seed, time.time() - t,
+                 {k: round(v) for k, v in record["wall"].items()})
+        return record
 
-def plot(per_seed, args, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for k in per_seed[0]:
-        curves = [s[k]["losses"] for s in per_seed]
-        n = min(len(c) for c in curves)
-        mean = [statistics.mean(c[i] for c in curves) for i in range(n)]
-        first = args.steps - n + 1
-        ax.plot(range(first, first + n), mean, label=k, lw=1)
-    ax.axvline(args.fail_at, color="gray", ls=":", lw=1)
-    ax.set_xlabel("step")
-    ax.set_yscale("log")
-    ax.set_ylabel("train loss (mean over seeds, log scale)")
-    ax.set_title("resumed after a failure: full vs composite checkpoints")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        records = list(pool.map(one, range(args.seeds)))
+    report.write(args.out, plan, cal, text.info, records, time.time() - started,
+                 command.strip())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
