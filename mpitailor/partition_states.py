@@ -138,16 +138,18 @@ def _flat_module(plan: MergePlan, shards: dict):
     frozen = dict(plan.base_meta.frozen_shapes)
     module = type(base)()
     opened: dict[str, list] = {}  # source -> all its ranks' shards, opened when needed
+    slots: dict[str, dict] = {}   # source -> its slot table by name
     with ExitStack() as stack:
         for name in base:
             target = aliases.get(name, name)
             src = key_source.get(classify(target), plan.base)
             have = shards[src].model["module"][name]
-            meta = plan.meta(src)
-            slot = meta.layout.by_name().get(target)
+            if src not in slots:
+                slots[src] = plan.meta(src).layout.by_name()
+            slot = slots[src].get(target)
             if slot is not None and have.numel() != slot.numel:
                 if src not in opened:
-                    opened[src] = stack.enter_context(open_all_shards(meta))
+                    opened[src] = stack.enter_context(open_all_shards(plan.meta(src)))
                 have = full_tensor(opened[src], slot, "fp32").to(have.dtype)
             elif target in frozen and have.numel() != math.prod(frozen[target]):
                 have = shards[src].model["frozen_param_fragments"][target].to(have.dtype) \

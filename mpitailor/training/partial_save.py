@@ -99,8 +99,7 @@ def layer_slices(engine, param_shapes, layers: set[str],
     for slot in layout.slots:
         if classify(slot.name) not in layers:
             continue
-        at, _, n = layout.held(slot, engine.global_rank) if flat else \
-            (slot.offset, 0, slot.length)
+        at, n = layout.span(slot, engine.global_rank)
         if n == 0:
             continue
         for kind in KINDS:

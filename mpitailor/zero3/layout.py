@@ -71,6 +71,14 @@ class Layout:
             return 0, 0, 0
         return lo - rank * p, lo - slot.offset, hi - lo
 
+    def span(self, slot: Slot, rank: int) -> tuple[int, int]:
+        """(start, length) of rank's slice of `slot` in its sub-group buffer: stage 3 the
+        slice with its padding; flat the part of the parameter the rank holds (maybe 0)."""
+        if not self.flat:
+            return slot.offset, slot.length
+        at, _, n = self.held(slot, rank)
+        return at, n
+
     def locate(self, slot: Slot, e: int) -> tuple[int, int, int]:
         """Element e of the parameter: (rank, offset in that rank's buffer, how many
         elements from there on are contiguous on that rank)."""

@@ -39,20 +39,12 @@ class PartialShard:
         osd = self.optim["optimizer_state_dict"]
         return osd["base_optimizer_state"] if self.meta.layout.flat else osd["optimizer_state_dict"]
 
-    def _span(self, slot: Slot) -> tuple[int, int]:
-        """(start, length) of this rank's record of `slot` in its sub-group buffer: stage 3
-        the slice with its padding; stages 1/2 the part of the parameter the rank holds."""
-        if not self.meta.layout.flat:
-            return slot.offset, slot.length
-        at, _, n = self.meta.layout.held(slot, self.rank)
-        return at, n
-
     def byte_ranges(self, kind: str, g: int, start: int, n: int) -> list[tuple[int, int, int]]:
         """Where elements [start, start + n) of sub-group g's `kind` buffer lie:
         (open file descriptor, byte offset, byte count) runs, in order."""
         end, out = start + n, []
         for slot in self._by_subgroup[g]:
-            first, length = self._span(slot)
+            first, length = self.meta.layout.span(slot, self.rank)
             lo, hi = max(start, first), min(end, first + length)
             if lo >= hi:
                 continue

@@ -17,6 +17,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.zero3 import rawio
 from mpitailor.zero3.layout import KINDS
 from mpitailor.zero3.meta import CheckpointMeta
+from mpitailor.zero3.read import flat_mappings_agree
 from mpitailor.zero3.safeload import load
 from mpitailor.zero3.verify import record_crcs
 
@@ -139,7 +140,6 @@ def _check_model_agrees(meta: CheckpointMeta, model: dict, path) -> None:
 
 
 def _check_flat_rank(meta: CheckpointMeta, optim: dict, rank: int, path) -> None:
-    from mpitailor.zero3.read import flat_mappings_agree
     try:
         osd = optim["optimizer_state_dict"]
         mappings = osd.get("param_slice_mappings")
