@@ -35,7 +35,7 @@ def check(arch: str) -> dict:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from mpitailor.layers import classify, layer_index
+    from mpitailor.planning.layers import classify, layer_index
     from mpitailor.tinytrain.model import build_model
     from mpitailor.tinytrain.spec import TrainSpec
 

@@ -16,8 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from mpitailor.comm import Comm
-from mpitailor.iostats import snapshot
+from mpitailor.cluster.comm import Comm
+from mpitailor.engine.iostats import snapshot
 
 CHUNK = 64 << 20  # bytes per copy_file_range call (1 GiB was 10-30% slower here)
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from mpitailor.comm import Comm
-from mpitailor.iostats import snapshot
-from mpitailor.job import plan_merge
-from mpitailor.zero3 import KINDS
-from mpitailor.zero3.safeload import load
-from mpitailor.zero3.shard import flat_tensor
+from mpitailor.cluster.comm import Comm
+from mpitailor.engine.iostats import snapshot
+from mpitailor.formats import KINDS
+from mpitailor.formats.safeload import load
+from mpitailor.formats.shard import flat_tensor
+from mpitailor.jobs.merge import plan_merge
 
 
 def main() -> None:

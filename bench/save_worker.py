@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mpitailor.commit import fsync_tree
+from mpitailor.publish.staging import fsync_tree
 from mpitailor.tinytrain.spec import TrainSpec
 from mpitailor.tinytrain.worker import build_engine, shutdown, train
 from mpitailor.training.partial_save import save_layers

@@ -4,7 +4,8 @@
 importing the package (or its torch-free planner) does not import torch.
 """
 
-__version__ = "0.1.0"
+from mpitailor.version import __version__  # noqa: F401 - re-exported
+
 __all__ = ["MergeResult", "merge", "recover"]
 
 

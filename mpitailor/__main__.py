@@ -1,5 +1,5 @@
 import sys
 
-from mpitailor.cli import main
+from mpitailor.cli.main import main
 
 sys.exit(main())

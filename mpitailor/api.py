@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
-from mpitailor.comm import Comm
+from mpitailor.cluster.comm import Comm
 from mpitailor.errors import UserError
-from mpitailor.job import MergeOptions, MergeResult, execute, plan_merge, plan_recipe
-from mpitailor.layers import check_patterns
-from mpitailor.plan import MergePlan
-from mpitailor.recipe import Recipe, parse_recipe
-from mpitailor.recovery import plan_recovery, recovery_recipe
+from mpitailor.jobs.merge import MergeOptions, MergeResult, execute, plan_merge
+from mpitailor.jobs.recover import plan_recover
 
 __all__ = ["MergeResult", "merge", "recover"]
 
@@ -52,36 +48,11 @@ def recover(save_dir: str | os.PathLike, output: str | os.PathLike, *,
     return execute(comm, recipe, plan, opts)
 
 
-def recover_recipe(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike | None,
-                   layer_patterns: Mapping[str, str] | None = None,
-                   where: str = "layer_patterns") -> str:
-    """Collective: the recipe text `recover` merges (the saves checked, the chain chosen);
-    `where` names the patterns' origin in errors."""
-    if layer_patterns:
-        check_patterns(dict(layer_patterns), where=where)
-    save_dir = Path(save_dir).resolve()
-    chain = plan_recovery(comm, save_dir)
-    return recovery_recipe(save_dir, chain, None if output is None else Path(output).resolve(),
-                           dict(layer_patterns) if layer_patterns else None)
-
-
-def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike,
-                 layer_patterns: Mapping[str, str] | None = None,
-                 world_size: int | None = None,
-                 where: str = "layer_patterns") -> tuple[Recipe, MergePlan]:
-    """Collective: the recipe and plan of `recover`."""
-    text = recover_recipe(comm, save_dir, output, layer_patterns, where)
-    save_dir = Path(save_dir).resolve()
-    recipe = comm.root_step(parse_recipe, text, origin=f"recover {save_dir}",
-                            base_dir=save_dir, world_size=world_size)
-    return plan_recipe(comm, recipe)
-
-
 def _options(export, export_dtype, max_shard_size, verify, progress) -> MergeOptions:
     if isinstance(export, str):
         export = (export,)
     if isinstance(max_shard_size, str):
-        from mpitailor.export.hf_layout import parse_size
+        from mpitailor.planning.hf_layout import parse_size
         try:
             max_shard_size = parse_size(max_shard_size)
         except ValueError as e:

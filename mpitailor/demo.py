@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from mpitailor.inspect_ckpt import human
-from mpitailor.shipped import shipped_dir
+from mpitailor.cli.shipped import shipped_dir
+from mpitailor.planning.plan_report import human
 from mpitailor.tinytrain import TrainSpec, launch
 
 RECIPE = shipped_dir("recipes") / "parity.yml"

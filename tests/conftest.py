@@ -6,9 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-
 import ckpt_fixtures
+import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

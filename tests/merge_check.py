@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from mpitailor.layers import classify
-from mpitailor.zero3 import KINDS
-from mpitailor.zero3.consolidate import consolidate
-from mpitailor.zero3.read import read_meta
-from mpitailor.zero3.safeload import load
-from mpitailor.zero3.shard import open_shard
+from mpitailor.formats import KINDS
+from mpitailor.formats.consolidate import consolidate
+from mpitailor.formats.read import read_meta
+from mpitailor.formats.safeload import load
+from mpitailor.formats.shard import open_shard
+from mpitailor.planning.layers import classify
 
 
 def check_merge(out: Path, expected: dict[str, Path], base: Path) -> None:

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpitailor.comm import Comm
-from mpitailor.job import merge, plan_merge
+from mpitailor.cluster.comm import Comm
+from mpitailor.jobs.merge import merge, plan_merge
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"

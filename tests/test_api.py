@@ -6,14 +6,13 @@ import subprocess
 import sys
 
 import pytest
-
 from ckpt_fixtures import build
 from merge_check import check_merge, parity
 from merging import RECIPES, recipe_env
 
 import mpitailor
 from mpitailor.errors import NothingToRecover, UserError
-from mpitailor.zero3.read import read_meta
+from mpitailor.formats.read import read_meta
 
 
 def test_merge_returns_what_it_wrote(ckpt, tmp_path, monkeypatch):
@@ -55,7 +54,7 @@ def test_errors_are_raised_not_exits(ckpt, tmp_path, monkeypatch):
 
 
 def test_importing_the_package_does_not_import_torch():
-    code = ("import sys, mpitailor, mpitailor.plan; "
+    code = ("import sys, mpitailor, mpitailor.planning.plan; "
             "assert 'torch' not in sys.modules; "
             "from mpitailor import merge, recover, MergeResult; "
             "assert callable(merge) and callable(recover)")

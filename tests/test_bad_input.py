@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch
-
 from conftest import tree_digest
 from merging import RECIPES, run_cli
 from test_merge_errors import expect_clean_failure
 
-from mpitailor.zero3.safeload import load
+from mpitailor.formats.safeload import load
 
 PARITY = (RECIPES / "parity.yml").read_text()
 

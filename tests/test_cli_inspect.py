@@ -77,6 +77,7 @@ def test_recover_prints_its_recipe_once_and_dry_runs_without_output(tmp_path):
 def test_stats_plot_without_matplotlib_says_which_extra(tmp_path, monkeypatch):
     import pytest
     from ckpt_fixtures import build
+
     from mpitailor.errors import UserError
     from mpitailor.training.plot import plot_stats
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed

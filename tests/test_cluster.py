@@ -21,12 +21,22 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 import ckpt_fixtures
-from cluster_util import (ENDED, REPO, Cluster, job_state, kill_node, node_state, scontrol,
-                          start_cluster, stop_cluster, wait_for)
-from mpitailor.extras import MANIFEST
+import pytest
+from cluster_util import (
+    ENDED,
+    REPO,
+    Cluster,
+    job_state,
+    kill_node,
+    node_state,
+    scontrol,
+    start_cluster,
+    stop_cluster,
+    wait_for,
+)
+
+from mpitailor.formats.extras import MANIFEST
 from mpitailor.tinytrain import TrainSpec
 
 NODES = 3

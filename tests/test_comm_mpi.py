@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpitailor.comm import Comm, check_not_singleton
+from mpitailor.cluster.comm import Comm, check_not_singleton
 from mpitailor.errors import CheckpointError, MergeFailed, UserError
 
 

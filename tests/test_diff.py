@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from ckpt_fixtures import build
 from merging import RECIPES, recipe_env, run_cli
 

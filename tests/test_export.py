@@ -6,7 +6,6 @@ import pytest
 import torch
 import transformers
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
 from merging import RECIPES, recipe_env, run_cli
 
 

@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from safetensors.torch import load_file
-
 from ckpt_fixtures import build
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from merging import run_cli
+from safetensors.torch import load_file
 
 
 @pytest.mark.parametrize("name,ranks", [("w2_bf16_per_layer", 1),

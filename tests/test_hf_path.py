@@ -8,7 +8,6 @@ import shutil
 from dataclasses import replace
 
 import pytest
-
 from ckpt_fixtures import HF_MODULE, build, spec_for
 from merging import run_cli
 

@@ -14,14 +14,16 @@ import pytest
 import torch
 import transformers
 from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
+from merging import RECIPES, recipe_env, run_cli
 from safetensors.torch import load_file, save_file
 from transformers.utils.hub import convert_file_size_to_int
 
-from merging import RECIPES, recipe_env, run_cli
-
-from mpitailor.comm import Comm
-from mpitailor.export import hf_weights
-from mpitailor.export.hf_layout import (
+from mpitailor.cluster.comm import Comm
+from mpitailor.engine import hf_weights
+from mpitailor.formats.extras import MANIFEST
+from mpitailor.formats.read import read_meta
+from mpitailor.jobs.merge import merge, plan_merge
+from mpitailor.planning.hf_layout import (
     INDEX,
     like_base,
     parse_size,
@@ -29,9 +31,6 @@ from mpitailor.export.hf_layout import (
     share,
     size_shards,
 )
-from mpitailor.extras import MANIFEST
-from mpitailor.job import merge, plan_merge
-from mpitailor.zero3.read import read_meta
 
 NAME = "hf_w3_bf16_weights_tied"
 RANKS = (1, 2, 3, 5)

@@ -1,7 +1,11 @@
-"""The layers of the house (DESIGN.md, Version 2): arrows only point down.
+"""The layers of the house (DESIGN.md, Version 3): each folder imports only from the folders
+below it, and the planner is pure.
 
-The middle layer (recipe, plan, reshard, layers) is pure decisions: importing it loads
-neither torch nor mpi4py. The bottom layer (`zero3/`) imports nothing above it.
+    errors, failpoints, version  <  formats  <  planning  <  cluster  <  publish  <  engine  <  jobs
+    <  cli, training, api, demo, tinytrain (the top: they may import each other)
+
+The arrows are read from the source (an AST walk, lazy imports inside functions included), so
+an upward import fails here whether or not it is ever executed.
 """
 from __future__ import annotations
 
@@ -14,12 +18,84 @@ from pathlib import Path
 import mpitailor
 
 PACKAGE = Path(mpitailor.__file__).parent
+ORDER = ("base", "formats", "planning", "cluster", "publish", "engine", "jobs", "top")
+BASE = {"errors", "failpoints", "version"}
+TOP = {"cli", "training", "api", "demo", "tinytrain", "__init__", "__main__"}
 HEAVY = ("torch", "mpi4py")
-MIDDLE = ("mpitailor.plan", "mpitailor.program", "mpitailor.recipe", "mpitailor.reshard",
-          "mpitailor.layers")
 
-# Modules above zero3/ that zero3/ may import: leaves of the house, standard library only.
-BOTTOM = {"mpitailor.errors", "mpitailor.crc", "mpitailor.filerecord", "mpitailor.failpoints"}
+
+def layer(module: str) -> str | None:
+    """The layer of `mpitailor.X...` (None for modules outside the package)."""
+    parts = module.split(".")
+    if parts[0] != "mpitailor":
+        return None
+    if len(parts) == 1:
+        return "top"
+    head = parts[1]
+    if head in BASE:
+        return "base"
+    if head in TOP:
+        return "top"
+    if head in ORDER:
+        return head
+    raise AssertionError(f"{module}: in no layer of the house; put it in one of {ORDER[1:-1]}"
+                         f" or name it in test_layering.BASE/TOP")
+
+
+def modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        out.append((".".join(rel.parts), path))
+    return out
+
+
+def imported(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """Absolute names of the modules (or module attributes) a module imports."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0]
+                base = f"{parent}.{base}" if base else parent
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return names
+
+
+def test_every_module_is_in_a_layer():
+    for module, _ in modules():
+        layer(module)
+
+
+def test_imports_point_only_down():
+    wrong = []
+    for module, path in modules():
+        here = ORDER.index(layer(module))
+        for name in sorted(imported(ast.parse(path.read_text()), module,
+                                    path.name == "__init__.py")):
+            there = layer(name)
+            if there is not None and ORDER.index(there) > here:
+                wrong.append(f"{module} ({layer(module)}) imports {name} ({there})")
+    assert not wrong, "imports that point up the layers:\n" + "\n".join(wrong)
+
+
+def test_only_cluster_comm_imports_mpi4py():
+    users = [module for module, path in modules()
+             if any(n == "mpi4py" or n.startswith("mpi4py.")
+                    for n in imported(ast.parse(path.read_text()), module, False))]
+    assert users == ["mpitailor.cluster.comm"], users
+
+
+def test_the_arrow_check_sees_an_upward_import():
+    tree = ast.parse("def f():\n    from mpitailor.jobs.merge import merge\n")
+    names = imported(tree, "mpitailor.formats.read", False)
+    assert layer(next(iter(names))) == "jobs"
+    assert ORDER.index("jobs") > ORDER.index(layer("mpitailor.formats.read"))
+
 
 # Run in a fresh interpreter: a finder placed first on sys.meta_path notes which mpitailor
 # frames asked for a heavy module the first time, then lets the import go on as usual.
@@ -47,38 +123,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_middle_layer_loads_neither_torch_nor_mpi4py():
-    code = CHILD.format(heavy=HEAVY, modules=MIDDLE)
+def test_planning_loads_neither_torch_nor_mpi4py():
+    planning = [m for m, _ in modules() if m.startswith("mpitailor.planning.")]
+    assert len(planning) >= 5
+    code = CHILD.format(heavy=HEAVY, modules=planning)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=False)
     assert out.returncode == 0, out.stderr
-    assert not out.stdout, f"importing {', '.join(MIDDLE)}:\n{out.stdout}"
-
-
-def _imported(tree: ast.Module, package: str) -> set[str]:
-    """Absolute names of the modules (or module attributes) a module in `package` imports."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0]
-                base = f"{parent}.{base}" if base else parent
-            names.update(f"{base}.{a.name}" for a in node.names)
-    return names
-
-
-def test_zero3_imports_nothing_above_it():
-    wrong = []
-    for path in sorted((PACKAGE / "zero3").rglob("*.py")):
-        package = ".".join(path.parent.relative_to(PACKAGE.parent).parts)
-        allowed = BOTTOM
-        for name in sorted(_imported(ast.parse(path.read_text()), package)):
-            if not name.startswith("mpitailor.") or name.startswith("mpitailor.zero3."):
-                continue
-            if not any(name == a or name.startswith(a + ".") for a in allowed):
-                wrong.append(f"{path.relative_to(PACKAGE.parent)}: imports {name}")
-    assert not wrong, ("zero3/ (formats) must import nothing above it but "
-                       f"{sorted(BOTTOM)}:\n" + "\n".join(wrong))
+    assert not out.stdout, f"importing mpitailor.planning:\n{out.stdout}"

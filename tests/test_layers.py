@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from mpitailor.layers import LayerClassifier, classify, layer_index, sort_keys
+from mpitailor.planning.layers import LayerClassifier, classify, layer_index, sort_keys
 from mpitailor.tinytrain.model import build_model
 from mpitailor.tinytrain.spec import TrainSpec
 

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ckpt_fixtures import STAGE12_VARIANTS, ZERO3_VARIANTS, build
 from conftest import tree_digest
 from merge_check import assert_same, check_merge, filter_first_last, parity
 from merging import merge_in_process, recipe_env
 
-from mpitailor.zero3.safeload import load
+from mpitailor.formats.safeload import load
 
 RECIPES = {"parity.yml": parity, "filter.yml": filter_first_last, "layer-patterns.yml": parity}
 
@@ -68,7 +67,7 @@ def test_16bit_hf_weights_are_rebuilt_from_the_merged_master(ckpt, tmp_path, mon
     the merged model.safetensors equals the one saved by the source its layer came from."""
     from safetensors.torch import load_file
 
-    from mpitailor.layers import classify
+    from mpitailor.planning.layers import classify
     name = "hf_w3_bf16_weights_tied"
     new, old = ckpt(name, 10), ckpt(name, 5)
     out = tmp_path / "merged"

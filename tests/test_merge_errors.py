@@ -3,7 +3,6 @@ hang, nothing published, sources byte-identical."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import tree_digest
 from merging import RECIPES, run_cli
 
@@ -130,7 +129,8 @@ def test_whole_source_records_are_copied_unchanged(ckpt, tmp_path):
     one source: all of them are copied inside the kernel with the source's CRC, none through
     this process; with one group for the whole model, none can be."""
     import json
-    from mpitailor.zero3.read import read_meta
+
+    from mpitailor.formats.read import read_meta
     for name, whole in (("w4_fp32_per_layer", True), ("w2_fp32_one", False)):
         stats = tmp_path / f"{name}.json"
         new = ckpt(name, 10)

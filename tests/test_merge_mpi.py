@@ -8,13 +8,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from merge_check import assert_same, check_merge, parity
 from merging import merge_in_process, recipe_env
+from safetensors.torch import load_file
 
-from mpitailor.comm import Comm
-from mpitailor.zero3.safeload import load
+from mpitailor.cluster.comm import Comm
+from mpitailor.formats.safeload import load
 
 
 def hf_weights(ckpt_dir: Path) -> dict:

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ckpt_fixtures import build
 
 REPO = Path(__file__).resolve().parents[1]

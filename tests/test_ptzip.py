@@ -1,4 +1,4 @@
-"""The direct torch-file writer (mpitailor/zero3/ptzip.py) and the CRC arithmetic under it,
+"""The direct torch-file writer (mpitailor/formats/ptzip.py) and the CRC arithmetic under it,
 held against torch.save itself, Python's zipfile and torch.load."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.utils.serialization import config as ser_config
 
-from mpitailor.crc import crc32_combine, crc32_zeros
-from mpitailor.filerecord import FileRecord
-from mpitailor.zero3 import opaque, ptzip
-from mpitailor.zero3.safeload import load as safe_load
+from mpitailor.formats import opaque, ptzip
+from mpitailor.formats.crc import crc32_combine, crc32_zeros
+from mpitailor.formats.filerecord import FileRecord
+from mpitailor.formats.safeload import load as safe_load
 
 SERIAL_ID = "archive/.data/serialization_id"
 

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from merging import RECIPES, recipe_env, run_cli
 
 RANKS = (1, 2, 3, 5)

@@ -7,13 +7,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from ckpt_fixtures import spec_for
 from merging import RECIPES, merge_in_process, recipe_env, run_cli
 
+from mpitailor.formats.consolidate import consolidate
+from mpitailor.formats.read import read_meta
 from mpitailor.tinytrain import launch
-from mpitailor.zero3.consolidate import consolidate
-from mpitailor.zero3.read import read_meta
 
 
 @pytest.mark.parametrize("name,world", [("w2_bf16_small_subgroups_tied_frozen", 3),

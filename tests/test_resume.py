@@ -5,7 +5,6 @@ import math
 from dataclasses import replace
 
 import pytest
-
 from ckpt_fixtures import HF_MODULE, VARIANTS, ZERO3_VARIANTS, spec_for
 from merging import merge_in_process, recipe_env
 

@@ -16,10 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import ckpt_fixtures
+import pytest
 from cluster_util import wait_for
+
 from mpitailor.tinytrain import TrainSpec
 from mpitailor.tinytrain.worker import client_state, shown_client_state
 

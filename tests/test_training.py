@@ -10,15 +10,14 @@ import h5py
 import pytest
 import torch
 import yaml
-
 from ckpt_fixtures import HF_MODULE, VARIANTS, build, spec_for
 from conftest import tree_digest
 from merge_check import check_merge
 from merging import run_cli
 
+from mpitailor.formats.read import read_meta
+from mpitailor.formats.shard import open_shard
 from mpitailor.tinytrain import launch
-from mpitailor.zero3.read import read_meta
-from mpitailor.zero3.shard import open_shard
 
 AUX = ("embed", "norm", "lm_head")
 

@@ -9,16 +9,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from ckpt_fixtures import build, spec_for
 from conftest import tree_digest
 from merge_check import check_merge
 from merging import RECIPES, run_cli
 
+from mpitailor.formats.read import read_meta
+from mpitailor.formats.safeload import load
 from mpitailor.tinytrain import launch
 from mpitailor.tinytrain.worker import client_state, shown_client_state
-from mpitailor.zero3.read import read_meta
-from mpitailor.zero3.safeload import load
 
 AUX = ("embed", "norm", "lm_head")
 CLIENT_GLOBALS = {"argparse.Namespace", "numpy._core.multiarray.scalar", "numpy.dtype",

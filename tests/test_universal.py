@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ckpt_fixtures import spec_for
 from merging import RECIPES, recipe_env, run_cli
 
-from mpitailor.export.universal import min_single_subgroup_world
-from mpitailor.reshard import target_layout
+from mpitailor.engine.universal import min_single_subgroup_world
+from mpitailor.formats.read import read_meta
+from mpitailor.planning.reshard import target_layout
 from mpitailor.tinytrain import launch
-from mpitailor.zero3.read import read_meta
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 

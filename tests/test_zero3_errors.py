@@ -6,13 +6,13 @@ import shutil
 
 import pytest
 import torch
-
 from ckpt_fixtures import tag_dir as fixture_tag_dir
+
 from mpitailor.errors import CheckpointError
-from mpitailor.zero3 import resolve
-from mpitailor.zero3.read import read_meta
-from mpitailor.zero3.safeload import load
-from mpitailor.zero3.shard import open_shard
+from mpitailor.formats import resolve
+from mpitailor.formats.read import read_meta
+from mpitailor.formats.safeload import load
+from mpitailor.formats.shard import open_shard
 
 
 class Payload:

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ckpt_fixtures import STAGE12_VARIANTS, ZERO3_VARIANTS
 from deepspeed.utils import zero_to_fp32 as z2f
 
-from ckpt_fixtures import STAGE12_VARIANTS, ZERO3_VARIANTS
-from mpitailor.zero3 import compute_layout
-from mpitailor.zero3.consolidate import consolidate
-from mpitailor.zero3.read import read_meta
-from mpitailor.zero3.shard import open_shard
+from mpitailor.formats import compute_layout
+from mpitailor.formats.consolidate import consolidate
+from mpitailor.formats.read import read_meta
+from mpitailor.formats.shard import open_shard
 
 
 def deepspeed_moments(tag_dir, meta, kind: str) -> dict[str, torch.Tensor]:

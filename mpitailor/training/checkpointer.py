@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mpitailor.commit import fsync_dir, write_synced
 from mpitailor.errors import UserError
-from mpitailor.layers import LayerClassifier, layer_index
-from mpitailor.training.partial_save import save_leader, save_layers
+from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
+from mpitailor.planning.layers import LayerClassifier, layer_index
+from mpitailor.publish.staging import fsync_dir, write_synced
+from mpitailor.training.partial_save import save_layers, save_leader
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
-from mpitailor.zero3.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 
 
 class LayerwiseCheckpointer:
@@ -37,7 +37,7 @@ class LayerwiseCheckpointer:
                  stats: str | os.PathLike | None = None,
                  layer_patterns: Mapping[str, str] | None = None) -> None:
         """layer_patterns: `{regex: layer key}` for parameter names the built-in rules do not
-        know (see `mpitailor.layers`); recorded in every save, so `recover` needs no flag."""
+        know (see `mpitailor.planning.layers`); recorded in every save, so `recover` needs no flag."""
         self.engine, self.save_dir, self.policy = engine, save_dir, policy
         refuse_unsupported(engine)
         classify = LayerClassifier(layer_patterns)

@@ -10,7 +10,7 @@ import os
 
 import torch.distributed as dist
 
-from mpitailor.comm import Comm
+from mpitailor.cluster.comm import Comm
 
 
 class TorchDistWorld:

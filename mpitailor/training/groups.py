@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from mpitailor.layers import classify as default_classify
+from mpitailor.planning.layers import classify as default_classify
 
 NO_DECAY_MARKERS = ("bias", "norm", "ln_")
 

@@ -29,12 +29,12 @@ import transformers
 from accelerate.utils import DeepSpeedSchedulerWrapper
 
 from mpitailor.errors import UserError
-from mpitailor.layers import LayerClassifier, layer_index
+from mpitailor.formats.files import PARTIAL_MANIFEST
+from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.training.checkpointer import LayerwiseCheckpointer
 from mpitailor.training.partial_save import save_layers
 from mpitailor.training.policies import Policy
 from mpitailor.training.resume import recover_for_resume
-from mpitailor.zero3.files import PARTIAL_MANIFEST
 
 
 class LayerwiseTrainer(transformers.Trainer):

@@ -26,13 +26,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mpitailor.commit import fsync_and_record, fsync_dir, fsync_tree
-from mpitailor.layers import LayerClassifier
-from mpitailor.stwrite import write_safetensors
-from mpitailor.zero3.files import (PARTIAL_MANIFEST, STAGE12_MODEL, Lineage, model_file,
-                                   partial_files)
-from mpitailor.zero3.layout import KINDS, compute_layout
-from mpitailor.zero3.shard import without_flat_buffers
+from mpitailor.formats.files import (
+    PARTIAL_MANIFEST,
+    STAGE12_MODEL,
+    Lineage,
+    model_file,
+    partial_files,
+)
+from mpitailor.formats.layout import KINDS, compute_layout
+from mpitailor.formats.shard import without_flat_buffers
+from mpitailor.formats.stwrite import write_safetensors
+from mpitailor.planning.layers import LayerClassifier
+from mpitailor.publish.staging import fsync_and_record, fsync_dir, fsync_tree
 
 FORMAT = "mpitailor-partial"
 VERSION = 1

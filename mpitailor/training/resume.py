@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mpitailor.extras import MANIFEST
-from mpitailor.job import merge, plan_recipe
-from mpitailor.recipe import parse_recipe
-from mpitailor.recovery import plan_recovery, recovery_recipe
+from mpitailor.formats.extras import MANIFEST
+from mpitailor.jobs.merge import merge, plan_recipe
+from mpitailor.jobs.recovery import plan_recovery, recovery_recipe
+from mpitailor.planning.recipe import parse_recipe
 from mpitailor.training.distcomm import training_comm
 
 RESUME_DIR = ".mpitailor-resume"

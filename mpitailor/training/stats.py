@@ -16,9 +16,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mpitailor.layers import classify as default_classify
-from mpitailor.layers import sort_keys
-from mpitailor.zero3.layout import compute_layout
+from mpitailor.formats.layout import compute_layout
+from mpitailor.planning.layers import classify as default_classify
+from mpitailor.planning.layers import sort_keys
 
 
 def model_layer_keys(engine, classify: Callable[[str], str] = default_classify) -> list[str]:

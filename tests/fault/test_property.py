@@ -18,10 +18,10 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpitailor.comm import Comm
-from mpitailor.job import merge, plan_recipe
-from mpitailor.recipe import parse_recipe
-from mpitailor.zero3.safeload import load
+from mpitailor.cluster.comm import Comm
+from mpitailor.formats.safeload import load
+from mpitailor.jobs.merge import merge, plan_recipe
+from mpitailor.planning.recipe import parse_recipe
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 

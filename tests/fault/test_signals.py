@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import tree_digest
 from merge_check import check_merge, parity
 from merging import MPIEXEC, RECIPES, run_cli

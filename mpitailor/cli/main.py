@@ -1,0 +1,308 @@
+"""Command line: `python -m mpitailor RECIPE.yml` merges; subcommands do the rest.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad input. Errors are one line on every rank;
+tracebacks only with -v.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from mpitailor.errors import MpitailorError
+
+log = logging.getLogger(__name__)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from mpitailor.formats.read import read_meta
+    from mpitailor.jobs.inspect import composite_manifest, format_table, report
+
+    meta = read_meta(args.checkpoint)
+    rep = report(meta, composite_manifest(meta))
+    print(json.dumps(rep, indent=2) if args.json else format_table(rep))
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from mpitailor.jobs.merge import run_merge_cli
+    return run_merge_cli(args)
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpitailor.errors import UserError
+    from mpitailor.jobs.merge import run_planned
+    from mpitailor.jobs.recover import plan_recover, recover_recipe
+
+    comm = args.comm
+    save_dir = Path(args.save_dir).resolve()
+    out = Path(args.output).resolve() if args.output else None
+    if out is None and not (args.emit_recipe or args.dry_run):
+        raise UserError("recover: give -o OUTPUT (or --emit-recipe to only print the recipe)")
+    patterns = None
+    if args.layer_pattern:
+        patterns = {}
+        for item in args.layer_pattern:
+            regex, eq, key = item.rpartition("=")
+            if not eq or not regex:
+                raise UserError(f"--layer-pattern {item!r}: write REGEX=KEY, e.g. "
+                                f"'model\\.decoder\\.layers\\.(\\d+)\\..*=layers.{{i}}'")
+            patterns[regex] = key
+    if args.emit_recipe:
+        text = recover_recipe(comm, save_dir, out, patterns, "--layer-pattern")
+        if comm.rank == 0:
+            print(text, end="", flush=True)
+        return 0
+    if out is None:  # a dry run needs no output: plan for a default one
+        out = save_dir.parent / f"{save_dir.name}-recovered"
+    return run_planned(comm, *plan_recover(comm, save_dir, out, patterns, args.world_size,
+                                           "--layer-pattern"), args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mpitailor.jobs.export import run_export_cli
+    return run_export_cli(args)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from mpitailor.jobs.diff import diff, format_report
+    rep = diff(args.comm, args.a, args.b)
+    if args.comm.rank == 0:
+        print(json.dumps(rep, indent=2) if args.json else format_report(rep), flush=True)
+    return 0 if rep["identical"] else 1
+
+
+def cmd_stats_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpitailor.training.plot import plot_stats
+    plot_stats(Path(args.stats_file), Path(args.output))
+    print(f"mpitailor: wrote {args.output}")
+    return 0
+
+
+def program_name() -> str:
+    """`mpitailor` when run as the installed command, else `python -m mpitailor`."""
+    called = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "mpitailor" if called == "mpitailor" else "python -m mpitailor"
+
+
+def cmd_paths(args: argparse.Namespace) -> int:
+    from mpitailor.cli.shipped import KINDS, shipped_dir
+    for kind in KINDS:
+        print(f"{kind:<8} {shipped_dir(kind)}")
+    return 0
+
+
+def cmd_slurm_prologue(args: argparse.Namespace) -> int:
+    """Run the shipped resume prologue (bash) with the given arguments; its exit code."""
+    from mpitailor.cli.shipped import shipped_dir
+    script = shipped_dir("slurm") / "resume-prologue.sh"
+    env = dict(os.environ)
+    env.setdefault("MPITAILOR_PYTHON", sys.executable)  # this installation's python
+    sys.stdout.flush()
+    from mpitailor.publish import interrupt
+    interrupt.restore()
+    os.execvpe("bash", ["bash", str(script), *args.prologue_args], env)
+    return 1  # not reached
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=program_name(),
+        description="Assemble composite DeepSpeed ZeRO-3 checkpoints layer by layer, with MPI. "
+                    "`python -m mpitailor RECIPE.yml` is short for `merge RECIPE.yml`.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-vv: from every rank); tracebacks on errors")
+        sp.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+
+    m = sub.add_parser("merge", help="merge checkpoints as a recipe says (MPI-parallel)")
+    m.add_argument("recipe", help="YAML recipe (MergeKit slices or the short `layers:` form)")
+    m.add_argument("-o", "--output", help="output dir (overrides the recipe's `output`)")
+    m.add_argument("--dry-run", action="store_true",
+                   help="print the plan and the bytes each rank would read and write")
+    m.add_argument("--world-size", type=int, metavar="W2",
+                   help="write the merged checkpoint for W2 ranks (reshard; overrides the "
+                        "recipe's output.world_size)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m.add_argument("--stats", metavar="FILE",
+                   help="write per-rank timings, bytes read/written and peak RSS as JSON")
+    m.add_argument("--verify", action="store_true",
+                   help="check every source record read against its zip CRC-32 (reads "
+                        "those records whole)")
+    export_options(m)
+    placement_option(m)
+    trust_option(m)
+    common(m)
+    m.set_defaults(func=cmd_merge, uses_mpi=True)
+
+    r = sub.add_parser("recover", help="merge the newest copy of every layer in a save dir")
+    r.add_argument("save_dir", help="dir of full and partial checkpoints (global_stepN/, "
+                                    "checkpoint-N/)")
+    r.add_argument("-o", "--output", help="output dir of the composite checkpoint")
+    r.add_argument("--emit-recipe", action="store_true", help="print the recipe, merge nothing")
+    r.add_argument("--layer-pattern", action="append", metavar="REGEX=KEY",
+                   help="parameter names -> layer key (layers.{i}, embed, norm, lm_head, "
+                        "other), tried before the built-in rules; repeatable. Default: the "
+                        "patterns the saves recorded")
+    r.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--stats", metavar="FILE", help="per-rank I/O and memory as JSON")
+    r.add_argument("--verify", action="store_true", help="check source records' CRC-32")
+    export_options(r)
+    placement_option(r)
+    r.add_argument("--world-size", type=int, metavar="W2",
+                   help="write the composite for W2 ranks (the job came back at another size)")
+    trust_option(r)
+    common(r)
+    r.set_defaults(func=cmd_recover, uses_mpi=True)
+
+    e = sub.add_parser("export", help="a checkpoint (or a run's newest layers) straight to HF "
+                                      "safetensors, fp32 weights or Universal (MPI-parallel)")
+    e.add_argument("source", help="tag dir, save dir with `latest`, HF checkpoint-N/, or a save "
+                                  "dir of layer-wise saves (their newest layers)")
+    e.add_argument("-o", "--output", required=True, help="output dir (must not exist)")
+    e.add_argument("--format", choices=["hf", "fp32", "universal"], default="hf",
+                   help="hf: safetensors in the model's dtype + config and tokenizer (default); "
+                        "fp32: the fp32 master weights, as zero_to_fp32 writes them; "
+                        "universal: DeepSpeed's Universal checkpoint")
+    e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of --format hf (default: the model's)")
+    e.add_argument("--max-shard-size", type=_shard_size, metavar="SIZE",
+                   help="largest safetensors file, as save_pretrained cuts them (default 5GB)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    trust_option(e)
+    common(e)
+    e.set_defaults(func=cmd_export, uses_mpi=True)
+
+    st = sub.add_parser("stats", help="update statistics of layer-wise saving")
+    st_sub = st.add_subparsers(dest="stats_command", required=True)
+    sp = st_sub.add_parser("plot", help="heatmaps of per-layer updates and saves (PNG)")
+    sp.add_argument("stats_file", help="HDF5 file written by LayerwiseCheckpointer(stats=...)")
+    sp.add_argument("-o", "--output", default="stats.png", help="PNG to write")
+    common(sp)
+    sp.set_defaults(func=cmd_stats_plot, uses_mpi=False)
+
+    pa = sub.add_parser("paths", help="where the shipped recipes and Slurm scripts are")
+    common(pa)
+    pa.set_defaults(func=cmd_paths, uses_mpi=False)
+
+    sl = sub.add_parser("slurm-prologue",
+                        help="run the shipped Slurm resume prologue (recover before resuming)",
+                        description="Runs slurm/resume-prologue.sh SAVE_DIR [OUT_PARENT]: "
+                                    "prints MPITAILOR_RESUME_FROM=<dir> (empty: nothing to "
+                                    "resume). Settings: MPITAILOR_LAUNCH, "
+                                    "MPITAILOR_MERGE_RANKS, MPITAILOR_PYTHON (default: this "
+                                    "python).")
+    sl.add_argument("prologue_args", nargs="*", metavar="SAVE_DIR [OUT_PARENT]")
+    common(sl)
+    sl.set_defaults(func=cmd_slurm_prologue, uses_mpi=False)
+
+    d = sub.add_parser("diff", help="which layers of two checkpoints differ, and by how much "
+                                    "(exit 0: identical, 1: different)")
+    d.add_argument("a", help="checkpoint A (tag dir, save dir with `latest`, HF checkpoint-N/)")
+    d.add_argument("b", help="checkpoint B (any world size; partial saves: the layers held)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    trust_option(d)
+    common(d)
+    d.set_defaults(func=cmd_diff, uses_mpi=True)
+
+    i = sub.add_parser("inspect", help="describe a ZeRO-3 checkpoint layer by layer")
+    i.add_argument("checkpoint", help="tag dir, save dir with `latest`, or HF checkpoint-N/")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    trust_option(i)
+    common(i)
+    i.set_defaults(func=cmd_inspect, uses_mpi=False)
+    return p
+
+
+def trust_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--safe-globals", metavar="MODULE.NAME,...",
+                   help="classes in the checkpoints' client state to import and build for "
+                        "real (you trust them). Without it, objects outside mpitailor's "
+                        "allow-list are carried through unbuilt, exactly as written")
+
+
+def placement_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks-per-node", type=int, metavar="N",
+                   help="node-local output (each node sees its own disk there): output rank "
+                        "r's files go to the (r // N)-th node of this job. Default: to the "
+                        "node of this job's rank r when the world size stays, else "
+                        "consecutive blocks over the nodes")
+
+
+def export_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--export", choices=["safetensors", "universal"], action="append",
+                   help="also write: `safetensors`, consolidated HF weights (+ config, "
+                        "tokenizer) to OUT/hf/; `universal`, DeepSpeed's Universal "
+                        "checkpoint (load_universal, any world size) to OUT/TAG/zero/ and "
+                        "OUT/latest_universal. Repeat the option for both")
+    p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of the exported weights (default: the model's)")
+    p.add_argument("--max-shard-size", type=_shard_size, metavar="SIZE",
+                   help="largest safetensors shard of --export safetensors, as transformers' "
+                        "save_pretrained cuts them: 5GB (the default), 500MB, 2GiB or bytes")
+
+
+def _shard_size(text: str) -> int:
+    from mpitailor.planning.hf_layout import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+SUBCOMMANDS = ("merge", "recover", "export", "diff", "inspect", "stats", "paths",
+               "slurm-prologue")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpitailor.publish import interrupt
+    interrupt.install()  # before MPI starts threads: they must all block SIGINT/SIGTERM
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
+        argv.insert(0, "merge")
+    args = build_parser().parse_args(argv)
+    verbosity = -1 if args.quiet else args.verbose
+    comm = None
+    try:
+        if args.uses_mpi:
+            from mpitailor.cli.log import setup_logging
+            from mpitailor.cluster.comm import Comm
+
+            comm = Comm.world()
+            interrupt.set_rank(comm.rank, comm.size)
+            setup_logging(comm.rank, comm.size, verbosity)
+            args.comm = comm
+        else:
+            from mpitailor.cli.log import setup_logging
+            setup_logging(0, 1, verbosity)
+        if getattr(args, "safe_globals", None):
+            from mpitailor.formats.safeload import trust
+            trust([n.strip() for n in args.safe_globals.split(",") if n.strip()])
+        return args.func(args)
+    except MpitailorError as e:
+        prefix = f"[rank {comm.rank}] " if comm is not None and comm.size > 1 else ""
+        if verbosity > 0:
+            log.exception("failed")
+        # One write per line: lines of several ranks interleave under a launcher otherwise.
+        sys.stderr.flush()
+        os.write(2, f"{prefix}mpitailor: error: {e}\n".encode())
+        from mpitailor.cluster.comm import CommFailed
+        if isinstance(e, CommFailed):  # MPI_Finalize would wait for the dead peer forever
+            sys.stdout.flush()
+            os._exit(e.exit_code)
+        return e.exit_code
+    except Exception:
+        # Outside a guarded step peers may wait forever on a collective: kill them all.
+        log.critical("unexpected failure", exc_info=True)
+        if comm is not None:
+            comm.abort(1)
+        return 1

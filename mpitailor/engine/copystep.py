@@ -1,0 +1,242 @@
+"""The copy step of the executor (execute.py): every rank fills its byte ranges of the output
+flat buffers from the source pieces of the copy program. A piece held on this rank's node is
+read from its file (pread, CRC-32, pwrite at its final offset, in bounded chunks; a whole
+source record is copied in the kernel with its CRC as it is); a piece held only on another
+node (node-local storage) is fetched over MPI first (exchange.py). Every range's CRC-32 is
+returned for the home rank to join.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mpitailor import failpoints
+from mpitailor.cluster.comm import Comm
+from mpitailor.cluster.exchange import Exchanged, Request, exchange
+from mpitailor.cluster.nodes import Placement, shard_paths
+from mpitailor.engine.copyio import Copier, copy_unchanged, pwrite_all, sync_close
+from mpitailor.errors import CheckpointError
+from mpitailor.formats.crc import crc32, crc32_combine, crc32_zeros
+from mpitailor.formats.files import optim_file
+from mpitailor.formats.shard import open_shard
+from mpitailor.planning import program
+from mpitailor.planning.plan import MergePlan
+
+
+class Shards:
+    """The source shards this rank opened, by (source, rank): each parsed once per merge
+    (home and copier of a partition are often the same rank); descriptors closed between
+    partitions and reopened when needed, so that few are open at a time."""
+
+    def __init__(self, plan: MergePlan, place: Placement | None, rank: int) -> None:
+        self.plan, self.open, self.used = plan, {}, set()
+        self.place = place if place is not None and place.node_local else None
+        self.node = self.place.nodes.of_rank[rank] if self.place else 0
+
+    def local(self, source: str, rank: int) -> bool:
+        """Does this rank's node hold rank `rank`'s files of `source`?"""
+        return self.place is None or all(self.place.holds(self.node, p)
+                                         for p in shard_paths(self.plan.meta(source), rank))
+
+    def reader(self, source: str, rank: int, spread: int) -> int:
+        """A rank whose node holds them (the spread-th, modulo)."""
+        return self.place.reader(shard_paths(self.plan.meta(source), rank), spread)
+
+    def get(self, source: str, rank: int):
+        if (source, rank) not in self.open:
+            if not self.local(source, rank):  # never reached by a correct program
+                raise RuntimeError(f"internal error: {source} rank {rank}: read off-node")
+            self.used.add((source, rank))
+            self.open[source, rank] = open_shard(self.plan.meta(source), rank)
+        shard = self.open[source, rank]
+        shard.reopen()
+        return shard
+
+    def release(self) -> None:
+        """Close every descriptor; the parsed shards stay."""
+        for s in self.open.values():
+            s.close()
+
+    close = release
+
+
+def output_file(plan: MergePlan, b: program.Buffer) -> str:
+    """The output file of buffer b, relative to the tag dir."""
+    if program.is_partition(b):
+        return optim_file(b.unit, plan.base_meta.files.bf16_prefix)
+    return f"zero/{b.param}/{b.kind}.pt"
+
+
+class Copy:
+    """This rank's byte ranges of the output buffers: planned (pieces clipped to its tasks,
+    each piece local or held on another node), then the remote pieces fetched over MPI,
+    then the local ones copied, every range's CRC-32 taken on the way."""
+
+    def __init__(self, plan: MergePlan, bufs, tasks: list[program.Task],
+                 offsets: dict[int, int], tag_dir: Path, verify: bool,
+                 opened: Shards) -> None:
+        self.plan, self.bufs, self.tasks, self.offsets = plan, bufs, tasks, offsets
+        self.tag_dir, self.opened = tag_dir, opened
+        self.outs: dict[str, int] = {}
+        self.copier = Copier()
+        self.shards: dict[tuple[str, int], object] = {}  # the local ones these tasks read
+        self.wanted: dict[int, list[Request]] = {}        # reader rank -> remote pieces
+        self.remote: dict[tuple[int, int], int] = {}      # (plan, piece) -> request key
+        self.dests: dict[int, tuple[str, int]] = {}       # key -> (out file, offset)
+        self.plans = []
+        pieces_of: dict[int, dict] = {}
+        for t in tasks:
+            b = bufs[t.buffer]
+            if b.unit not in pieces_of:
+                pieces_of[b.unit] = program.pieces(plan, b.unit) if program.is_partition(b) \
+                    else {-1: program.param_pieces(plan, b.param)}
+            ps = program.clip(pieces_of[b.unit].get(b.subgroup, []), t.lo // 4, t.hi // 4)
+            for j, p in enumerate(ps):
+                if opened.local(p.source, p.src_rank):
+                    if (p.source, p.src_rank) not in self.shards:
+                        self.shards[p.source, p.src_rank] = opened.get(p.source, p.src_rank)
+                    continue
+                key = len(self.dests)
+                self.remote[len(self.plans), j] = key
+                self.dests[key] = (output_file(plan, b), offsets[t.buffer] + p.dst_start * 4)
+                reader = opened.reader(p.source, p.src_rank, t.buffer)
+                self.wanted.setdefault(reader, []).append(Request(
+                    key, (p.source, p.src_rank, b.kind, p.src_group, p.src_start, p.length),
+                    p.length * 4))
+            self.plans.append((t, b, ps))
+        if verify:
+            _verify(self.shards, self.plans)
+        failpoints.hit("read")
+        opened.release()  # reopened partition by partition below: few descriptors at a time
+
+    def fetch_remote(self, comm: Comm) -> Exchanged:
+        """Collective: the pieces held on other nodes, written in place; serve theirs."""
+        running: dict[int, int] = {}
+
+        def read(what: tuple, off: int, n: int) -> bytes:
+            source, rank, kind, group, start, length = what
+            shard = self.opened.get(source, rank)
+            out = bytearray()
+            for fd, pos, size in shard.byte_ranges(kind, group, start, length):
+                lo, hi = max(off, 0), min(off + n, size)
+                if lo < hi:
+                    out += _pread(fd, hi - lo, pos + lo, shard.path_of(fd))
+                off -= size
+            return bytes(out)
+
+        def write(key: int, off: int, data: bytes) -> int:
+            name, dst = self.dests[key]
+            pwrite_all(self._out(name), data, dst + off)
+            running[key] = crc32(data, running.get(key, 0))
+            return running[key]
+        try:
+            moved = exchange(comm, self.wanted, read, write)
+            try:
+                sync_close(self.copier, self.outs)
+            except OSError as e:  # raised by the caller on every rank, like the others
+                moved.error = moved.error or e
+            return moved
+        finally:
+            self.opened.release()
+
+    def _out(self, name: str) -> int:
+        if name not in self.outs:
+            self.outs[name] = os.open(self.tag_dir / name, os.O_WRONLY)
+        return self.outs[name]
+
+    def run(self, moved: Exchanged, progress: bool) -> tuple[dict, tuple[int, int]]:
+        """The local pieces: ({buffer: [(lo, hi, crc)]}, (bytes written, of which whole
+        source records copied unchanged))."""
+        from tqdm import tqdm
+        crcs: dict[int, list[tuple[int, int, int]]] = {}
+        written = unchanged = 0
+        copier, outs, shards = self.copier, self.outs, self.shards
+        unit = None
+        bar = tqdm(total=sum(t.hi - t.lo for t in self.tasks), unit="B", unit_scale=True,
+                   desc="rank 0 copies", disable=not progress or None, leave=False)
+        for i, (t, b, ps) in enumerate(self.plans):
+            if b.unit != unit:  # the previous unit's files are done: sync and close them
+                sync_close(copier, outs)
+                self.opened.release()
+                unit = b.unit
+            for p in ps:
+                if (p.source, p.src_rank) in shards:
+                    shards[p.source, p.src_rank].reopen()
+            out = self._out(output_file(self.plan, b))
+            base = self.offsets[t.buffer]  # file offset of the buffer's byte 0
+            whole = None if (i, 0) in self.remote else _whole_record(b, t, ps, shards)
+            if whole is not None:  # a source record copied unchanged: its CRC as it is
+                shard = shards[ps[0].source, ps[0].src_rank]
+                [(fd, off, n)] = shard.byte_ranges(b.kind, ps[0].src_group, 0, ps[0].length)
+                copy_unchanged(fd, off, n, out, base, copier, shard.path_of(fd))
+                crcs.setdefault(t.buffer, []).append((t.lo, t.hi, whole))
+                written += n
+                unchanged += n
+                bar.update(n)
+                continue
+            crc, pos = 0, t.lo
+            for j, p in enumerate(ps):
+                start = p.dst_start * 4
+                crc = crc32_zeros(start - pos, crc)  # padding: the file is zeros there
+                if (i, j) in self.remote:  # written by fetch_remote: its CRC as received
+                    crc = crc32_combine(crc, moved.crcs.get(self.remote[i, j], 0),
+                                        p.length * 4)
+                else:
+                    shard = shards[p.source, p.src_rank]
+                    dst = base + start
+                    for fd, off, n in shard.byte_ranges(b.kind, p.src_group, p.src_start,
+                                                        p.length):
+                        crc = copier.copy(fd, off, n, out, dst, crc, shard.path_of(fd))
+                        dst += n
+                written += p.length * 4
+                pos = start + p.length * 4
+            crc = crc32_zeros(t.hi - pos, crc)
+            crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
+            bar.update(t.hi - t.lo)
+        bar.close()
+        sync_close(copier, outs)
+        return crcs, (written, unchanged)
+
+    def close(self) -> None:
+        self.copier.close()  # no write in flight when the descriptors close
+        for fd in self.outs.values():
+            os.close(fd)
+        self.outs.clear()
+        self.opened.release()
+
+
+def _pread(fd: int, n: int, offset: int, path: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    while len(data) < n:
+        more = os.pread(fd, n - len(data), offset + len(data))
+        if not more:
+            raise CheckpointError(f"{path}: ends before byte {offset + n}; the file is "
+                                  f"truncated")
+        data += more
+    return data
+
+
+def raise_error(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
+    """The CRC-32 of the one source record that is all of buffer b unchanged, if it is."""
+    if t.lo != 0 or t.hi != b.nbytes or len(ps) != 1:
+        return None
+    p = ps[0]
+    if p.dst_start != 0 or p.src_start != 0 or p.length * 4 != b.nbytes:
+        return None
+    rec = shards[p.source, p.src_rank].whole_record(b.kind, p.src_group)
+    return rec[0] if rec is not None and rec[1] == b.nbytes else None
+
+
+def _verify(shards: dict, plans) -> None:
+    used: dict[tuple[str, int], set] = {}
+    for _, b, ps in plans:
+        for p in ps:
+            used.setdefault((p.source, p.src_rank), set()).add((b.kind, p.src_group))
+    for key, kinds in used.items():
+        if not shards[key].meta.files.partial:
+            shards[key].verify(kinds)

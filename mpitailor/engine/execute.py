@@ -1,0 +1,285 @@
+"""The executor: runs the copy program of a merge or reshard on every MPI rank.
+
+Collective throughout (`write_partitions` is called on every rank). Three steps:
+1. Lay out: each partition's home rank builds its optimizer dict with placeholder flat
+   buffers, lays out the torch zip container (`formats/ptzip.py`), creates the file at its
+   final size (zeros: the padding needs no write) and writes the small records; a Universal
+   file (one whole parameter) is laid out the same way. The data offset of every buffer is
+   shared with all ranks.
+2. Copy (copystep.py): every rank fills its byte ranges of the flat buffers (program.split) at
+   their final offsets, in bounded chunks: pread from the source, CRC-32, pwrite. No buffer
+   larger than a chunk is ever held. Each range's CRC is shared.
+3. Finish: the home rank joins the CRCs of each record in order (crc32_combine), writes the
+   local headers, data descriptors and central directory, fsyncs, and writes the
+   partition's model-states file.
+Universal files are copied straight from the sources (the pieces of program.param_pieces),
+not read back from the merged partitions.
+The output bytes depend only on the program, never on how the ranks shared it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from mpitailor import failpoints
+from mpitailor.cluster.comm import Comm
+from mpitailor.cluster.nodes import Placement, shard_paths
+from mpitailor.engine.copyio import pwrite_all
+from mpitailor.engine.copystep import Copy, Shards, output_file, raise_error
+from mpitailor.engine.iostats import snapshot
+from mpitailor.engine.partition_states import (
+    merged_model_states,
+    merged_optim,
+    placeholders,
+    rank0_model_states,
+    resharded_model_states,
+    resharded_optim,
+)
+from mpitailor.errors import CheckpointError, UserError
+from mpitailor.formats import opaque, ptzip
+from mpitailor.formats.crc import crc32, crc32_combine
+from mpitailor.formats.files import STAGE12_MODEL, model_file
+from mpitailor.planning import program
+from mpitailor.planning.plan import MergePlan
+
+
+@dataclass
+class _Laid:
+    """A partition's optimizer file as its home rank laid it out."""
+
+    name: str
+    layout: ptzip.Layout
+    crcs: list[int | None]            # per record; None where the copy step supplies it
+    flat_records: dict[int, int]      # program buffer index -> record index
+    model: dict | None                # the model states, written after the optimizer file
+                                      # (None: a Universal file, or a stage 1/2 partition
+    model_name: str | None = None     # but the first, which share partition 0's)
+
+
+def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = False,
+                     progress: bool = False, universal: bool = False,
+                     place: Placement | None = None,
+                     out_nodes: tuple[int, ...] | None = None) -> tuple[dict[str, dict], dict]:
+    """Collective: write every output partition into tag_dir, fsynced (and, with
+    `universal`, every parameter's files of the Universal export under tag_dir/zero/).
+    Returns ({file name: manifest record} of the files this rank finished, its stats).
+    verify: first check every source record read against its CRC (reads them whole).
+    progress: a progress bar of rank 0's bytes.
+    place: which node holds which source file (nodes.survey); a rank reads only files its
+    node holds, and bytes held elsewhere come over MPI (exchange.py).
+    out_nodes: output partition -> the node whose disk it goes to (node-local output;
+    None: every rank sees tag_dir)."""
+    before = snapshot()
+    bufs = program.buffers(plan, universal)
+    if out_nodes is None:
+        work = program.split(bufs, comm.size)
+        homes = program.home_ranks(bufs, work)
+    else:
+        nodes = place.nodes
+        # a partition on its node; the Universal files (a merge with exports) on the first
+        # node, which makes the exports and copies them to the others (replicate.py)
+        node_of = {b.unit: out_nodes[b.unit] if program.is_partition(b) else 0 for b in bufs}
+        work = program.split_by_node(bufs, node_of, [nodes.ranks(n) for n in
+                                                     range(len(nodes.names))], comm.size)
+        homes = program.home_ranks(bufs, work, {u: nodes.leader(n) for u, n in node_of.items()})
+    mine = [p for p, r in homes.items() if r == comm.rank]
+    shards = Shards(plan, place, comm.rank)
+    try:
+        return _write(comm, plan, tag_dir, verify, progress, bufs, work, mine, shards, before)
+    finally:
+        shards.close()
+
+
+def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: bool, bufs,
+           work, mine, shards: Shards, before) -> tuple[dict[str, dict], dict]:
+    clock = [time.perf_counter()]
+
+    def lap() -> float:  # seconds since the last lap: where a rank's time goes, in --stats
+        clock.append(time.perf_counter())
+        return round(clock[-1] - clock[-2], 4)
+    rank0 = _rank0_states(comm, plan, shards) if plan.target is not None else None
+    laid = comm.step(_lay_out, plan, bufs, mine, tag_dir, shards, rank0)
+    t_lay_out = lap()
+    offsets: dict[int, int] = {}   # buffer index -> data offset in its file
+    for part in comm.allgather({b: lay.layout.entries[i].data_offset
+                                for lay in laid.values() for b, i in lay.flat_records.items()}):
+        offsets.update(part)
+    copy = comm.step(Copy, plan, bufs, work[comm.rank], offsets, tag_dir, verify, shards)
+    try:
+        moved = copy.fetch_remote(comm)
+        comm.step(raise_error, moved.error)
+        crcs, (written, unchanged) = comm.step(copy.run, moved, progress and comm.rank == 0)
+    finally:
+        copy.close()
+    t_copy = lap()
+    joined: dict[int, list[tuple[int, int, int]]] = {}
+    for part in comm.allgather(crcs):
+        for b, pieces in part.items():
+            joined.setdefault(b, []).extend(pieces)
+    records = comm.step(_finish, laid, bufs, joined, tag_dir)
+    t_finish = lap()
+    stats = {"seconds": {"lay_out": t_lay_out, "copy": t_copy, "finish": t_finish},"partitions": sorted({b.unit for t in work[comm.rank]
+                                   if program.is_partition(b := bufs[t.buffer])}),
+             "homes": mine, "bytes_written": written + sum(r["bytes"] for r in records.values()),
+             "bytes_copied_unchanged": unchanged,
+             # what crossed a node boundary, and what this rank read from its node's files
+             "bytes_mpi_sent": moved.bytes_sent, "bytes_mpi_received": moved.bytes_received,
+             "bytes_read_files": written - moved.bytes_received + moved.bytes_sent,
+             "shards_read": sorted(f"{s}:{r}" for s, r in shards.used),
+             **snapshot().since(before)}
+    return records, stats
+
+
+def _rank0_states(comm: Comm, plan: MergePlan, shards: Shards):
+    """A reshard starts every output partition from the sources' rank-0 states. Under
+    node-local storage they are read on a node that holds them and sent to every rank:
+    (the base's rank-0 shard as (model, optim), every source's rank-0 model states). None:
+    every rank reads them itself."""
+    if shards.place is None:
+        return None
+    if plan.frozen_source:
+        raise UserError("resharding a checkpoint with frozen parameters from node-local "
+                        "storage is not supported; merge at the same world size, or copy "
+                        "the checkpoint to a shared file system first")
+    holder = shards.place.reader([p for name, _ in plan.sources
+                                  for p in shard_paths(plan.meta(name), 0)])
+
+    def read() -> tuple:
+        base0 = shards.get(plan.base, 0)
+        for name, _ in plan.sources:
+            shards.get(name, 0)
+        states = (SimpleNamespace(model=base0.model, optim=base0.optim),
+                  rank0_model_states(plan))
+        shards.release()
+        return states
+    return comm.step_on(holder, read)
+
+
+def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
+             shards: Shards, rank0_states) -> dict[int, _Laid]:
+    """Home ranks: create the files of the units `mine`, their small records written."""
+    out = {}
+    first = {}  # unit -> its first buffer
+    for i, b in enumerate(bufs):
+        first.setdefault(b.unit, i)
+    for u in mine:
+        b = bufs[first[u]]
+        if not program.is_partition(b):
+            flats = {(b.kind, -1): torch.empty(b.nbytes // 4, dtype=torch.float32)}
+            (tag_dir / "zero" / b.param).mkdir(parents=True, exist_ok=True)
+            out[u] = _lay_out_one(bufs, u, tag_dir / output_file(plan, b), flats,
+                                  flats[b.kind, -1], None, universal=True)
+    mine = [u for u in mine if program.is_partition(bufs[first[u]])]
+    if plan.target is not None and mine:  # what every partition of a reshard starts from
+        base0, rank0 = rank0_states or (shards.get(plan.base, 0), rank0_model_states(plan))
+        for p in mine:
+            flats = placeholders(plan.target.layout, p)
+            model = resharded_model_states(plan, p, base0, rank0) \
+                if _has_model_states(plan, p) else None
+            out[p] = _lay_out_one(bufs, p, tag_dir / output_file(plan, bufs[first[p]]), flats,
+                                  resharded_optim(plan, base0, flats, p), model,
+                                  _model_name(plan, p))
+        shards.release()
+        return out
+    for p in mine:
+        flats = placeholders(plan.base_meta.layout, p)
+        for name, _ in plan.sources:
+            if not shards.local(name, p):
+                raise CheckpointError(
+                    f"{plan.meta(name).files.optim_path(p)}: not on node "
+                    f"{shards.place.nodes.names[shards.node]}, which writes partition {p}; "
+                    f"merge in place with the layout the checkpoint was saved with (the "
+                    f"same ranks per node), or pass --ranks-per-node")
+        models = {name: shards.get(name, p) for name, _ in plan.sources}
+        model = merged_model_states(plan, models) if _has_model_states(plan, p) else None
+        out[p] = _lay_out_one(bufs, p, tag_dir / output_file(plan, bufs[first[p]]), flats,
+                              merged_optim(plan, models[plan.base], flats), model,
+                              _model_name(plan, p))
+        shards.release()
+    return out
+
+
+def _has_model_states(plan: MergePlan, p: int) -> bool:
+    """Stage 3 writes model states per partition; stages 1/2 one file, with partition 0."""
+    return p == 0 or not plan.base_meta.layout.flat
+
+
+def _model_name(plan: MergePlan, p: int) -> str:
+    return STAGE12_MODEL if plan.base_meta.layout.flat else model_file(p)
+
+
+def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | None,
+                 model_name: str | None = None, universal: bool = False) -> _Laid:
+    """Lay out the torch file of `obj` (holding the placeholders `flats` of unit's buffers),
+    create it at path, write its small records; `model`: the model states written after it
+    (stage 3: every partition's; stage 1/2: partition 0's, for all)."""
+    kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(obj) else {}
+    tf = ptzip.describe(obj, **kwargs)
+    layout = tf.layout()
+    # Placeholders are found by their memory; empty ones (no bytes to copy, no memory to
+    # tell them apart) are written like any small record.
+    by_ptr = {t.untyped_storage().data_ptr(): key for key, t in flats.items() if t.numel()}
+    index = {(b.kind, b.subgroup): i for i, b in enumerate(bufs) if b.unit == unit}
+    crcs: list[int | None] = [None] * len(tf.records)
+    flat_records = {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, layout.size)
+        for i, rec in enumerate(tf.records):
+            key = by_ptr.get(rec.storage.data_ptr()) if rec.storage is not None else None
+            if key is not None:
+                flat_records[index[key]] = i
+                continue
+            data = rec.data if rec.storage is None else ptzip.storage_bytes(rec.storage)
+            pwrite_all(fd, data, layout.entries[i].data_offset)
+            crcs[i] = crc32(data)
+    finally:
+        os.close(fd)
+    name = f"zero/{path.parent.name}/{path.name}" if universal else path.name
+    return _Laid(name, layout, crcs, flat_records, model, model_name)
+
+
+def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int, int]]],
+            tag_dir: Path) -> dict[str, dict]:
+    """Home ranks: headers and central directory of each optimizer file, then its model
+    states; {file name: manifest record}."""
+    records = {}
+    for p, lay in laid.items():
+        crcs = list(lay.crcs)
+        for b, i in lay.flat_records.items():
+            crcs[i] = _join(joined.get(b, []), bufs[b].nbytes, lay.name)
+        fd = os.open(tag_dir / lay.name, os.O_WRONLY)
+        try:
+            for offset, data in lay.layout.pieces(crcs):
+                pwrite_all(fd, data, offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        records[lay.name] = {"bytes": lay.layout.size, "crc32": f"{lay.layout.file_crc(crcs):08x}"}
+        if lay.name.startswith("zero/"):  # a Universal file
+            failpoints.hit("export")
+            continue
+        failpoints.hit("write")
+        if lay.model is None:  # stage 1/2: partition 0 writes the model states
+            continue
+        name = lay.model_name
+        kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(lay.model) else {}
+        records[name] = ptzip.write_torch_file(tag_dir / name, lay.model, **kwargs)
+    return records
+
+
+def _join(pieces: list[tuple[int, int, int]], nbytes: int, name: str) -> int:
+    """CRC-32 of a whole buffer from the CRCs of its ranges (which must tile it)."""
+    crc, pos = 0, 0
+    for lo, hi, c in sorted(pieces):
+        if lo != pos:
+            raise RuntimeError(f"internal error: {name}: bytes {pos}-{lo} of a buffer unwritten")
+        crc, pos = crc32_combine(crc, c, hi - lo), hi
+    if pos != nbytes:
+        raise RuntimeError(f"internal error: {name}: a buffer ends at {pos}, not {nbytes}")
+    return crc

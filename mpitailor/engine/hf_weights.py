@@ -1,0 +1,297 @@
+"""Consolidated HF weights (safetensors) from a ZeRO-3 checkpoint, written by all ranks.
+
+The files do not depend on how many ranks write them: hf_layout.py plans them (which files,
+every tensor's byte offset) from names, shapes and the dtype. Rank 0 creates each file with
+its header; every rank then casts its share of the model-order stream of elements (one
+contiguous byte range of each file it touches) and writes it in place, reading the slices
+from the partition files (byte ranges only) a bounded chunk at a time. A file's CRC-32 is
+combined from the ranks' CRCs of their ranges. Tied aliases are left out, as
+`save_pretrained` does.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mpitailor.cluster.comm import Comm
+from mpitailor.engine.copyio import write_out
+from mpitailor.errors import CheckpointError, MergeFailed
+from mpitailor.formats import CheckpointMeta, Slot
+from mpitailor.formats.consolidate import read_range
+from mpitailor.formats.crc import crc32, crc32_combine
+from mpitailor.formats.dtypes import DTYPES, from_safetensors, torch_dtype
+from mpitailor.formats.extras import weight_files
+from mpitailor.formats.shard import RankShard, open_all_shards
+from mpitailor.formats.stwrite import as_bytes
+from mpitailor.planning.hf_layout import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX,
+    SINGLE,
+    WeightsPlan,
+    by_size,
+    like_base,
+    plan_weights,
+    share,
+)
+from mpitailor.publish.staging import copy_synced, write_synced
+
+CHUNK = 1 << 20  # elements read, cast and written at a time: 4 MiB of fp32, two in flight
+_SHARD_FILE = re.compile(r"\w[\w.-]*\.safetensors")
+
+
+@dataclass(frozen=True, slots=True)
+class BaseWeights:
+    """The base's 16-bit HF weights: their dtype and, if sharded, its index's weight_map."""
+
+    dtype: str
+    weight_map: tuple[tuple[str, str], ...] | None
+
+
+def base_weights(base: CheckpointMeta) -> BaseWeights | None:
+    """Rank 0 only. The 16-bit safetensors weights beside the base's tag dir, if any."""
+    found = weight_files(base)
+    if not found:
+        return None
+    index = next((p for p in found if p.name == INDEX), None)
+    return BaseWeights(weights_dtype(found[0]), _weight_map(index) if index else None)
+
+
+def _weight_map(path: Path) -> tuple[tuple[str, str], ...]:
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        ok = isinstance(weight_map, dict) and weight_map and all(
+            isinstance(k, str) and isinstance(v, str) and _SHARD_FILE.fullmatch(v)
+            for k, v in weight_map.items())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: not a safetensors index (a `weight_map` of tensor names "
+                              f"to .safetensors files beside it); fix it or remove the base's "
+                              f"16-bit weights")
+    return tuple(weight_map.items())
+
+
+
+
+def weights_dtype(path: Path) -> str:
+    """dtype ('bf16', 'fp16', 'fp32') of an existing safetensors file, or of an index's first."""
+    from safetensors import safe_open
+    if path.name.endswith(".index.json"):
+        path = path.parent / next(iter(json.loads(path.read_text())["weight_map"].values()))
+    with safe_open(str(path), "pt") as f:
+        key = next(iter(f.keys()))
+        return from_safetensors(f.get_slice(key).get_dtype()) or "fp32"
+
+
+def _tensors(meta: CheckpointMeta) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter, trainable then frozen: the order of the files."""
+    return [(s.name, s.shape) for s in meta.layout.slots] + list(meta.frozen_shapes)
+
+
+def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWeights) -> dict:
+    """Collective: rebuild the base's 16-bit weights from `meta` (the merged checkpoint) into
+    dest, in the base's layout: one model.safetensors, or the base's shard files holding
+    the same tensors each, with an index. Returns {file: manifest record}."""
+    def plan() -> WeightsPlan:
+        tensors = _tensors(meta)
+        names = [n for n, _ in tensors]
+        if base.weight_map is None:
+            return plan_weights(tensors, base.dtype, [(SINGLE, names)], index=False)
+        return plan_weights(tensors, base.dtype, like_base(names, dict(base.weight_map)),
+                            index=True)
+    return write_planned(comm, meta, dest, comm.root_step(plan))
+
+
+def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPlan,
+                  sources: dict[str, CheckpointMeta] | None = None) -> dict:
+    """Collective: the files of `plan` in dest, each rank writing its share; {file: record}.
+    sources: parameter -> the checkpoint its values come from (a composite exported without
+    writing it first: saves of one run, one layout); default meta."""
+    comm.root_step(_create, plan, dest)
+    mine = comm.step(_write_share, meta, plan, dest, comm.rank, comm.size, sources or {})
+    gathered = comm.allgather(mine)
+
+    def finish() -> dict[str, dict]:
+        records = _records(plan, gathered)
+        if plan.index is not None:
+            records[INDEX] = write_synced(dest / INDEX, plan.index)
+        return records
+    return comm.root_step(finish)
+
+
+def _create(plan: WeightsPlan, dest: Path) -> None:
+    """Rank 0 only: every file at its full size, its header written."""
+    for f in plan.files:
+        with open(dest / f.name, "xb") as out:
+            out.write(f.prefix)
+            out.truncate(f.size)
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
+                 size: int, sources: dict[str, CheckpointMeta]
+                 ) -> list[tuple[str, int, int, int]]:
+    """This rank's share of the files: [(file, first byte, bytes, CRC-32 of those bytes)]."""
+    work = list(share(plan, rank, size))
+    if not work:
+        return []
+    slots, done = meta.layout.by_name(), []
+    needed = {str(m.path): m for m in [meta, *sources.values()]}
+    with ExitStack() as stack:
+        opened = {key: stack.enter_context(open_all_shards(m)) for key, m in needed.items()}
+        out = stack.enter_context(_Pipeline(torch_dtype(plan.dtype)))
+        for f, runs in work:
+            first = runs[0][0].offset + runs[0][1] * plan.itemsize
+            fd = os.open(dest / f.name, os.O_WRONLY)
+            try:
+                out.start(fd, first)
+                for piece, a, b in runs:
+                    shards = opened[str(sources.get(piece.name, meta).path)]
+                    slot = slots.get(piece.name)
+                    for lo in range(a, b, CHUNK):
+                        out.put(shards, slot, piece.name, lo, min(b, lo + CHUNK))
+                pos, crc = out.finish()
+                os.fsync(fd)
+            finally:
+                out.settle()  # no write may still be in flight on a closed descriptor
+                os.close(fd)
+            done.append((f.name, first, pos - first, crc))
+    return done
+
+
+class _Pipeline:
+    """Reads, casts and CRCs one chunk while a writer thread pwrites the one before
+    (preadv, the cast, the CRC and pwrite release the GIL): one rank keeps two cores busy.
+    Memory: two chunks and their casts."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.bufs = [torch.empty(CHUNK, dtype=torch.float32) for _ in range(2)]
+        self.pending: list[Future | None] = [None, None]
+        self.turn, self.fd, self.pos, self.crc = 0, -1, 0, 0
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="mpitailor-export-writer")
+
+    def start(self, fd: int, pos: int) -> None:
+        self.fd, self.pos, self.crc = fd, pos, 0
+
+    def put(self, shards: Sequence[RankShard], slot: Slot | None, name: str, lo: int,
+            hi: int) -> None:
+        """Elements [lo, hi) of parameter `name` (flattened) next in the file: the fp32
+        master weights of a trainable one, a frozen one's fragments as saved."""
+        self.turn ^= 1
+        self._wait(self.turn)  # its buffer (and the cast of it) is free again
+        chunk = self.bufs[self.turn][: hi - lo]
+        if slot is None:
+            chunk.copy_(_frozen_range(shards, name, lo, hi))
+        else:
+            read_range(shards, slot, "fp32", lo, chunk)
+        data = as_bytes(chunk.to(self.dtype))
+        self.crc = crc32(data, self.crc)
+        self.pending[self.turn] = self.writer.submit(write_out, self.fd, data, self.pos)
+        self.pos += len(data)
+
+    def finish(self) -> tuple[int, int]:
+        """Wait for the file's writes (their errors raise here): (end position, CRC-32)."""
+        for i in range(2):
+            self._wait(i)
+        return self.pos, self.crc
+
+    def settle(self) -> None:
+        """Wait for the writes in flight, their errors dropped (another error is on its
+        way up, or finish() has raised them already)."""
+        for i in range(2):
+            f, self.pending[i] = self.pending[i], None
+            if f is not None:
+                f.exception()
+
+    def _wait(self, i: int) -> None:
+        if (f := self.pending[i]) is not None:
+            self.pending[i] = None
+            f.result()
+
+    def __enter__(self) -> "_Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.writer.shutdown(wait=True)
+
+
+def _frozen_range(shards: Sequence[RankShard], name: str, a: int, b: int) -> torch.Tensor:
+    parts, pos = [], 0
+    for s in shards:  # the fragments in rank order, padded at the end
+        frag = s.model["frozen_param_fragments"][name].reshape(-1)
+        x, y = max(a, pos), min(b, pos + frag.numel())
+        if x < y:
+            parts.append(frag[x - pos: y - pos])
+        pos += frag.numel()
+    return torch.cat(parts)
+
+
+def _records(plan: WeightsPlan, gathered: list[list[tuple[str, int, int, int]]]
+             ) -> dict[str, dict]:
+    """Each file's manifest record, its CRC-32 combined from the header's and the ranks'."""
+    ranges: dict[str, list[tuple[int, int, int]]] = {f.name: [] for f in plan.files}
+    for part in gathered:
+        for name, first, n, crc in part:
+            ranges[name].append((first, n, crc))
+    records = {}
+    for f in plan.files:
+        crc, pos = crc32(f.prefix), len(f.prefix)
+        for first, n, part_crc in sorted(ranges[f.name]):
+            if first != pos:
+                break
+            crc, pos = crc32_combine(crc, part_crc, n), pos + n
+        if pos != f.size:
+            raise MergeFailed(f"{f.name}: bytes from {pos} on were written by no rank "
+                              f"(a bug in the work split)")
+        records[f.name] = {"bytes": f.size, "crc32": f"{crc:08x}"}
+    return records
+
+
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: Path,
+              dtype: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+              sources: dict[str, CheckpointMeta] | None = None) -> dict:
+    """Collective: `--export safetensors`: consolidated weights in `dtype` into dest, in
+    shards of at most max_shard_size bytes as `save_pretrained` cuts them (one
+    model.safetensors if they fit, else an index too), plus config and tokenizer files from
+    side_dir. sources: as write_planned's."""
+    def prepare() -> dict:
+        dest.mkdir(exist_ok=True)
+        records = {}
+        for name in HF_SIDE_FILES:
+            src = side_dir / name if side_dir is not None else None
+            if src is None or not src.is_file() or src.is_symlink():
+                continue
+            if name == "config.json":  # the config says which dtype the weights are in
+                config = json.loads(src.read_text())
+                for key in ("torch_dtype", "dtype"):
+                    if key in config or key == "dtype":
+                        config[key] = DTYPES[dtype].torch
+                records[name] = write_synced(dest / name, json.dumps(config, indent=2).encode())
+            else:
+                records[name] = copy_synced(src, dest / name)
+        return records
+
+    def plan() -> WeightsPlan:
+        tensors = _tensors(staged)
+        sizes = [(n, math.prod(shape) * DTYPES[dtype].itemsize) for n, shape in tensors]
+        files = by_size(sizes, max_shard_size)
+        return plan_weights(tensors, dtype, files, index=len(files) > 1)
+    records = comm.root_step(prepare)
+    records.update(write_planned(comm, staged, dest, comm.root_step(plan), sources))
+    return records

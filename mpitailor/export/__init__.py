@@ -1,1 +1,0 @@
-"""Outputs beyond the native ZeRO-3 checkpoint: consolidated HF weights, Universal layout."""

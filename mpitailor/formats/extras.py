@@ -1,0 +1,89 @@
+"""The files around a ZeRO-3 tag dir that a resume also needs (carried into the output).
+
+From the base source's save dir (an HF `checkpoint-N/` or a DeepSpeed save dir): trainer
+state, rng states, scheduler, training args, config, generation config, tokenizer files,
+`zero_to_fp32.py` -- known names only. Torch files among them are safe-loaded first, so one
+carrying a pickle payload is refused rather than passed on. 16-bit weight files are not
+copied: they hold the base's weights, not the merged ones: the merge rebuilds safetensors
+weights (export/hf_weights.py) and leaves `.bin` ones out, with a warning.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from mpitailor.formats import CheckpointMeta
+from mpitailor.formats.safeload import load
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "mpitailor_manifest.json"
+WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)([-.].*)?\.(safetensors|bin)"
+                         r"(\.index\.json)?")
+# What a checkpoint is made of besides its tag dir: DeepSpeed's scripts; HF Trainer's state,
+# rng, scheduler and args; the model's config and tokenizer. Anything else in a save dir
+# (logs, core dumps, a user's notes) is not carried over, and the manifest says so.
+KNOWN_FILE = re.compile(
+    r"zero_to_fp32\.py|zero_to_torch\.py|trainer_state\.json|training_args\.bin|"
+    r"rng_state(_\d+)?\.pth|scheduler\.pt|(generation_|adapter_|preprocessor_)?config\.json|"
+    r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|"
+    r"vocab\.(json|txt)|merges\.txt|spiece\.model|chat_template\.(jinja|json)")
+TORCH_SUFFIXES = (".pt", ".pth")
+OURS = {"latest", "latest_universal", MANIFEST}  # ours name our tags, not the base's
+
+
+def extras_dir(base: CheckpointMeta) -> Path | None:
+    """The save dir around the base's tag dir, when it belongs to that very tag."""
+    if base.files.save_dir is not None:
+        return base.files.save_dir
+    parent = base.files.tag_dir.parent
+    latest = parent / "latest"
+    if latest.is_file() and latest.read_text().strip() == base.files.tag:
+        return parent
+    return None
+
+
+def sort_extras(base: CheckpointMeta) -> tuple[list[Path], list[Path], list[str]]:
+    """The base save dir's files: (to copy, 16-bit weights to rebuild, left out), by name.
+    Left out: unknown names, links and non-regular files, weights mpitailor cannot rebuild."""
+    save_dir = extras_dir(base)
+    if save_dir is None:
+        return [], [], []
+    copy, weights, left_out = [], [], []
+    for p in sorted(save_dir.iterdir()):
+        if p.name in OURS or (p.is_dir() and not p.is_symlink()):
+            continue
+        if p.is_symlink() or not p.is_file():
+            left_out.append(p.name)
+        elif WEIGHT_FILE.fullmatch(p.name):
+            # Rebuilt from the merged fp32 weights: safetensors only. The base's .bin would
+            # hold the base's weights, not the merged ones.
+            (weights if ".safetensors" in p.name else left_out).append(p)
+        elif KNOWN_FILE.fullmatch(p.name):
+            copy.append(p)
+        else:
+            left_out.append(p.name)
+    return copy, weights, [p.name if isinstance(p, Path) else p for p in left_out]
+
+
+def weight_files(base: CheckpointMeta) -> list[Path]:
+    """16-bit safetensors weights beside the base's tag dir (rebuilt from merged weights)."""
+    return sort_extras(base)[1]
+
+
+def read_extras(base: CheckpointMeta) -> tuple[list[tuple[str, bytes]], list[str]]:
+    """The extras as bytes (small files), for the ranks that write them into the output
+    (rank 0, or every node's first rank under node-local storage): ([(name, bytes)], names
+    left out). Torch files are safe-loaded first: one carrying a pickle payload is refused."""
+    copy, _, left_out = sort_extras(base)
+    if left_out:
+        log.warning("not carried over from %s (not part of a checkpoint, or 16-bit .bin weights "
+                    "that would not match the merged ones; --export safetensors writes merged "
+                    "HF weights): %s", extras_dir(base), ", ".join(left_out))
+    out = []
+    for p in copy:
+        if p.suffix in TORCH_SUFFIXES:
+            load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
+        out.append((p.name, p.read_bytes()))
+    return out, left_out

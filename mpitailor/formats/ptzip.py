@@ -1,0 +1,333 @@
+"""torch.save's zip container, written directly and laid out before any byte is written.
+
+`describe(obj)` gives every record torch.save(obj) would write, the storages by reference
+(their bytes are never read); `TorchFile.layout()` places them in the file. Big storage bytes
+can then be copied straight to their final offsets by other code (copy_file_range, pwrite,
+several processes into one file), and the header bytes that hold CRC-32s written afterwards.
+
+Container facts relied on (torch 2.x: PyTorchStreamWriter over miniz 3, zip64 mode on; each
+checked byte for byte against torch.save in tests/test_ptzip.py):
+
+- Every name is "<archive>/<record>"; <archive> is "archive" when torch.save writes to a file
+  object. Record order: data.pkl, .format_version ("1"), .storage_alignment ("64"), byteorder,
+  data/0 .. data/N-1 (keys in order of first appearance in the pickle), then the two records
+  the C++ writer adds when it closes: version ("3\\n") and .data/serialization_id.
+- Records are stored (method 0) with time and date 0, back to back with no gaps: the next
+  local header starts where the previous record ends.
+- Local header: flags 0x0808 (bit 3: sizes and CRC follow the data; bit 11: UTF-8), CRC and
+  sizes 0. A record of 0 bytes has flags 0x0800 and no descriptor. Its extra field is a zip64
+  field (id 1) when size or header offset is >= 0xFFFFFFFF (size then as uncompressed size
+  followed by a compressed size of 0, since miniz writes it before compressing; then the
+  offset), followed by torch's "FB" field of 'Z' bytes that pads the data start to a
+  multiple of the storage alignment (64).
+- Data descriptor after the data: PK\\7\\8, CRC, sizes: 32-bit (16 bytes), or 64-bit (24
+  bytes) when the record has a zip64 field.
+- Central directory entries: versions 0, the same flags, CRC, sizes and offset (0xFFFFFFFF
+  where the value does not fit, the value then in a zip64 field: both sizes, then offset).
+  No padding field. Then a zip64 end record (made by 0x031E, needs 45) and its locator,
+  always, even for a small file; then the end record.
+
+What torch.load checks: the central directory (miniz: every record lies inside the file,
+zip64 fields where a value is 0xFFFFFFFF), the folder of the first name, the version record;
+it finds a record's data from its local header's name and extra lengths. It does not check
+CRCs (zipfile does). With .format_version >= 1 it may also compute storage offsets itself,
+walking from data/0 and assuming miniz's exact padding and descriptor sizes
+(torch.utils.serialization.config.load.calculate_storage_offsets, map_location="meta"):
+which is why this module reproduces those rather than writing a plainer zip.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mpitailor.errors import MergeFailed
+from mpitailor.formats.crc import crc32_combine
+
+MAX32 = 0xFFFFFFFF  # at or above it a size or offset goes to a zip64 field
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_SERIAL_ID = ".data/serialization_id"
+_TRAILERS = {"version", ".data/version", _SERIAL_ID}  # what the C++ writer adds at close
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record of a torch file: small ones with their bytes, storages by reference."""
+    name: str  # inside the archive folder: "data.pkl", "data/0", ...
+    size: int
+    data: bytes | None = None
+    storage: torch.UntypedStorage | None = None  # never read here
+
+
+@dataclass(frozen=True, slots=True)
+class TorchFile:
+    """What torch.save(obj) would write, in its order."""
+    records: tuple[Record, ...]
+    alignment: int
+
+    @property
+    def pickle(self) -> bytes:
+        return next(r.data for r in self.records if r.name == "data.pkl")
+
+    def storages(self) -> list[tuple[int, Record]]:
+        """(index into records, record) of each storage record."""
+        return [(i, r) for i, r in enumerate(self.records) if r.storage is not None]
+
+    def layout(self, archive: str = "archive") -> Layout:
+        return Layout.plan([(r.name, r.size) for r in self.records], archive, self.alignment)
+
+
+class _Recorder:
+    """Stands in for torch's zip writer under torch.serialization._save: keeps small records,
+    and storages as references, in the order torch would write them."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+    def write_record(self, name: str, data, size: int) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data = bytes(data)
+            if len(data) != size:
+                raise RuntimeError(f"internal error: record {name}: {len(data)} != {size} bytes")
+            self.records.append(Record(name, size, data=data))
+        else:
+            self.records.append(Record(name, size, storage=data))
+
+    def write_record_metadata(self, name: str, size: int) -> None:
+        raise RuntimeError("ptzip.describe cannot run under torch.serialization.skip_data()")
+
+
+def _pickle_records(obj, pickle_module) -> list[Record]:
+    # torch's own _save, handed a recording writer, rather than a Pickler of ours with a copy
+    # of its persistent_id: the pickle is then torch's by construction (storage keys, dtype
+    # checks, location tags, TypedStorage handling, the pickle_module subclassing that
+    # opaque.py relies on), whatever those details become. _save is private, but the surface
+    # used is narrow (its parameters by name, and write_record(name, data, size)), and a
+    # change breaks loudly, or the test comparing against torch.save catches it.
+    rec = _Recorder()
+    torch.serialization._save(
+        obj, zip_file=rec, pickle_module=pickle_module or pickle,
+        pickle_protocol=torch.serialization.DEFAULT_PROTOCOL, _disable_byteorder_record=False)
+    return rec.records
+
+
+@functools.cache
+def _trailer() -> tuple[tuple[str, bytes], ...]:
+    """The records torch's C++ writer adds at close, as this torch writes them."""
+    buf = io.BytesIO()
+    torch.save(None, buf)
+    ours = len(_pickle_records(None, None))
+    with zipfile.ZipFile(buf) as z:
+        out = tuple((i.filename.partition("/")[2], z.read(i)) for i in z.infolist()[ours:])
+    unknown = [n for n, _ in out if n not in _TRAILERS]
+    if unknown:
+        raise MergeFailed(f"torch {torch.__version__} writes records mpitailor's direct writer "
+                          f"does not know: {unknown}; update mpitailor/formats/ptzip.py")
+    return out
+
+
+def _serialization_id(records: list[Record], width: int) -> bytes:
+    # torch derives its id from the records' CRCs, which are not known until the storages are
+    # written; this one is a hash of everything known up front (names, sizes, small records'
+    # bytes), so the same object gives the same file.
+    h = hashlib.sha256()
+    for r in records:
+        h.update(f"{r.name}\0{r.size}\0".encode())
+        h.update(r.data or b"")
+    return str(int.from_bytes(h.digest(), "little") % 10 ** width).zfill(width).encode()
+
+
+def describe(obj, pickle_module=None) -> TorchFile:
+    """The records torch.save(obj, f, pickle_module=...) writes, without reading storages.
+
+    Storages must be on the CPU: torch would copy any other to host memory before writing.
+    """
+    _refuse_off_cpu(obj)
+    records = _pickle_records(obj, pickle_module)
+    for name, data in _trailer():
+        if name == _SERIAL_ID:
+            data = _serialization_id(records, len(data))
+        records.append(Record(name, len(data), data=data))
+    align = int(next(r.data for r in records if r.name == ".storage_alignment"))
+    return TorchFile(tuple(records), align)
+
+
+def _refuse_off_cpu(obj) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            raise RuntimeError(f"internal error: a {obj.device.type} tensor to write directly")
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _refuse_off_cpu(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _refuse_off_cpu(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """Where one record lies: local header, then data, then data descriptor."""
+    name: str  # full zip name: "archive/data/0"
+    size: int
+    header_offset: int
+    data_offset: int
+
+    @property
+    def zip64(self) -> bool:
+        return self.size >= MAX32 or self.header_offset >= MAX32
+
+    @property
+    def data_end(self) -> int:
+        return self.data_offset + self.size
+
+    @property
+    def end(self) -> int:
+        return self.data_end + (0 if self.size == 0 else 24 if self.zip64 else 16)
+
+
+def _zip64_extra(values: list[int]) -> bytes:
+    return struct.pack(f"<HH{len(values)}Q", 1, 8 * len(values), *values) if values else b""
+
+
+def _local_zip64(size: int, offset: int) -> list[int]:
+    # miniz writes the local zip64 field before compressing: compressed size 0.
+    return ([size, 0] if size >= MAX32 else []) + ([offset] if offset >= MAX32 else [])
+
+
+def _central_zip64(size: int, offset: int) -> list[int]:
+    return ([size, size] if size >= MAX32 else []) + ([offset] if offset >= MAX32 else [])
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Every byte offset of a torch file, from record names and sizes alone."""
+    entries: tuple[Entry, ...]
+    alignment: int
+    cd_offset: int  # the central directory; `tail` is written here
+    cd_size: int
+    size: int  # of the whole file
+
+    @classmethod
+    def plan(cls, records: Iterable[tuple[str, int]], archive: str = "archive",
+             alignment: int = 64) -> Layout:
+        entries, pos = [], 0
+        for name, size in records:
+            full = f"{archive}/{name}"
+            start = pos + _LOCAL.size + len(full.encode()) + 4  # 4: the "FB" field's header
+            start += len(_zip64_extra(_local_zip64(size, pos)))
+            data = start + (-start % alignment)  # torch's getPadding
+            entries.append(Entry(full, size, pos, data))
+            pos = entries[-1].end
+        cd_size = sum(_CENTRAL.size + len(e.name.encode())
+                      + len(_zip64_extra(_central_zip64(e.size, e.header_offset)))
+                      for e in entries)
+        return cls(tuple(entries), alignment, pos, cd_size, pos + cd_size + 56 + 20 + 22)
+
+    def local_header(self, i: int) -> bytes:
+        """Bytes at entries[i].header_offset, ending where the data begins (no CRC in them)."""
+        e = self.entries[i]
+        name = e.name.encode()
+        z64 = _zip64_extra(_local_zip64(e.size, e.header_offset))
+        pad = e.data_offset - (e.header_offset + _LOCAL.size + len(name) + len(z64) + 4)
+        extra = z64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        head = _LOCAL.pack(0x04034B50, 0, _flags(e), 0, 0, 0, 0, 0, 0, len(name), len(extra))
+        return head + name + extra
+
+    def descriptor(self, i: int, crc: int) -> bytes:
+        """Bytes at entries[i].data_end: the data's CRC-32 and size (none for 0 bytes)."""
+        e = self.entries[i]
+        if e.size == 0:
+            return b""
+        fmt = "<IIQQ" if e.zip64 else "<IIII"
+        return struct.pack(fmt, 0x08074B50, crc, e.size, e.size)
+
+    def tail(self, crcs: Sequence[int]) -> bytes:
+        """Bytes at cd_offset to the end: central directory, zip64 end records, end record."""
+        self._check(crcs)
+        out = []
+        for e, crc in zip(self.entries, crcs):
+            name = e.name.encode()
+            extra = _zip64_extra(_central_zip64(e.size, e.header_offset))
+            small = min(e.size, MAX32)
+            out.append(_CENTRAL.pack(0x02014B50, 0, 0, _flags(e), 0, 0, 0, crc, small, small,
+                                     len(name), len(extra), 0, 0, 0, 0,
+                                     min(e.header_offset, MAX32)) + name + extra)
+        n, end64 = len(self.entries), self.cd_offset + self.cd_size
+        out.append(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, n, n,
+                               self.cd_size, self.cd_offset))
+        out.append(struct.pack("<IIQI", 0x07064B50, 0, end64, 1))
+        out.append(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                               min(self.cd_size, MAX32), min(self.cd_offset, MAX32), 0))
+        return b"".join(out)
+
+    def pieces(self, crcs: Sequence[int]) -> list[tuple[int, bytes]]:
+        """(offset, bytes) of everything but the records' data, for pwrite."""
+        self._check(crcs)
+        out = [(e.header_offset, self.local_header(i)) for i, e in enumerate(self.entries)]
+        out += [(e.data_end, self.descriptor(i, c))
+                for i, (e, c) in enumerate(zip(self.entries, crcs)) if e.size]
+        return out + [(self.cd_offset, self.tail(crcs))]
+
+    def file_crc(self, crcs: Sequence[int]) -> int:
+        """CRC-32 of the whole file, joined from the records' CRCs (nothing is read)."""
+        self._check(crcs)
+        crc = 0
+        for i, (e, c) in enumerate(zip(self.entries, crcs)):
+            head, desc = self.local_header(i), self.descriptor(i, c)
+            crc = crc32_combine(crc, zlib.crc32(head), len(head))
+            crc = crc32_combine(crc, c, e.size)
+            crc = crc32_combine(crc, zlib.crc32(desc), len(desc))
+        tail = self.tail(crcs)
+        return crc32_combine(crc, zlib.crc32(tail), len(tail))
+
+    def _check(self, crcs: Sequence[int]) -> None:
+        if len(crcs) != len(self.entries):
+            raise ValueError(f"{len(crcs)} CRCs for {len(self.entries)} records")
+
+
+def _flags(e: Entry) -> int:
+    return 0x0800 if e.size == 0 else 0x0808
+
+
+def write_torch_file(path: Path | str, obj, pickle_module=None) -> dict:
+    """Write obj as torch.save would, from memory, to a new file; fsync; return its manifest
+    record ({"bytes", "crc32"}, as commit.FileRecord.record()) without re-reading it."""
+    tf = describe(obj, pickle_module)
+    lay = tf.layout()
+    crcs = []
+    with open(path, "xb", buffering=0) as f:
+        for i, (rec, e) in enumerate(zip(tf.records, lay.entries)):
+            data = rec.data if rec.storage is None else storage_bytes(rec.storage)
+            crcs.append(zlib.crc32(data))
+            for piece in (lay.local_header(i), data, lay.descriptor(i, crcs[-1])):
+                _write_all(f, piece)
+            if f.tell() != e.end:
+                raise RuntimeError(f"internal error: {path}: {e.name} ends at {f.tell()}, "
+                                   f"planned {e.end}")
+        _write_all(f, lay.tail(crcs))
+        os.fsync(f.fileno())
+    return {"bytes": lay.size, "crc32": f"{lay.file_crc(crcs):08x}"}
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
+    """A CPU storage's bytes, without a copy."""
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+
+
+def _write_all(f, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view):]

@@ -1,0 +1,212 @@
+"""Read a checkpoint's `CheckpointMeta` (meta.py) from its rank-0 files, and check them.
+
+Apart from the record so that the record stays torch-free: the files are torch pickles,
+so reading them needs torch (memory-mapped; big tensors are never touched).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mpitailor.errors import CheckpointError
+from mpitailor.formats import files as zfiles
+from mpitailor.formats.dtypes import name_of
+from mpitailor.formats.files import CheckpointFiles
+from mpitailor.formats.fsview import LOCAL
+from mpitailor.formats.layout import compute_layout
+from mpitailor.formats.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
+from mpitailor.formats.rawio import materialize
+from mpitailor.formats.safeload import load
+
+
+def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
+    """Read a checkpoint's metadata from its rank-0 files (memory-mapped, tensors untouched).
+    view: where the checkpoint's other files are looked up (fsview.py); the rank-0 files
+    must be readable here."""
+    files = zfiles.resolve(path, view)
+    model = load(files.model_path(0), opaque_ok=True)
+    # Structure only (steps read below); a partial checkpoint's optim file has no buffers.
+    optim = load(files.optim_path(0), index_only=not files.partial)
+    _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
+    _require_keys(files.optim_path(0), optim, ("optimizer_state_dict",))
+    osd = optim["optimizer_state_dict"]
+    stage = _stage(files, osd)
+    if int(model.get("mp_world_size") or 1) > 1:
+        raise CheckpointError(f"{files.model_path(0)}: mp_world_size="
+                              f"{model['mp_world_size']}: a tensor/pipeline-parallel checkpoint; "
+                              f"mpitailor merges data-parallel ZeRO checkpoints only")
+    world = int(model["dp_world_size"])
+    if world > files.world_size:
+        raise CheckpointError(
+            f"{files.tag_dir}: the files of ranks 0-{files.world_size - 1}, but the checkpoint "
+            f"was saved by {world} ranks: {_rank_file(files, files.world_size)} and those "
+            f"after it are missing (node-local storage: run on every node that holds the "
+            f"checkpoint's files)")
+    counts = osd.get("partition_count", world)
+    counts = set(counts) if isinstance(counts, (list, tuple)) else {counts}
+    if world != files.world_size or {int(c) for c in counts} != {world}:
+        raise CheckpointError(
+            f"{files.tag_dir}: {files.world_size} rank files but dp_world_size={world} and "
+            f"partition_count={osd.get('partition_count')}; files from different runs?")
+    shapes = _checked_shapes(files.model_path(0), model["param_shapes"])
+    layout = compute_layout(shapes, world, flat=files.flat)
+    inner = osd["base_optimizer_state"] if files.flat else osd["optimizer_state_dict"]
+    n_sub = len(layout.subgroup_sizes)
+    if files.flat:
+        _check_flat_optimizer(files.optim_path(0), osd, layout)
+    flat = osd.get("single_partition_of_fp32_groups" if files.flat else "fp32_flat_groups", [])
+    sizes = [layout.lean_size(g, 0) if files.flat else n
+             for g, n in enumerate(layout.subgroup_sizes)]
+    if not files.partial and (len(flat) != n_sub or any(
+            t.numel() != n for t, n in zip(flat, sizes))):
+        raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
+                              f"param_shapes of {files.model_path(0)}; files from different runs?")
+    lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial, view)
+    manifest_of = _partial_manifest(files, view) if files.partial else None
+    return CheckpointMeta(
+        files=files, layout=layout, dtype=_model_dtype(model), zero_stage=stage,
+        global_steps=int(model["global_steps"]),
+        global_samples=int(model.get("global_samples", 0)),
+        param_groups=tuple(tuple(int(i) for i in g["params"]) for g in inner["param_groups"]),
+        subgroup_steps=_read_steps(files.optim_path(0), inner["state"], n_sub),
+        frozen_shapes=tuple((n, tuple(int(d) for d in s))
+                            for n, s in (model.get("frozen_param_shapes") or {}).items()),
+        shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
+        ds_version=str(model.get("ds_version", "")),
+        held_layers=manifest_of[0] if files.partial else None,
+        partial_records=manifest_of[1] if files.partial else (),
+        lineage=lineage, layer_patterns=tuple(patterns.items()),
+        sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
+                           .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
+    )
+
+
+def _rank_file(files: CheckpointFiles, rank: int) -> str:
+    """The file that names a rank: its model states (stage 3), its optimizer file (1/2)."""
+    return files.optim_path(rank).name if files.flat else zfiles.model_file(rank)
+
+
+def _stage(files: CheckpointFiles, osd: dict) -> int:
+    """The ZeRO stage the optimizer file says, checked against the file names."""
+    if files.flat and "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd:
+        raise CheckpointError(
+            f"{files.optim_path(0)}: saved by DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage "
+            f"1 and fp32 gradient accumulation); mpitailor reads the ZeRO optimizer's stage 1/2 "
+            f"files: train with data_types.grad_accum_dtype bf16, or with ZeRO stage 2 or 3")
+    try:
+        stage = int(osd.get("zero_stage", 3))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{files.optim_path(0)}: zero_stage is "
+                              f"{osd.get('zero_stage')!r}; not a DeepSpeed ZeRO optim file") from None
+    if stage not in (1, 2, 3) or (stage == 3) == files.flat:
+        raise CheckpointError(
+            f"{files.optim_path(0)}: a ZeRO stage {stage} optimizer file beside "
+            f"{files.model_path(0).name}; files from different runs?")
+    return stage
+
+
+def _check_flat_optimizer(path: Path, osd: dict, layout) -> None:
+    """Stage 1/2 layouts mpitailor does not rebuild, refused by name."""
+    if not isinstance(osd.get("base_optimizer_state"), dict):
+        raise CheckpointError(f"{path}: an elastic ZeRO checkpoint (zero_optimization."
+                              f"elastic_checkpoint true); save with elastic_checkpoint false")
+    paddings = osd.get("param_alignment_paddings") or []
+    if any(any(int(x) for x in group) for group in paddings):
+        raise CheckpointError(f"{path}: parameters padded for alignment (zero_optimization."
+                              f"parameter_alignment or round_robin_gradients); save without them")
+    mappings = osd.get("param_slice_mappings")
+    if mappings is not None and not flat_mappings_agree(mappings, layout, 0):
+        raise CheckpointError(f"{path}: param_slice_mappings disagree with param_shapes "
+                              f"(parameters reordered, e.g. round_robin_gradients); save "
+                              f"with zero_optimization.round_robin_gradients false")
+
+
+def flat_mappings_agree(mappings, layout, rank: int) -> bool:
+    """Does a stage 1/2 file's `param_slice_mappings` (per group: name -> (numel, start) of
+    this rank's fragment) place every parameter where the layout does?"""
+    try:
+        for g, group in enumerate(mappings):
+            want = {}
+            for s in layout.subgroup_slots(g):
+                off, _, n = layout.held(s, rank)
+                if n:
+                    want[s.name] = (n, off)
+            got = {name: (int(a.numel), int(a.start)) for name, a in group.items()}
+            if got != want:
+                return False
+        return len(mappings) == len(layout.subgroup_sizes)
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _partial_manifest(files: CheckpointFiles, view) -> tuple[frozenset[str], tuple]:
+    """(layers held, file records) of a partial checkpoint's manifest."""
+    path = files.tag_dir / zfiles.PARTIAL_MANIFEST
+    try:
+        manifest = json.loads(view.read_bytes(path))
+        records = manifest.get("files") or {}
+        if not isinstance(records, dict):
+            raise TypeError("files is not a mapping")
+        return frozenset(manifest["layers"]), tuple(sorted(records.items()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); the partial save is damaged") \
+            from None
+
+
+def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a DeepSpeed checkpoint dict")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise CheckpointError(f"{path}: missing key {missing[0]!r}; not a DeepSpeed ZeRO-3 "
+                              f"checkpoint file")
+
+
+MAX_ELEMENTS = 1 << 48  # far beyond any parameter: a larger one is a damaged or crafted file
+
+
+def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
+    """param_shapes as DeepSpeed writes it (a list of name -> shape mappings), or a clear
+    CheckpointError: a crafted or damaged file must not reach the partition arithmetic."""
+    bad = f"{path}: param_shapes is malformed"
+    if not isinstance(raw, (list, tuple)):
+        raise CheckpointError(f"{bad} (not a list); not a DeepSpeed ZeRO-3 checkpoint file")
+    out, seen = [], set()
+    for g, shapes in enumerate(raw):
+        if not isinstance(shapes, dict):
+            raise CheckpointError(f"{bad} (sub-group {g} is not a mapping)")
+        group = {}
+        for name, shape in shapes.items():
+            if not isinstance(name, str) or name in seen:
+                raise CheckpointError(f"{bad} (parameter {name!r} is not a unique name)")
+            seen.add(name)
+            try:
+                dims = tuple(int(d) for d in shape)
+            except (TypeError, ValueError):
+                raise CheckpointError(f"{bad} ({name}: shape {shape!r})") from None
+            n = 1
+            for d in dims:
+                n *= d
+            if any(d < 0 for d in dims) or n > MAX_ELEMENTS:
+                raise CheckpointError(f"{bad} ({name}: shape {list(dims)})")
+            group[name] = dims
+        out.append(group)
+    return out
+
+
+def _model_dtype(model: dict) -> str:
+    for t in model.get("module", {}).values():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return name_of(t.dtype)
+    return "fp32"
+
+
+def _read_steps(path: Path, state: dict, n_sub: int) -> tuple[float, ...]:
+    if n_sub == 0:
+        return ()
+    with open(path, "rb") as f:
+        state = materialize({i: state.get(i, {}).get("step", 0) for i in range(n_sub)},
+                            f.fileno())
+    return tuple(float(s.item() if isinstance(s, torch.Tensor) else s) for s in state.values())

@@ -1,0 +1,198 @@
+"""One rank's files of a checkpoint, opened for byte-range reads and checked against rank 0.
+
+The optimizer file is parsed without reading its big buffers (see rawio.py); the fp32
+master weights and both Adam moments are then read slice by slice with `read_into`. The
+model-states file is small (placeholders, shapes, counters) and is memory-mapped.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from mpitailor.errors import CheckpointError
+from mpitailor.formats import rawio
+from mpitailor.formats.layout import KINDS
+from mpitailor.formats.meta import CheckpointMeta
+from mpitailor.formats.read import flat_mappings_agree
+from mpitailor.formats.safeload import load
+from mpitailor.formats.verify import record_crcs
+
+
+@dataclass
+class RankShard:
+    """Rank `rank`'s model states (loaded) and optimizer file (indexed, open for reads)."""
+
+    meta: CheckpointMeta
+    rank: int
+    model: dict
+    optim: dict   # flat buffers on the meta device; everything else (Adam steps) real
+    fd: int
+    offsets: dict[tuple[str, int], int]  # (kind, sub-group) -> byte offset in the optim file
+    _records: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
+
+    @property
+    def inner(self) -> dict:
+        """The torch optimizer's state dict (state per sub-group, param groups)."""
+        osd = self.optim["optimizer_state_dict"]
+        return osd["base_optimizer_state"] if self.meta.layout.flat else osd["optimizer_state_dict"]
+
+    def read_into(self, kind: str, g: int, start: int, out: torch.Tensor) -> None:
+        """Fill fp32 `out` with elements [start, start + out.numel()) of sub-group g's
+        flat buffer of kind fp32/exp_avg/exp_avg_sq."""
+        try:
+            rawio.read_into(self.fd, self.offsets[kind, g] + start * 4, out)
+        except (OSError, EOFError) as e:
+            raise CheckpointError(f"{self.meta.files.optim_path(self.rank)}: read failed "
+                                  f"({e}); the file is damaged or truncated") from None
+
+    def byte_ranges(self, kind: str, g: int, start: int, n: int) -> list[tuple[int, int, int]]:
+        """Where elements [start, start + n) of sub-group g's `kind` buffer lie:
+        (open file descriptor, byte offset, byte count) runs, in order."""
+        return [(self.fd, self.offsets[kind, g] + start * 4, n * 4)]
+
+    def whole_record(self, kind: str, g: int) -> tuple[int, int] | None:
+        """(CRC-32, bytes) of sub-group g's `kind` buffer as its zip record states them (the
+        buffer is a record of its own): a copy of all of it can take this CRC as it is."""
+        if self._records is None:
+            self._records = record_crcs(self.meta.files.optim_path(self.rank), self.fd)
+        return self._records.get(self.offsets[kind, g])
+
+    def path_of(self, fd: int) -> str:
+        """The file behind one of this shard's descriptors (for error messages)."""
+        return str(self.meta.files.optim_path(self.rank))
+
+    def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
+        size = self.meta.layout.buffer_size(kind, g, self.rank)
+        out = torch.empty(size - start if length is None else length, dtype=torch.float32)
+        self.read_into(kind, g, start, out)
+        return out
+
+    def verify(self, used: set[tuple[str, int]]) -> None:
+        """Check the whole records of these (kind, sub-group) buffers against their CRC."""
+        from mpitailor.formats.verify import verify_records
+        verify_records(self.meta.files.optim_path(self.rank), self.fd,
+                       {self.offsets[k] for k in used})
+
+    def reopen(self) -> None:
+        """Open the file again after close() (the parsed metadata is kept): a rank that
+        works through many partitions parses each once and holds few descriptors."""
+        if self.fd < 0:
+            self.fd = os.open(self.meta.files.optim_path(self.rank), os.O_RDONLY)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "RankShard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
+    """Open rank `rank`'s files; raise CheckpointError if they disagree with rank 0's.
+
+    Partial checkpoints get a `PartialShard`, which reads the same way."""
+    if meta.files.partial:
+        from mpitailor.formats.partial_shard import open_partial_shard
+        return open_partial_shard(meta, rank)
+    model_path, optim_path = meta.files.model_path(rank), meta.files.optim_path(rank)
+    model = load(model_path, opaque_ok=True)
+    if rank != 0 and not meta.files.flat:  # stage 1/2: one model-states file for all ranks
+        _check_model_agrees(meta, model, model_path)
+    optim = load(optim_path, index_only=True)
+    if meta.layout.flat:
+        _check_flat_rank(meta, optim, rank, optim_path)
+    fd = os.open(optim_path, os.O_RDONLY)
+    try:
+        offsets = _flat_offsets(meta, optim, rank, os.fstat(fd).st_size, optim_path)
+        flats = frozenset(id(flat_tensor(optim, kind, g, meta.layout.flat))
+                          for kind, g in offsets)
+        return RankShard(meta, rank, model, rawio.materialize(optim, fd, flats), fd, offsets)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextmanager
+def open_all_shards(meta: CheckpointMeta) -> Iterator[list[RankShard]]:
+    """Every rank's shard, in rank order; all closed on exit, also when one fails to open."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(open_shard(meta, r)) for r in range(meta.world_size)]
+
+
+def _check_model_agrees(meta: CheckpointMeta, model: dict, path) -> None:
+    try:
+        shapes = [{n: tuple(s) for n, s in g.items()} for g in model.get("param_shapes", [])]
+    except (TypeError, AttributeError, ValueError):
+        shapes = None  # malformed: cannot agree
+    expect = [{s.name: s.shape for s in meta.layout.subgroup_slots(g)}
+              for g in range(len(meta.layout.subgroup_sizes))]
+    if shapes != expect or int(model.get("global_steps", -1)) != meta.global_steps:
+        raise CheckpointError(f"{path}: disagrees with rank 0's model states "
+                              f"(param_shapes or global_steps); files from different runs?")
+
+
+def _check_flat_rank(meta: CheckpointMeta, optim: dict, rank: int, path) -> None:
+    try:
+        osd = optim["optimizer_state_dict"]
+        mappings = osd.get("param_slice_mappings")
+        counts = osd["partition_count"]
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: not a DeepSpeed ZeRO stage 1/2 optim file") from None
+    counts = counts if isinstance(counts, (list, tuple)) else [counts]
+    if any(int(c) != meta.world_size for c in counts) or (
+            mappings is not None and not flat_mappings_agree(mappings, meta.layout, rank)):
+        raise CheckpointError(f"{path}: disagrees with rank 0's files (partition count or "
+                              f"parameter placement); files from different runs?")
+
+
+def flat_tensor(optim: dict, kind: str, g: int, flat: bool = False) -> torch.Tensor:
+    """Sub-group g's flat buffer of kind fp32/exp_avg/exp_avg_sq in a loaded optim dict
+    (flat: a stage 1/2 file)."""
+    osd = optim["optimizer_state_dict"]
+    if kind == "fp32":
+        return osd["single_partition_of_fp32_groups" if flat else "fp32_flat_groups"][g]
+    return osd["base_optimizer_state" if flat else "optimizer_state_dict"]["state"][g][kind]
+
+
+def without_flat_buffers(osd: dict) -> dict:
+    """DeepSpeed's ZeRO optimizer state (the optim file's `optimizer_state_dict`, stage 3
+    or 1/2) minus the fp32 flat groups and Adam moments: counters, loss scaler, param
+    groups, steps."""
+    flat = "base_optimizer_state" in osd
+    fp32, inner_key = ("single_partition_of_fp32_groups", "base_optimizer_state") if flat \
+        else ("fp32_flat_groups", "optimizer_state_dict")
+    osd = {k: v for k, v in osd.items() if k != fp32}
+    inner = dict(osd[inner_key])
+    inner["state"] = {g: {"step": st["step"]} for g, st in inner["state"].items()}
+    osd[inner_key] = inner
+    return osd
+
+
+def _flat_offsets(meta: CheckpointMeta, optim: dict, rank: int, size: int, path) -> dict:
+    """Byte offset of every flat buffer, checked against the layout and the file size."""
+    offsets = {}
+    try:
+        for g in range(len(meta.layout.subgroup_sizes)):
+            for kind in KINDS:
+                n = meta.layout.buffer_size(kind, g, rank)
+                t = flat_tensor(optim, kind, g, meta.layout.flat)
+                if t.dtype != torch.float32 or t.numel() != n:
+                    raise CheckpointError(
+                        f"{path}: sub-group {g} {kind} is {t.dtype} x {t.numel()}, expected "
+                        f"float32 x {n}; files from different runs?")
+                offsets[kind, g] = rawio.file_offset(t)
+                if offsets[kind, g] + n * 4 > size:
+                    raise CheckpointError(f"{path}: sub-group {g} {kind} lies past the end of "
+                                          f"the file; the file is truncated")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: optimizer state incomplete (sub-group buffers "
+                              f"missing); not a DeepSpeed ZeRO-3 optim file") from None
+    return offsets

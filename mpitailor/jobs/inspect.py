@@ -1,0 +1,94 @@
+"""`python -m mpitailor inspect CKPT`: what a ZeRO checkpoint holds, layer by layer."""
+from __future__ import annotations
+
+import json
+
+from mpitailor.formats import BYTES_PER_ELEMENT, CheckpointMeta
+from mpitailor.formats.extras import MANIFEST
+from mpitailor.planning.layers import LayerClassifier, sort_keys
+from mpitailor.planning.plan_report import human
+
+
+def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
+    """A JSON-able summary; per-layer bytes are per rank (stage 3: every rank holds the
+    same; stages 1/2: the mean, as a rank's share of a flat group varies).
+    composite: the manifest of a merged checkpoint (then each layer says where it came from).
+    A partial checkpoint lists only the layers it saved."""
+    classify_fn = LayerClassifier(dict(meta.layer_patterns))
+    kind = "composite" if composite else "partial" if meta.held_layers is not None else "full"
+    layers: dict[str, dict] = {}
+    for slot in meta.layout.slots:
+        row = layers.setdefault(classify_fn(slot.name), _row())
+        row["params"] += 1
+        row["elements"] += slot.numel
+        row["bytes_per_rank"] += (slot.numel / meta.world_size if meta.layout.flat
+                                  else slot.length) * BYTES_PER_ELEMENT
+        row["subgroups"].add(slot.subgroup)
+    for name, shape in meta.frozen_shapes:
+        row = layers.setdefault(classify_fn(name), _row())
+        row["frozen"] += 1
+        n = 1
+        for d in shape:
+            n *= d
+        row["elements"] += n
+    if meta.held_layers is not None:
+        layers = {k: v for k, v in layers.items() if k in meta.held_layers}
+    for key, row in layers.items():
+        if composite and key in composite.get("layers", {}):
+            row["from"] = composite["layers"][key]["source"]
+            row["from_step"] = composite["layers"][key]["global_steps"]
+    return {
+        "path": str(meta.path), "tag": meta.files.tag, "kind": kind, "world_size": meta.world_size,
+        "zero_stage": meta.zero_stage,
+        "dtype": meta.dtype, "global_steps": meta.global_steps,
+        "global_samples": meta.global_samples, "ds_version": meta.ds_version,
+        "param_groups": [list(g) for g in meta.param_groups],
+        "subgroups": len(meta.layout.subgroup_sizes),
+        "subgroup_steps": list(meta.subgroup_steps),
+        "tied": dict(meta.shared_params),
+        "optimizer_bytes_per_rank": sum(meta.layout.subgroup_sizes) * BYTES_PER_ELEMENT,
+        "layers": {k: {**layers[k], "subgroups": sorted(layers[k]["subgroups"])}
+                   for k in sort_keys(layers)},
+    }
+
+
+def composite_manifest(meta: CheckpointMeta) -> dict | None:
+    """The merge manifest beside a checkpoint mpitailor assembled, if it is one."""
+    for folder in (meta.files.save_dir, meta.files.tag_dir.parent):
+        if folder is not None and (folder / MANIFEST).is_file():
+            try:
+                return json.loads((folder / MANIFEST).read_text())
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def _row() -> dict:
+    return {"params": 0, "frozen": 0, "elements": 0, "bytes_per_rank": 0, "subgroups": set()}
+
+
+def format_table(rep: dict) -> str:
+    kind = rep["kind"] + (" (only the layers below were saved)" if rep["kind"] == "partial"
+                          else "")
+    lines = [
+        f"checkpoint   {rep['path']}",
+        f"kind         {kind}",
+        f"world size   {rep['world_size']}   ZeRO stage {rep['zero_stage']}   dtype {rep['dtype']}"
+        f"   step {rep['global_steps']}"
+        f"   samples {rep['global_samples']}   deepspeed {rep['ds_version']}",
+        f"optimizer    {len(rep['param_groups'])} param group(s), {rep['subgroups']} "
+        f"sub-group(s), {human(rep['optimizer_bytes_per_rank'])} per rank",
+    ]
+    if rep["tied"]:
+        lines.append("tied         " + ", ".join(f"{a} -> {b}" for a, b in rep["tied"].items()))
+    origin = rep["kind"] == "composite"
+    header = (f"{'layer':<12}{'params':>8}{'frozen':>8}{'elements':>12}{'bytes/rank':>12}  "
+              f"{'sub-groups':<12}" + ("  from (step)" if origin else ""))
+    lines.append(header.rstrip())
+    for key, row in rep["layers"].items():
+        subs = row["subgroups"]
+        span = f"{subs[0]}-{subs[-1]}" if len(subs) > 1 else (str(subs[0]) if subs else "-")
+        came = f"  {row['from']} ({row['from_step']})" if origin and "from" in row else ""
+        lines.append(f"{key:<12}{row['params']:>8}{row['frozen']:>8}{row['elements']:>12}"
+                     f"{human(row['bytes_per_rank']):>12}  {span:<12}{came}".rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,380 @@
+"""A merge job: recipe -> plan -> every rank runs its part of the copy program -> commit.
+
+Collective throughout: every function here that takes a `comm` is called on every rank.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpitailor import failpoints
+from mpitailor.cluster.comm import Comm
+from mpitailor.cluster.nodes import Placement, output_is_shared, survey
+from mpitailor.engine.execute import write_partitions
+from mpitailor.engine.hf_weights import base_weights, export_hf, write_hf_weights
+from mpitailor.engine.replicate import replicate
+from mpitailor.engine.universal import export_universal, plan_limits
+from mpitailor.errors import CheckpointError, UserError
+from mpitailor.formats import CheckpointMeta
+from mpitailor.formats.extras import MANIFEST, extras_dir, read_extras
+from mpitailor.formats.files import resolve
+from mpitailor.formats.read import read_meta
+from mpitailor.formats.safeload import trust
+from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
+from mpitailor.planning.plan import MergePlan, make_plan
+from mpitailor.planning.plan_report import format_plan
+from mpitailor.planning.recipe import Recipe, load_recipe
+from mpitailor.publish.staging import Staging, check_writable_file, write_synced
+from mpitailor.version import __version__
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MergeResult:
+    output: Path
+    bytes_written: int
+    seconds: float
+    ranks: int
+    rank_stats: tuple[dict, ...]  # per MPI rank: partitions, bytes written, I/O, peak RSS
+    layer_source: tuple[tuple[str, str], ...] = ()  # layer key -> the source it came from
+
+
+def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta]:
+    """Collective: each source's metadata is read by one rank (round-robin; under node-local
+    storage, a rank on a node that holds the source's rank-0 files), then shared."""
+    place = survey(comm, [Path(path) for _, path in recipe.sources])
+    readers = comm.step(_meta_readers, comm, recipe, place)
+
+    def mine() -> dict[str, CheckpointMeta]:
+        return {name: read_meta(path, place.fs()) for name, path in recipe.sources
+                if readers[name] == comm.rank}
+    metas: dict[str, CheckpointMeta] = {}
+    for part in comm.allgather(comm.step(mine)):
+        metas.update(part)
+    return {name: metas[name] for name, _ in recipe.sources}
+
+
+def _meta_readers(comm: Comm, recipe: Recipe, place: Placement) -> dict[str, int]:
+    """source -> the rank that reads its metadata."""
+    if not place.node_local:
+        return {name: i % comm.size for i, (name, _) in enumerate(recipe.sources)}
+    readers = {}
+    for i, (name, path) in enumerate(recipe.sources):
+        try:
+            files = resolve(path, place.view)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (node-local storage: looked on every node of this job, "
+                                  f"{', '.join(place.nodes.names)})") from None
+        readers[name] = place.reader([files.model_path(0), files.optim_path(0)], i)
+    return readers
+
+
+def plan_merge(comm: Comm, recipe_path: str, output: str | None = None,
+               world_size: int | None = None) -> tuple[Recipe, MergePlan]:
+    """Collective: load and validate the recipe, read the sources, compute the plan."""
+    return plan_recipe(comm, comm.root_step(load_recipe, recipe_path, output, world_size))
+
+
+def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
+    """Collective: read the recipe's sources and compute the plan."""
+    if recipe.safe_globals:
+        comm.step(trust, recipe.safe_globals)
+    metas = read_sources(comm, recipe)
+    return recipe, comm.root_step(make_plan, recipe, metas)
+
+
+def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
+          verify: bool = False, export_dtype: str | None = None,
+          universal: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+          ranks_per_node: int | None = None) -> MergeResult:
+    """Collective: write the merged checkpoint and publish it atomically.
+    verify: check source records against their CRC-32 first (reads them whole).
+    export_dtype: also write consolidated HF safetensors weights in this dtype to OUT/hf/.
+    max_shard_size: the export's shards hold at most this many bytes (HF's rule).
+    universal: also write DeepSpeed's Universal layout into OUT/TAG/zero/.
+    ranks_per_node: with node-local output, output rank r's files go to the (r //
+    ranks_per_node)-th node (default: where rank r of this job runs, at the same world
+    size; else consecutive blocks)."""
+    t0 = time.perf_counter()
+    place = survey(comm, [m.path for _, m in plan.sources])
+    out_nodes = comm.step(_output_nodes, comm, plan, place, ranks_per_node)
+    # Who writes the files every node needs (latest, manifest, extras): each node's first
+    # rank when every node keeps its own copy of the output, else rank 0.
+    leaders = place.nodes.leaders() if out_nodes is not None else [0]
+    staging = Staging(plan.output)
+    tag = plan.base_meta.files.tag
+    root = staging.dir
+    try:
+        comm.step(lambda: staging.acquire(tag) if comm.rank in leaders else None)
+        records, mine = write_partitions(comm, plan, root / tag, verify, progress, universal,
+                                         place, out_nodes)
+        stats = comm.allgather(mine)
+        by_rank = comm.allgather(records)
+        files = {f"{tag}/{name}": rec for part in by_rank for name, rec in part.items()}
+        # What lies beside the base's tag dir is read where it is: under node-local storage,
+        # on the node of the base's rank 0 (the one with `latest`, scripts, HF files).
+        beside = place.reader([plan.base_meta.files.model_path(0)]) if place.node_local else 0
+        rebuild = comm.step_on(beside, base_weights, plan.base_meta)
+        exports = _Exports(plan, root, rebuild, export_dtype, universal, max_shard_size)
+        if exports.wanted and out_nodes is None:
+            files.update(exports.write(comm))
+        elif exports.wanted:
+            moved = _export_on_first_node(comm, place, exports, by_rank, files)
+            stats = [{**st, **{k: st[k] + m[k] for k in m}} for st, m in zip(stats, moved)]
+        seconds = time.perf_counter() - t0
+        extras = comm.step_on(beside, read_extras, plan.base_meta)
+        if out_nodes is None:
+            written = comm.root_step(_finish, plan, staging, files, extras, recipe_text,
+                                     comm.size, seconds)
+        else:
+            written = _finish_on_nodes(comm, plan, place, staging, files, extras, by_rank,
+                                       leaders, recipe_text, seconds)
+    except BaseException:
+        if comm.rank in leaders:
+            staging.abandon()
+        raise
+    finally:
+        if comm.rank in leaders:
+            staging.release()
+    return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats),
+                       plan.layer_source)
+
+
+@dataclass(frozen=True)
+class _Exports:
+    """What a merge writes besides the native checkpoint: the base's 16-bit weights rebuilt,
+    the safetensors and the Universal exports."""
+
+    plan: MergePlan
+    root: Path
+    rebuild: object            # hf_weights.BaseWeights | None
+    export_dtype: str | None
+    universal: bool
+    max_shard_size: int
+
+    @property
+    def wanted(self) -> bool:
+        return self.rebuild is not None or self.export_dtype is not None or self.universal
+
+    def write(self, comm: Comm) -> dict:
+        """Collective over the ranks that see the whole staged checkpoint: {file: record}."""
+        files = {}
+        root, tag = self.root, self.plan.base_meta.files.tag
+        staged = comm.root_step(read_meta, root / tag)  # only when something reads it
+        if self.rebuild is not None:  # the base carried 16-bit weights: rebuild them
+            files.update(write_hf_weights(comm, staged, root, self.rebuild))
+        if self.export_dtype is not None:
+            exported = export_hf(comm, staged, extras_dir(self.plan.base_meta), root / "hf",
+                                 self.export_dtype, self.max_shard_size)
+            files.update({f"hf/{name}": rec for name, rec in exported.items()})
+        if self.universal:
+            files.update(export_universal(comm, staged, root))
+        return files
+
+
+def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
+                          by_rank: list[dict], files: dict) -> list[dict]:
+    """Node-local output with exports: the other nodes' partitions are copied to the first
+    node over MPI, its ranks make the exports there, the exports (and the Universal files
+    the copy program wrote there) are copied to every other node, and the first node drops
+    the partitions that are not its own. Adds the exports to `files`; returns every rank's
+    bytes moved over MPI."""
+    nodes, tag, root = place.nodes, exports.plan.base_meta.files.tag, exports.root
+    node = nodes.of_rank[comm.rank]
+    writer_node = {f"{tag}/{name}": nodes.of_rank[r] for r, part in enumerate(by_rank)
+                   for name in part}
+    gathered = {f: rec for f, rec in files.items() if writer_node.get(f, 0) != 0}
+    moved = [replicate(comm, nodes, root, gathered, writer_node, {f: [0] for f in gathered})]
+    first = comm.split(0 if node == 0 else 1)
+    made = comm.step(lambda: exports.write(first) if node == 0 else None)
+    made = comm.bcast(made)
+    shared = {**made, **{f: rec for f, rec in files.items() if f.startswith(f"{tag}/zero/")}}
+    others = list(range(1, len(nodes.names)))
+    moved.append(replicate(comm, nodes, root, shared, {f: 0 for f in shared},
+                           {f: others for f in shared}))
+
+    def drop() -> None:
+        if comm.rank == nodes.leader(0):
+            for f in gathered:
+                (root / f).unlink()
+    comm.step(drop)
+    files.update(made)
+    mine = {k: sum(m[k] for m in moved) for k in moved[0]}
+    return comm.allgather(mine)
+
+
+def _finish(plan: MergePlan, staging: Staging, files: dict, extras: tuple, recipe_text: str,
+            ranks: int, seconds: float) -> int:
+    """Rank 0: extras (read_extras), `latest`, manifest (last), then publish."""
+    root = staging.dir
+    base = plan.base_meta
+    for name, data in extras[0]:
+        files[name] = write_synced(root / name, data)
+    left_out = extras[1]
+    files["latest"] = write_synced(root / "latest", base.files.tag.encode())
+    manifest = build_manifest(plan, files, recipe_text, ranks, seconds)
+    manifest["left_out"] = left_out
+    write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
+    failpoints.hit("commit")
+    staging.publish()
+    return sum(r["bytes"] for r in files.values())
+
+
+def _output_nodes(comm: Comm, plan: MergePlan, place: Placement,
+                  ranks_per_node: int | None) -> tuple[int, ...] | None:
+    """Output partition -> the node whose disk holds its files; None when every node sees
+    the output's directory (a shared file system, or one node)."""
+    nodes = place.nodes
+    if len(nodes.names) == 1 or output_is_shared(comm, nodes, plan.output):
+        return None
+    w2, n = plan.out_world_size, len(nodes.names)
+    if ranks_per_node is not None:
+        if -(-w2 // ranks_per_node) > n:
+            raise UserError(f"--ranks-per-node {ranks_per_node}: {w2} output ranks need "
+                            f"{-(-w2 // ranks_per_node)} nodes, this job has {n}")
+        return tuple(p // ranks_per_node for p in range(w2))
+    if comm.size == w2:  # the job that merges is laid out like the one that will load
+        return nodes.of_rank
+    return tuple(p * n // w2 for p in range(w2))
+
+
+def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Staging,
+                     files: dict, extras: tuple, by_rank: list[dict], leaders: list[int],
+                     recipe_text: str, seconds: float) -> int:
+    """Node-local output: every node's leader writes the extras, `latest` and the manifest
+    beside its node's partitions; once every node is ready, each publishes its own."""
+    base = plan.base_meta
+    tag = base.files.tag
+    nodes = place.nodes
+    # Each node holds its partitions; every other file (metadata, exports) is on every node.
+    node_files = {name: sorted(f"{tag}/{f}" for r in nodes.ranks(i) for f in by_rank[r]
+                               if not f.startswith("zero/"))
+                  for i, name in enumerate(nodes.names)}
+
+    def stage() -> int:
+        if comm.rank not in leaders:
+            return 0
+        root = staging.dir
+        mine = dict(files)
+        for name, data in extras[0]:
+            mine[name] = write_synced(root / name, data)
+        mine["latest"] = write_synced(root / "latest", tag.encode())
+        manifest = build_manifest(plan, mine, recipe_text, comm.size, seconds)
+        manifest["left_out"] = extras[1]
+        manifest["node_local"] = {"node": nodes.names[nodes.of_rank[comm.rank]],
+                                  "files_of_node": node_files}
+        write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
+        return sum(r["bytes"] for r in mine.values())
+    written = comm.step(stage)
+    comm.step(lambda: failpoints.hit("commit") if comm.rank in leaders else None)
+    comm.step(lambda: staging.publish() if comm.rank in leaders else None)
+    return written
+
+
+def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
+                   seconds: float) -> dict:
+    return {
+        "mpitailor_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "recipe": recipe_text,
+        "tag": plan.base_meta.files.tag,
+        "world_size": plan.out_world_size,
+        "source_world_size": plan.world_size,
+        "base": plan.base,
+        "sources": {name: {"path": str(m.path), "global_steps": m.global_steps,
+                           "save_id": m.lineage.save_id if m.lineage else None}
+                    for name, m in plan.sources},
+        "layers": {key: {"source": src, "global_steps": plan.meta(src).global_steps}
+                   for key, src in plan.layer_source},
+        "subgroups": [{"step": sg.step, "step_source": sg.step_source, "rule": sg.step_rule,
+                       "sources": sorted({r.source for r in sg.runs})}
+                      for sg in plan.subgroups],
+        "mpi_ranks": ranks,
+        "files": dict(sorted(files.items())),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class MergeOptions:
+    """What a merge writes besides the native checkpoint, and how (the CLI's options)."""
+
+    export: frozenset[str] = frozenset()  # "safetensors", "universal"
+    export_dtype: str | None = None       # of the safetensors export; default: the sources'
+    max_shard_size: int | None = None     # of the safetensors export; default: 5GB (HF's)
+    verify: bool = False
+    progress: bool = False
+    ranks_per_node: int | None = None     # node-local output: output ranks per node
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MergeOptions:
+        return cls(frozenset(args.export or ()), args.export_dtype, args.max_shard_size,
+                   args.verify, not args.no_progress, getattr(args, "ranks_per_node", None))
+
+    def check(self, plan: MergePlan) -> None:
+        """UserError for combinations that cannot be honoured, before anything is written."""
+        unknown = self.export - {"safetensors", "universal"}
+        if unknown:
+            raise UserError(f"export {sorted(unknown)}: choose among safetensors, universal")
+        if self.verify and plan.target is not None:
+            raise UserError("--verify is not supported together with resharding (--world-size)")
+        if self.export_dtype and "safetensors" not in self.export:
+            raise UserError("--export-dtype applies to --export safetensors; add that option")
+        if self.max_shard_size is not None and "safetensors" not in self.export:
+            raise UserError("--max-shard-size applies to --export safetensors; add that option")
+        if "universal" in self.export and plan.base_meta.layout.flat:
+            raise UserError(f"a ZeRO stage {plan.base_meta.zero_stage} checkpoint: the Universal "
+                            f"export is for ZeRO-3 checkpoints; reshard it natively with "
+                            f"--world-size N (DeepSpeed resumes that at N ranks)")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise UserError(f"--ranks-per-node {self.ranks_per_node}: give a positive count")
+
+
+def execute(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
+    """Collective: check the options against the plan, then merge as they say."""
+    opts.check(plan)
+    export_dtype = (opts.export_dtype or plan.base_meta.dtype) \
+        if "safetensors" in opts.export else None
+    return merge(comm, plan, recipe.text, progress=opts.progress, verify=opts.verify,
+                 export_dtype=export_dtype, universal="universal" in opts.export,
+                 max_shard_size=DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None
+                 else opts.max_shard_size, ranks_per_node=opts.ranks_per_node)
+
+
+def run_merge_cli(args: argparse.Namespace) -> int:
+    comm: Comm = args.comm
+    return run_planned(comm, *plan_merge(comm, args.recipe, args.output, args.world_size),
+                       args)
+
+
+def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Namespace) -> int:
+    """Collective: dry-run report or merge + summary, as the CLI options say."""
+    opts = MergeOptions.from_args(args)
+    opts.check(plan)
+    if args.stats:  # written at the end: a bad path must fail before anything is merged
+        comm.root_step(check_writable_file, Path(args.stats).resolve(), "--stats")
+    if args.dry_run:
+        limits = comm.root_step(plan_limits, plan) if "universal" in opts.export else None
+        if comm.rank == 0:
+            print(format_plan(plan, comm.size))
+            if limits is not None:
+                print("universal    " + ("; ".join(limits) if limits else
+                                         "load_universal restores it exactly"))
+        return 0
+    result = execute(comm, recipe, plan, opts)
+    if comm.rank == 0 and args.stats:
+        Path(args.stats).write_text(json.dumps(
+            {"output": str(result.output), "seconds": result.seconds,
+             "bytes_written": result.bytes_written, "ranks": list(result.rank_stats)}, indent=2))
+    if comm.rank == 0:
+        gb = result.bytes_written / 1e9
+        print(f"mpitailor: merged {len(plan.layer_source)} layers from {len(plan.sources)} "
+              f"source(s) into {result.output}: {gb:.3f} GB written by {result.ranks} rank(s) "
+              f"in {result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s)",
+              flush=True)
+    return 0

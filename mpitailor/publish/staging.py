@@ -1,0 +1,189 @@
+"""Staging, locking and atomic publication of a merged checkpoint. Rank 0 only.
+
+Output is written into a hidden staging dir beside the target, fsynced, and published by
+one rename: readers see the old state or the whole new checkpoint, never a part of it. A
+lock file beside the target keeps two merges from writing the same output; a staging dir
+left by a killed merge is reclaimed by the next one that gets the lock.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from mpitailor.errors import MergeFailed, UserError
+from mpitailor.formats.filerecord import FileRecord
+from mpitailor.publish import interrupt
+
+log = logging.getLogger(__name__)
+
+
+class Staging:
+    def __init__(self, output: Path) -> None:
+        self.output = output
+        self.dir = output.parent / f".{output.name}.mpitailor-staging"
+        self.lock_path = output.parent / f".{output.name}.mpitailor-lock"
+        self._lock_fd = -1
+        self._unwatch = None
+
+    def acquire(self, tag: str | None) -> Path:
+        """Take the lock and create the staging dir (with an empty `tag` dir in it, if
+        given); reclaim a stale one. Returns the staging dir."""
+        if os.path.lexists(self.output):
+            raise UserError(f"{self.output}: output already exists; remove it or choose "
+                            f"another output path (mpitailor never overwrites)")
+        _make_parent(self.output)
+        try:
+            fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise UserError(f"{self.lock_path}: the lock path is a symbolic link; mpitailor "
+                            f"never follows links there (remove it if nobody planted it "
+                            f"on purpose)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"{self.output}: another mpitailor merge is writing this output "
+                            f"(lock {self.lock_path} is held); wait for it or pick "
+                            f"another output") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # locked a lock file another merge had just unlinked
+            os.close(fd)
+            raise UserError(f"{self.output}: another mpitailor merge just finished writing "
+                            f"this output; check it before merging again")
+        self._lock_fd = fd
+        self._unwatch = interrupt.on_interrupt(self._interrupted)
+        if os.path.lexists(self.dir):
+            log.warning("reclaiming %s left by an interrupted merge", self.dir)
+            _remove(self.dir)
+        self.dir.mkdir()
+        if tag is not None:
+            (self.dir / tag).mkdir()
+        return self.dir
+
+    def publish(self) -> None:
+        """fsync the staged tree, then rename it to the output in one step."""
+        fsync_tree(self.dir)
+        if os.path.lexists(self.output):
+            raise MergeFailed(f"{self.output}: appeared while merging (written by something "
+                              f"other than mpitailor?); nothing published")
+        os.rename(self.dir, self.output)
+        fsync_dir(self.output.parent)
+
+    def abandon(self) -> None:
+        """Remove our staging dir (never one we do not hold the lock for)."""
+        if self._lock_fd >= 0 and os.path.lexists(self.dir):
+            _remove(self.dir)
+
+    def _interrupted(self) -> None:
+        """From the signal watcher, while the main thread may still be writing here."""
+        for _ in range(40):
+            try:
+                self.abandon()
+                break
+            except OSError:  # a file appeared while removing: go again
+                time.sleep(0.05)
+        self.release()
+
+    def release(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        if self._lock_fd >= 0:
+            try:
+                os.unlink(self.lock_path)
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _make_parent(output: Path) -> None:
+    """Create the output's parent dirs; a file in their place is the user's to fix."""
+    for p in (output.parent, *output.parent.parents):
+        if os.path.lexists(p):
+            if not p.is_dir():
+                raise UserError(f"{output}: {p} is a file, not a directory; choose an output "
+                                f"path under a directory")
+            break
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{output}: cannot create its parent directory ({e.strerror})") from None
+
+
+def check_writable_file(path: Path, what: str) -> None:
+    """A file the run will write at its end (say --stats): refuse a bad path up front,
+    never after the merge is published."""
+    parent = path.parent
+    if path.is_dir():
+        raise UserError(f"{what} {path}: a directory; name a file")
+    if not parent.is_dir():
+        raise UserError(f"{what} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{what} {path}: directory {parent} is not writable")
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, _ in os.walk(root):
+        fsync_dir(Path(dirpath))
+
+
+def write_synced(path: Path, data: bytes) -> dict:
+    """Write bytes, fsync, return the manifest record."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    rec = FileRecord()
+    rec.update(data)
+    return rec.record()
+
+
+def copy_synced(src: Path, dst: Path) -> dict:
+    """Copy a file, fsync, return the manifest record (hashed while copying)."""
+    rec = FileRecord()
+    with open(src, "rb") as fi, open(dst, "xb") as fo:
+        while chunk := fi.read(1 << 22):
+            rec.update(chunk)
+            fo.write(chunk)
+        fo.flush()
+        os.fsync(fo.fileno())
+    return rec.record()
+
+
+def fsync_and_record(path: Path) -> dict:
+    """fsync a file written by someone else (a library); return its manifest record."""
+    rec = FileRecord()
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+        while chunk := f.read(1 << 22):
+            rec.update(chunk)
+    return rec.record()
