@@ -80,7 +80,7 @@ is_recovery_of() {
     # ranks' files (node-local storage) read_meta would refuse the save.
     "$PY" -c 'import json, sys
 from pathlib import Path
-from mpitailor.zero3.files import PARTIAL_MANIFEST, read_latest, read_save_record
+from mpitailor.formats.files import PARTIAL_MANIFEST, read_latest, read_save_record
 m = json.load(open(sys.argv[1] + "/mpitailor_manifest.json"))
 base = m["sources"][m["base"]]
 tag = save = Path(sys.argv[2])
