@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import traceback
 from pathlib import Path
 
 import pytest
-from merge_check import assert_same, check_merge, parity
+from merge_check import Ckpt, assert_same, check_merge, parity
 from merging import merge_in_process, recipe_env
 from safetensors.torch import load_file
 
@@ -25,13 +26,14 @@ def hf_weights(ckpt_dir: Path) -> dict:
 
 
 def on_root(comm: Comm, fn) -> None:
-    """Run fn on rank 0 only; its assertion failure fails every rank (no hang)."""
+    """Run fn on rank 0 only; whatever it raises fails every rank, with rank 0's traceback
+    (no rank is left waiting in a collective)."""
     err = None
     if comm.rank == 0:
         try:
             fn()
-        except AssertionError as e:
-            err = f"rank 0: {e!r}"
+        except Exception:  # noqa: BLE001 - any failure on root must reach every rank
+            err = f"rank 0: {traceback.format_exc()}"
     errors = comm.allgather(err)
     assert errors[0] is None, errors[0]
 
@@ -47,7 +49,16 @@ def test_same_output_for_any_number_of_ranks(ckpt, monkeypatch, name):
     try:
         result = merge_in_process("parity.yml", recipe_env(new, old, root / "mpi"),
                                   monkeypatch, comm=comm)
-        assert result.ranks == comm.size
+        # The ranks the merge really used against what mpiexec launched (MPI's own count,
+        # not mpitailor's): every one of them wrote a share of the output partitions.
+        from mpi4py import MPI  # here: collecting this file must not start MPI
+        launched = MPI.COMM_WORLD.Get_size()
+        assert result.ranks == len(result.rank_stats) == launched
+        parts = [set(st["partitions"]) for st in result.rank_stats]
+        assert all(parts), parts
+        assert set().union(*parts) == set(range(Ckpt(new).world_size)), parts
+        manifest = json.loads((root / "mpi" / "mpitailor_manifest.json").read_text())
+        assert manifest["mpi_ranks"] == launched
 
         def compare():
             merge_in_process("parity.yml", recipe_env(new, old, root / "serial"), monkeypatch)
