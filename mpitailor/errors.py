@@ -24,10 +24,5 @@ class NothingToRecover(MpitailorError):
     exit_code = 3
 
 
-class Interrupted(MpitailorError):
-    """SIGTERM or SIGINT: everything staged was removed, nothing published."""
-    exit_code = 130
-
-
 class MergeFailed(MpitailorError):
     """A runtime failure during a merge; nothing was published."""

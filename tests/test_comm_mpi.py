@@ -34,6 +34,23 @@ def test_unexpected_error_becomes_merge_failed_everywhere():
         comm.step(work)
 
 
+@pytest.mark.mpi(min_size=3)
+def test_every_failed_rank_is_reported_not_only_the_first():
+    comm = Comm.world()
+
+    def work():
+        if comm.rank == 0:
+            raise CheckpointError("a.pt: truncated")
+        if comm.rank == 2:
+            raise CheckpointError("c.pt: truncated")
+        return 1
+
+    with pytest.raises(UserError) as caught:
+        comm.step(work)
+    assert str(caught.value) == "a.pt: truncated (on rank 0); c.pt: truncated (on rank 2)"
+    assert caught.value.failures == {0: "a.pt: truncated", 2: "c.pt: truncated"}
+
+
 @pytest.mark.mpi(min_size=2)
 def test_root_step_broadcasts_result_or_error():
     comm = Comm.world()

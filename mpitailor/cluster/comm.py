@@ -1,8 +1,8 @@
 """The only module that touches mpi4py: guarded collectives that fail together.
 
 Every collective step runs on every rank inside `Comm.step`: results and errors are
-gathered, and if any rank failed, every rank raises the same error naming the failed
-ranks, so one rank's bad file never leaves the others waiting. Without mpi4py, or when
+gathered, and if any rank failed, every rank raises the same error carrying every failed
+rank's message, so one rank's bad file never leaves the others waiting. Without mpi4py, or when
 started without a launcher, the world is one rank and every collective is trivial.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Comm:
                 log.debug("unexpected error", exc_info=True)
             result, failure = None, _describe(e)
         failures = self.allgather(failure)
-        _raise_first(failures)
+        _raise_all(failures)
         return result
 
     def root_step(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -69,7 +69,7 @@ class Comm:
                     log.debug("unexpected error", exc_info=True)
                 failure = _describe(e)
         result, failure = self.bcast((result, failure), root)
-        _raise_first([failure])
+        _raise_all([failure])
         return result
 
     def allgather(self, obj: T) -> list[T]:
@@ -155,15 +155,25 @@ def _describe(e: Exception) -> tuple[str, str, int]:
     return ("MergeFailed", f"{type(e).__name__}: {e}".split("\n")[0], 1)
 
 
-def _raise_first(failures: list) -> None:
+def _raise_all(failures: list) -> None:
+    """Raise, on this rank, the error of every failed rank (as DCP's `_DistWrapper` keeps
+    every rank's failure): ranks that failed alike share one clause, the first failed rank's
+    kind of error sets the exit code, and `.failures` keeps {rank: message}."""
     failed = [(r, f) for r, f in enumerate(failures) if f is not None]
     if not failed:
         return
-    _, (_, message, code) = failed[0]
+    code = failed[0][1][2]
+    alike: dict[str, list[int]] = {}
+    for rank, (_, message, _) in failed:
+        alike.setdefault(message, []).append(rank)
     if len(failures) > 1:
-        ranks = ",".join(str(r) for r, _ in failed)
-        message = f"{message} (on rank {ranks})"
-    raise _BY_EXIT_CODE.get(code, MergeFailed)(message)
+        message = "; ".join(f"{m} (on rank {','.join(map(str, ranks))})"
+                            for m, ranks in alike.items())
+    else:
+        message = failed[0][1][1]
+    error = _BY_EXIT_CODE.get(code, MergeFailed)(message)
+    error.failures = {rank: f[1] for rank, f in failed}
+    raise error
 
 
 _BY_EXIT_CODE = {2: UserError, 3: NothingToRecover}
