@@ -36,7 +36,7 @@ from cluster_util import (
     wait_for,
 )
 
-from mpitailor.formats.extras import MANIFEST
+from mpitailor.formats.manifest import MANIFEST
 from mpitailor.tinytrain import TrainSpec
 
 NODES = 3

@@ -20,7 +20,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine import hf_weights
-from mpitailor.formats.extras import MANIFEST
+from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.read import read_meta
 from mpitailor.jobs.merge import merge, plan_merge
 from mpitailor.planning.hf_layout import (

@@ -11,14 +11,16 @@ import logging
 import os
 import sys
 
+from mpitailor.cli.commands import cmd_export, cmd_merge, cmd_recover
 from mpitailor.errors import MpitailorError
 
 log = logging.getLogger(__name__)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from mpitailor.cli.reports import format_table
     from mpitailor.formats.read import read_meta
-    from mpitailor.jobs.inspect import composite_manifest, format_table, report
+    from mpitailor.jobs.inspect import composite_manifest, report
 
     meta = read_meta(args.checkpoint)
     rep = report(meta, composite_manifest(meta))
@@ -26,53 +28,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_merge(args: argparse.Namespace) -> int:
-    from mpitailor.jobs.merge import run_merge_cli
-    return run_merge_cli(args)
-
-
-def cmd_recover(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from mpitailor.errors import UserError
-    from mpitailor.jobs.merge import run_planned
-    from mpitailor.jobs.recover import plan_recover, recover_recipe
-
-    comm = args.comm
-    save_dir = Path(args.save_dir).resolve()
-    out = Path(args.output).resolve() if args.output else None
-    if out is None and not (args.emit_recipe or args.dry_run):
-        raise UserError("recover: give -o OUTPUT (or --emit-recipe to only print the recipe)")
-    patterns = None
-    if args.layer_pattern:
-        patterns = {}
-        for item in args.layer_pattern:
-            regex, eq, key = item.rpartition("=")
-            if not eq or not regex:
-                raise UserError(f"--layer-pattern {item!r}: write REGEX=KEY, e.g. "
-                                f"'model\\.decoder\\.layers\\.(\\d+)\\..*=layers.{{i}}'")
-            patterns[regex] = key
-    if args.emit_recipe:
-        text = recover_recipe(comm, save_dir, out, patterns, "--layer-pattern")
-        if comm.rank == 0:
-            print(text, end="", flush=True)
-        return 0
-    if out is None:  # a dry run needs no output: plan for a default one
-        out = save_dir.parent / f"{save_dir.name}-recovered"
-    return run_planned(comm, *plan_recover(comm, save_dir, out, patterns, args.world_size,
-                                           "--layer-pattern"), args)
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from mpitailor.jobs.export import run_export_cli
-    return run_export_cli(args)
-
-
 def cmd_diff(args: argparse.Namespace) -> int:
-    from mpitailor.jobs.diff import diff, format_report
+    from mpitailor.cli.reports import format_diff
+    from mpitailor.jobs.diff import diff
     rep = diff(args.comm, args.a, args.b)
     if args.comm.rank == 0:
-        print(json.dumps(rep, indent=2) if args.json else format_report(rep), flush=True)
+        print(json.dumps(rep, indent=2) if args.json else format_diff(rep), flush=True)
     return 0 if rep["identical"] else 1
 
 
@@ -126,19 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("merge", help="merge checkpoints as a recipe says (MPI-parallel)")
     m.add_argument("recipe", help="YAML recipe (MergeKit slices or the short `layers:` form)")
     m.add_argument("-o", "--output", help="output dir (overrides the recipe's `output`)")
-    m.add_argument("--dry-run", action="store_true",
-                   help="print the plan and the bytes each rank would read and write")
-    m.add_argument("--world-size", type=int, metavar="W2",
-                   help="write the merged checkpoint for W2 ranks (reshard; overrides the "
-                        "recipe's output.world_size)")
-    m.add_argument("--no-progress", action="store_true", help="no progress bar")
-    m.add_argument("--stats", metavar="FILE",
-                   help="write per-rank timings, bytes read/written and peak RSS as JSON")
-    m.add_argument("--verify", action="store_true",
-                   help="check every source record read against its zip CRC-32 (reads "
-                        "those records whole)")
-    export_options(m)
-    placement_option(m)
+    merge_run_options(m, "overrides the recipe's output.world_size")
     trust_option(m)
     common(m)
     m.set_defaults(func=cmd_merge, uses_mpi=True)
@@ -152,14 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter names -> layer key (layers.{i}, embed, norm, lm_head, "
                         "other), tried before the built-in rules; repeatable. Default: the "
                         "patterns the saves recorded")
-    r.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.add_argument("--stats", metavar="FILE", help="per-rank I/O and memory as JSON")
-    r.add_argument("--verify", action="store_true", help="check source records' CRC-32")
-    export_options(r)
-    placement_option(r)
-    r.add_argument("--world-size", type=int, metavar="W2",
-                   help="write the composite for W2 ranks (the job came back at another size)")
+    merge_run_options(r, "the job came back at another size")
     trust_option(r)
     common(r)
     r.set_defaults(func=cmd_recover, uses_mpi=True)
@@ -221,6 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
     common(i)
     i.set_defaults(func=cmd_inspect, uses_mpi=False)
     return p
+
+
+def merge_run_options(p: argparse.ArgumentParser, world_size_why: str) -> None:
+    """The options of every command that writes a composite checkpoint (merge, recover)."""
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and the bytes each rank would read and write")
+    p.add_argument("--world-size", type=int, metavar="W2",
+                   help=f"write the checkpoint for W2 ranks (reshard; {world_size_why})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--stats", metavar="FILE",
+                   help="write per-rank timings, bytes read/written and peak RSS as JSON")
+    p.add_argument("--verify", action="store_true",
+                   help="check every source record read against its zip CRC-32 (reads "
+                        "those records whole)")
+    export_options(p)
+    placement_option(p)
 
 
 def trust_option(p: argparse.ArgumentParser) -> None:

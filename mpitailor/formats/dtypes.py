@@ -24,7 +24,7 @@ DTYPES: dict[str, Dtype] = {d.name: d for d in (
     Dtype("bool", 1, "BOOL", "bool"),
 )}
 FLOATS = ("bf16", "fp16", "fp32")  # what weights and exports may be written in
-_ALIASES = {**{d.torch: d.name for d in DTYPES.values()}, **{d.name: d.name for d in DTYPES.values()}}
+_ALIASES = {alias: d.name for d in DTYPES.values() for alias in (d.torch, d.name)}
 _BY_SAFETENSORS = {d.safetensors: d.name for d in DTYPES.values()}
 
 

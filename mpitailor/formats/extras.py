@@ -14,11 +14,11 @@ import re
 from pathlib import Path
 
 from mpitailor.formats import CheckpointMeta
+from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.safeload import load
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "mpitailor_manifest.json"
 WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)([-.].*)?\.(safetensors|bin)"
                          r"(\.index\.json)?")
 # What a checkpoint is made of besides its tag dir: DeepSpeed's scripts; HF Trainer's state,

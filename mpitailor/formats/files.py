@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.fsview import LOCAL
+from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
 
 MODEL_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
@@ -23,8 +24,7 @@ STAGE12_MODEL = "mp_rank_00_model_states.pt"
 MP_RANK_RE = re.compile(r"(?:.*_)?mp_rank_(\d+)_.*\.pt")
 # A partial checkpoint (mpitailor.training.save_layers): some layers' slices per rank, plus
 # DeepSpeed's own model states and the optimizer's non-tensor state. The manifest is its
-# commit marker, written last.
-PARTIAL_MANIFEST = "mpitailor_partial.json"
+# commit marker, written last (formats/manifest.py: PARTIAL_MANIFEST).
 # Written by mpitailor's checkpointer beside a full save's rank files: the save's place in a
 # timeline. A partial checkpoint keeps the same record in its manifest, under "lineage".
 SAVE_RECORD = "mpitailor_save.json"
@@ -155,9 +155,11 @@ def read_save_record(tag_dir: Path, partial: bool,
 
 def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFiles:
     try:
-        manifest = json.loads(view.read_bytes(tag_dir / PARTIAL_MANIFEST))
+        manifest = read_manifest(tag_dir / PARTIAL_MANIFEST, view)
         world, dtype = int(manifest["world_size"]), manifest["dtype"]
         flat = int(manifest.get("zero_stage", 3)) in (1, 2)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; the partial save did not complete") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{tag_dir / PARTIAL_MANIFEST}: unreadable partial-checkpoint "
                               f"manifest ({e}); the partial save did not complete") from None

@@ -5,7 +5,6 @@ so reading them needs torch (memory-mapped; big tensors are never touched).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from mpitailor.formats.dtypes import name_of
 from mpitailor.formats.files import CheckpointFiles
 from mpitailor.formats.fsview import LOCAL
 from mpitailor.formats.layout import compute_layout
+from mpitailor.formats.manifest import read_manifest
 from mpitailor.formats.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
 from mpitailor.formats.rawio import materialize
 from mpitailor.formats.safeload import load
@@ -145,12 +145,9 @@ def _partial_manifest(files: CheckpointFiles, view) -> tuple[frozenset[str], tup
     """(layers held, file records) of a partial checkpoint's manifest."""
     path = files.tag_dir / zfiles.PARTIAL_MANIFEST
     try:
-        manifest = json.loads(view.read_bytes(path))
-        records = manifest.get("files") or {}
-        if not isinstance(records, dict):
-            raise TypeError("files is not a mapping")
-        return frozenset(manifest["layers"]), tuple(sorted(records.items()))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        manifest = read_manifest(path, view)
+        return frozenset(manifest["layers"]), tuple(sorted(manifest.files.items()))
+    except (KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); the partial save is damaged") \
             from None
 

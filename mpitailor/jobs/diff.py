@@ -236,18 +236,3 @@ def _lr(sched) -> object:
             if key in sched:
                 return {key: sched[key]}
     return None
-
-
-def format_report(rep: dict) -> str:
-    lines = [f"A  {rep['a']}", f"B  {rep['b']}",
-             f"{'layer':<12}{'kind':<12}{'same':<6}{'max |A-B|':>12}{'|A-B|/|A|':>12}"]
-    for key, kinds in rep["layers"].items():
-        for kind, d in kinds.items():
-            lines.append(f"{key:<12}{kind:<12}{'yes' if d['identical'] else 'NO':<6}"
-                         f"{d['max_abs_diff']:>12.4g}{d['rel_norm_diff']:>12.4g}")
-    for name, c in rep["counters"].items():
-        lines.append(f"{name:<24}{'yes' if c['identical'] else 'NO':<6}A {c['a']}   B {c['b']}")
-    if rep["not_compared"]:
-        lines.append(f"not compared (not held by both): {', '.join(rep['not_compared'])}")
-    lines.append("identical" if rep["identical"] else "different")
-    return "\n".join(lines)

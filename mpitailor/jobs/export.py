@@ -19,28 +19,34 @@ Collective: every rank calls run_export.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine.hf_weights import export_hf
 from mpitailor.errors import UserError
-from mpitailor.formats.extras import MANIFEST, extras_dir
+from mpitailor.formats.extras import extras_dir
 from mpitailor.formats.files import PARTIAL_MANIFEST, resolve
+from mpitailor.formats.manifest import MANIFEST, Manifest
 from mpitailor.jobs.merge import MergeOptions, execute, plan_recipe
+from mpitailor.jobs.recover import recover_recipe
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan
-from mpitailor.planning.recipe import parse_recipe
-from mpitailor.publish.staging import Staging, write_synced
-from mpitailor.version import __version__
+from mpitailor.planning.recipe import Recipe, recipe_from
+from mpitailor.publish.staging import Staging, holding, write_synced
 
 FORMATS = ("hf", "fp32", "universal")
 
 
-def source_recipe(comm: Comm, source: Path, output: Path) -> str:
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    output: Path
+    bytes_written: int
+    seconds: float
+
+
+def source_recipe(comm: Comm, source: Path, output: Path) -> Recipe:
     """Collective: the recipe whose plan says where every parameter comes from: the one
     checkpoint SRC names, or the chain `recover` would assemble from a save dir of
     layer-wise saves."""
@@ -56,80 +62,55 @@ def source_recipe(comm: Comm, source: Path, output: Path) -> str:
         return files.tag_dir == source or not any(
             (c / PARTIAL_MANIFEST).exists() for c in source.iterdir() if c.is_dir())
     if comm.root_step(single):
-        return f"sources:\n  src: {json.dumps(str(source))}\nlayers:\n  rest: src\n" \
-               f"output: {json.dumps(str(output))}\n"
-    from mpitailor.jobs.recover import recover_recipe  # imports the merge job
+        return comm.root_step(recipe_from, {"sources": {"src": str(source)},
+                                            "layers": {"rest": "src"}, "output": str(output)},
+                              origin=f"export {source}")
     return recover_recipe(comm, source, output)
 
 
 def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | None,
-               max_shard_size: int | None, progress: bool = False) -> dict:
-    """Collective: export SRC to OUT; returns {"output", "bytes_written", "seconds"}."""
+               max_shard_size: int | None, progress: bool = False) -> ExportResult:
+    """Collective: export SRC to OUT."""
     t0 = time.perf_counter()
+    if (source / PARTIAL_MANIFEST).exists():
+        raise UserError(f"{source}: one partial save holds only some layers; export its save "
+                        f"dir ({source.parent}) to take every layer's newest copy")
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: choose among {', '.join(FORMATS)}")
     if fmt == "fp32" and dtype not in (None, "fp32"):
         raise UserError(f"--format fp32 writes fp32; --dtype {dtype} goes with --format hf")
-    text = source_recipe(comm, source, output)
-    recipe = comm.root_step(parse_recipe, text, origin=f"export {source}", base_dir=source)
+    recipe = source_recipe(comm, source, output)
     _, plan = plan_recipe(comm, recipe)
     if fmt == "universal":
         if dtype is not None or max_shard_size is not None:
             raise UserError("--dtype and --max-shard-size go with --format hf or fp32")
         result = execute(comm, recipe, plan, MergeOptions(frozenset({"universal"}),
                                                           progress=progress))
-        return {"output": str(result.output), "bytes_written": result.bytes_written,
-                "seconds": time.perf_counter() - t0}
+        return ExportResult(result.output, result.bytes_written, time.perf_counter() - t0)
     return _export_weights(comm, plan, fmt, dtype, max_shard_size, t0)
 
 
 def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
-                    max_shard_size: int | None, t0: float) -> dict:
+                    max_shard_size: int | None, t0: float) -> ExportResult:
     base = plan.base_meta
     dtype = "fp32" if fmt == "fp32" else (dtype or base.dtype)
     sources = {name: plan.meta(src)
                for name, src in (*plan.param_source, *plan.frozen_source)}
     staging = Staging(plan.output)
-    try:
+    with holding(staging, comm.rank == 0):
         root = comm.root_step(staging.acquire, None)
         files = export_hf(comm, base, extras_dir(base) if fmt == "hf" else None, root, dtype,
                           max_shard_size or DEFAULT_MAX_SHARD_SIZE, sources)
 
         def finish() -> int:
-            manifest = {"mpitailor_version": __version__, "format": fmt, "dtype": dtype,
-                        "created": datetime.datetime.now(datetime.timezone.utc)
-                        .isoformat(timespec="seconds"),
-                        "sources": {name: {"path": str(m.path),
-                                           "global_steps": m.global_steps}
-                                    for name, m in plan.sources},
-                        "layers": {k: s for k, s in plan.layer_source},
-                        "mpi_ranks": comm.size, "files": dict(sorted(files.items()))}
-            write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
+            manifest = Manifest("export", files, {
+                "format": fmt, "dtype": dtype,
+                "sources": {name: {"path": str(m.path), "global_steps": m.global_steps}
+                            for name, m in plan.sources},
+                "layers": {k: s for k, s in plan.layer_source},
+                "mpi_ranks": comm.size})
+            write_synced(root / MANIFEST, manifest.to_json())
             staging.publish()
-            return sum(r["bytes"] for r in files.values())
+            return manifest.bytes_written
         written = comm.root_step(finish)
-    except BaseException:
-        if comm.rank == 0:
-            staging.abandon()
-        raise
-    finally:
-        if comm.rank == 0:
-            staging.release()
-    return {"output": str(plan.output), "bytes_written": written,
-            "seconds": time.perf_counter() - t0}
-
-
-def run_export_cli(args: argparse.Namespace) -> int:
-    comm: Comm = args.comm
-    source = Path(args.source).resolve()
-    if (source / PARTIAL_MANIFEST).exists():
-        raise UserError(f"{source}: one partial save holds only some layers; export its save "
-                        f"dir ({source.parent}) to take every layer's newest copy")
-    out = run_export(comm, source, Path(args.output).resolve(), args.format, args.dtype,
-                     args.max_shard_size, not args.no_progress)
-    if comm.rank == 0:
-        gb = out["bytes_written"] / 1e9
-        print(f"mpitailor: exported {source} as {args.format} into {out['output']}: "
-              f"{gb:.3f} GB written by {comm.size} rank(s) in {out['seconds']:.2f} s",
-              flush=True)
-    return 0
+    return ExportResult(plan.output, written, time.perf_counter() - t0)

@@ -4,9 +4,8 @@ from __future__ import annotations
 import json
 
 from mpitailor.formats import BYTES_PER_ELEMENT, CheckpointMeta
-from mpitailor.formats.extras import MANIFEST
+from mpitailor.formats.manifest import MANIFEST
 from mpitailor.planning.layers import LayerClassifier, sort_keys
-from mpitailor.planning.plan_report import human
 
 
 def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
@@ -65,30 +64,3 @@ def composite_manifest(meta: CheckpointMeta) -> dict | None:
 
 def _row() -> dict:
     return {"params": 0, "frozen": 0, "elements": 0, "bytes_per_rank": 0, "subgroups": set()}
-
-
-def format_table(rep: dict) -> str:
-    kind = rep["kind"] + (" (only the layers below were saved)" if rep["kind"] == "partial"
-                          else "")
-    lines = [
-        f"checkpoint   {rep['path']}",
-        f"kind         {kind}",
-        f"world size   {rep['world_size']}   ZeRO stage {rep['zero_stage']}   dtype {rep['dtype']}"
-        f"   step {rep['global_steps']}"
-        f"   samples {rep['global_samples']}   deepspeed {rep['ds_version']}",
-        f"optimizer    {len(rep['param_groups'])} param group(s), {rep['subgroups']} "
-        f"sub-group(s), {human(rep['optimizer_bytes_per_rank'])} per rank",
-    ]
-    if rep["tied"]:
-        lines.append("tied         " + ", ".join(f"{a} -> {b}" for a, b in rep["tied"].items()))
-    origin = rep["kind"] == "composite"
-    header = (f"{'layer':<12}{'params':>8}{'frozen':>8}{'elements':>12}{'bytes/rank':>12}  "
-              f"{'sub-groups':<12}" + ("  from (step)" if origin else ""))
-    lines.append(header.rstrip())
-    for key, row in rep["layers"].items():
-        subs = row["subgroups"]
-        span = f"{subs[0]}-{subs[-1]}" if len(subs) > 1 else (str(subs[0]) if subs else "-")
-        came = f"  {row['from']} ({row['from_step']})" if origin and "from" in row else ""
-        lines.append(f"{key:<12}{row['params']:>8}{row['frozen']:>8}{row['elements']:>12}"
-                     f"{human(row['bytes_per_rank']):>12}  {span:<12}{came}".rstrip())
-    return "\n".join(lines)

@@ -4,9 +4,6 @@ Collective throughout: every function here that takes a `comm` is called on ever
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -18,19 +15,18 @@ from mpitailor.cluster.nodes import Placement, output_is_shared, survey
 from mpitailor.engine.execute import write_partitions
 from mpitailor.engine.hf_weights import base_weights, export_hf, write_hf_weights
 from mpitailor.engine.replicate import replicate
-from mpitailor.engine.universal import export_universal, plan_limits
+from mpitailor.engine.universal import export_universal
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
-from mpitailor.formats.extras import MANIFEST, extras_dir, read_extras
+from mpitailor.formats.extras import extras_dir, read_extras
 from mpitailor.formats.files import resolve
+from mpitailor.formats.manifest import MANIFEST, Manifest
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.safeload import trust
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan, make_plan
-from mpitailor.planning.plan_report import format_plan
 from mpitailor.planning.recipe import Recipe, load_recipe
-from mpitailor.publish.staging import Staging, check_writable_file, write_synced
-from mpitailor.version import __version__
+from mpitailor.publish.staging import Staging, holding, write_synced
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +106,7 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
     staging = Staging(plan.output)
     tag = plan.base_meta.files.tag
     root = staging.dir
-    try:
+    with holding(staging, comm.rank in leaders):
         comm.step(lambda: staging.acquire(tag) if comm.rank in leaders else None)
         records, mine = write_partitions(comm, plan, root / tag, verify, progress, universal,
                                          place, out_nodes)
@@ -127,21 +123,13 @@ def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = T
         elif exports.wanted:
             moved = _export_on_first_node(comm, place, exports, by_rank, files)
             stats = [{**st, **{k: st[k] + m[k] for k in m}} for st, m in zip(stats, moved)]
-        seconds = time.perf_counter() - t0
         extras = comm.step_on(beside, read_extras, plan.base_meta)
         if out_nodes is None:
             written = comm.root_step(_finish, plan, staging, files, extras, recipe_text,
-                                     comm.size, seconds)
+                                     comm.size)
         else:
             written = _finish_on_nodes(comm, plan, place, staging, files, extras, by_rank,
-                                       leaders, recipe_text, seconds)
-    except BaseException:
-        if comm.rank in leaders:
-            staging.abandon()
-        raise
-    finally:
-        if comm.rank in leaders:
-            staging.release()
+                                       leaders, recipe_text)
     return MergeResult(plan.output, written, time.perf_counter() - t0, comm.size, tuple(stats),
                        plan.layer_source)
 
@@ -210,20 +198,25 @@ def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
 
 
 def _finish(plan: MergePlan, staging: Staging, files: dict, extras: tuple, recipe_text: str,
-            ranks: int, seconds: float) -> int:
-    """Rank 0: extras (read_extras), `latest`, manifest (last), then publish."""
-    root = staging.dir
-    base = plan.base_meta
-    for name, data in extras[0]:
-        files[name] = write_synced(root / name, data)
-    left_out = extras[1]
-    files["latest"] = write_synced(root / "latest", base.files.tag.encode())
-    manifest = build_manifest(plan, files, recipe_text, ranks, seconds)
-    manifest["left_out"] = left_out
-    write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
+            ranks: int) -> int:
+    """Rank 0: the metadata files, then publish."""
+    written = _write_metadata(plan, staging.dir, files, extras, recipe_text, ranks)
     failpoints.hit("commit")
     staging.publish()
-    return sum(r["bytes"] for r in files.values())
+    return written
+
+
+def _write_metadata(plan: MergePlan, root: Path, files: dict, extras: tuple,
+                    recipe_text: str, ranks: int, **more) -> int:
+    """The extras (read_extras), `latest`, then the manifest (last: the commit marker) into
+    the staged output; returns the bytes of every file the manifest records."""
+    files = dict(files)
+    for name, data in extras[0]:
+        files[name] = write_synced(root / name, data)
+    files["latest"] = write_synced(root / "latest", plan.base_meta.files.tag.encode())
+    manifest = merge_manifest(plan, files, recipe_text, ranks, left_out=extras[1], **more)
+    write_synced(root / MANIFEST, manifest.to_json())
+    return manifest.bytes_written
 
 
 def _output_nodes(comm: Comm, plan: MergePlan, place: Placement,
@@ -246,7 +239,7 @@ def _output_nodes(comm: Comm, plan: MergePlan, place: Placement,
 
 def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Staging,
                      files: dict, extras: tuple, by_rank: list[dict], leaders: list[int],
-                     recipe_text: str, seconds: float) -> int:
+                     recipe_text: str) -> int:
     """Node-local output: every node's leader writes the extras, `latest` and the manifest
     beside its node's partitions; once every node is ready, each publishes its own."""
     base = plan.base_meta
@@ -260,28 +253,19 @@ def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Sta
     def stage() -> int:
         if comm.rank not in leaders:
             return 0
-        root = staging.dir
-        mine = dict(files)
-        for name, data in extras[0]:
-            mine[name] = write_synced(root / name, data)
-        mine["latest"] = write_synced(root / "latest", tag.encode())
-        manifest = build_manifest(plan, mine, recipe_text, comm.size, seconds)
-        manifest["left_out"] = extras[1]
-        manifest["node_local"] = {"node": nodes.names[nodes.of_rank[comm.rank]],
-                                  "files_of_node": node_files}
-        write_synced(root / MANIFEST, json.dumps(manifest, indent=2).encode())
-        return sum(r["bytes"] for r in mine.values())
+        return _write_metadata(plan, staging.dir, files, extras, recipe_text, comm.size,
+                               node_local={"node": nodes.names[nodes.of_rank[comm.rank]],
+                                           "files_of_node": node_files})
     written = comm.step(stage)
     comm.step(lambda: failpoints.hit("commit") if comm.rank in leaders else None)
     comm.step(lambda: staging.publish() if comm.rank in leaders else None)
     return written
 
 
-def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
-                   seconds: float) -> dict:
-    return {
-        "mpitailor_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+def merge_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
+                   **more) -> Manifest:
+    """The manifest of a merge (more: left_out, node_local)."""
+    return Manifest("merge", files, {
         "recipe": recipe_text,
         "tag": plan.base_meta.files.tag,
         "world_size": plan.out_world_size,
@@ -296,8 +280,8 @@ def build_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
                        "sources": sorted({r.source for r in sg.runs})}
                       for sg in plan.subgroups],
         "mpi_ranks": ranks,
-        "files": dict(sorted(files.items())),
-    }
+        **more,
+    })
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,11 +294,6 @@ class MergeOptions:
     verify: bool = False
     progress: bool = False
     ranks_per_node: int | None = None     # node-local output: output ranks per node
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> MergeOptions:
-        return cls(frozenset(args.export or ()), args.export_dtype, args.max_shard_size,
-                   args.verify, not args.no_progress, getattr(args, "ranks_per_node", None))
 
     def check(self, plan: MergePlan) -> None:
         """UserError for combinations that cannot be honoured, before anything is written."""
@@ -344,37 +323,3 @@ def execute(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> 
                  export_dtype=export_dtype, universal="universal" in opts.export,
                  max_shard_size=DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None
                  else opts.max_shard_size, ranks_per_node=opts.ranks_per_node)
-
-
-def run_merge_cli(args: argparse.Namespace) -> int:
-    comm: Comm = args.comm
-    return run_planned(comm, *plan_merge(comm, args.recipe, args.output, args.world_size),
-                       args)
-
-
-def run_planned(comm: Comm, recipe: Recipe, plan: MergePlan, args: argparse.Namespace) -> int:
-    """Collective: dry-run report or merge + summary, as the CLI options say."""
-    opts = MergeOptions.from_args(args)
-    opts.check(plan)
-    if args.stats:  # written at the end: a bad path must fail before anything is merged
-        comm.root_step(check_writable_file, Path(args.stats).resolve(), "--stats")
-    if args.dry_run:
-        limits = comm.root_step(plan_limits, plan) if "universal" in opts.export else None
-        if comm.rank == 0:
-            print(format_plan(plan, comm.size))
-            if limits is not None:
-                print("universal    " + ("; ".join(limits) if limits else
-                                         "load_universal restores it exactly"))
-        return 0
-    result = execute(comm, recipe, plan, opts)
-    if comm.rank == 0 and args.stats:
-        Path(args.stats).write_text(json.dumps(
-            {"output": str(result.output), "seconds": result.seconds,
-             "bytes_written": result.bytes_written, "ranks": list(result.rank_stats)}, indent=2))
-    if comm.rank == 0:
-        gb = result.bytes_written / 1e9
-        print(f"mpitailor: merged {len(plan.layer_source)} layers from {len(plan.sources)} "
-              f"source(s) into {result.output}: {gb:.3f} GB written by {result.ranks} rank(s) "
-              f"in {result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s)",
-              flush=True)
-    return 0

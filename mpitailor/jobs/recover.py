@@ -7,23 +7,25 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.jobs.merge import plan_recipe
-from mpitailor.jobs.recovery import plan_recovery, recovery_recipe
+from mpitailor.jobs.recovery import plan_recovery
 from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.plan import MergePlan
-from mpitailor.planning.recipe import Recipe, parse_recipe
+from mpitailor.planning.recipe import Recipe
+from mpitailor.planning.recovery import recovery_recipe
 
 
 def recover_recipe(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike | None,
                    layer_patterns: Mapping[str, str] | None = None,
-                   where: str = "layer_patterns") -> str:
-    """Collective: the recipe text `recover` merges (the saves checked, the chain chosen);
+                   where: str = "layer_patterns", world_size: int | None = None) -> Recipe:
+    """Collective: the recipe `recover` merges (the saves checked, the chain chosen);
     `where` names the patterns' origin in errors."""
     if layer_patterns:
         check_patterns(dict(layer_patterns), where=where)
     save_dir = Path(save_dir).resolve()
     chain = plan_recovery(comm, save_dir)
-    return recovery_recipe(save_dir, chain, None if output is None else Path(output).resolve(),
-                           dict(layer_patterns) if layer_patterns else None)
+    return comm.root_step(recovery_recipe, save_dir, chain,
+                          None if output is None else Path(output).resolve(),
+                          dict(layer_patterns) if layer_patterns else None, world_size)
 
 
 def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike,
@@ -31,8 +33,5 @@ def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathL
                  world_size: int | None = None,
                  where: str = "layer_patterns") -> tuple[Recipe, MergePlan]:
     """Collective: the recipe and plan of `recover`."""
-    text = recover_recipe(comm, save_dir, output, layer_patterns, where)
-    save_dir = Path(save_dir).resolve()
-    recipe = comm.root_step(parse_recipe, text, origin=f"recover {save_dir}",
-                            base_dir=save_dir, world_size=world_size)
-    return plan_recipe(comm, recipe)
+    return plan_recipe(comm, recover_recipe(comm, save_dir, output, layer_patterns, where,
+                                            world_size))

@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths, survey
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
-from mpitailor.formats import CheckpointMeta
-from mpitailor.formats.extras import MANIFEST
 from mpitailor.formats.files import (
     PARTIAL_MANIFEST,
     SAVE_RECORD,
@@ -40,44 +35,15 @@ from mpitailor.formats.files import (
     read_save_record,
 )
 from mpitailor.formats.fsview import LOCAL
+from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.partial_shard import check_partial_rank
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.shard import open_shard
-from mpitailor.planning.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
+from mpitailor.planning.recovery import Chain, Save
+from mpitailor.planning.recovery import choose as choose_saves
 
 log = logging.getLogger(__name__)
 SAVE_NAMES = ("global_step", "checkpoint-")
-
-
-@dataclass(frozen=True, slots=True)
-class Save:
-    """One save under the save dir, usable or not (then `problem` says why)."""
-
-    name: str
-    path: Path
-    meta: CheckpointMeta | None
-    lineage: Lineage | None
-    problem: str | None = None
-
-    @property
-    def partial(self) -> bool:
-        return self.meta is not None and self.meta.files.partial
-
-    @property
-    def step(self) -> int:
-        if self.meta is not None:
-            return self.meta.global_steps
-        digits = self.name.rpartition("-")[2].removeprefix("global_step")
-        return int(digits) if digits.isdigit() else -1
-
-
-@dataclass(frozen=True, slots=True)
-class Chain:
-    """What recovery uses: a full save, the partial saves after it, and what it left out."""
-
-    full: Save
-    partials: tuple[Save, ...]
-    skipped: tuple[tuple[str, str], ...]   # (save name, why)
 
 
 def find_saves(save_dir: Path, view=LOCAL) -> list[Save]:
@@ -157,55 +123,6 @@ def _check_rank(save: Save, rank: int, crc: bool) -> None:
             pass
 
 
-def choose(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain:
-    """The timeline to recover: a usable full save and the partial saves built on it."""
-    latest_tag = _latest(save_dir, view)
-    by_name = {s.name: s for s in saves}
-    fulls = [s for s in saves if s.problem is None and not s.partial]
-    skipped: dict[str, str] = {s.name: s.problem for s in saves if s.problem is not None}
-    start = by_name.get(latest_tag) if latest_tag else None
-    if start is not None and (start.problem is not None or start.partial):
-        start = None
-    if start is None and fulls:
-        start = fulls[-1]
-    if start is None:
-        raise _nothing(save_dir, saves, skipped, view)
-    path = _follow(start, saves) if start.lineage is not None else \
-        [s for s in saves if s.partial and s.step > start.step and s.lineage is None]
-    on_path = {s.name for s in path}
-    for s in saves:
-        if s is start or s.name in on_path or s.name in skipped or s.step < start.step:
-            continue
-        if s.step == start.step and not s.partial:
-            continue
-        if not s.partial:
-            skipped[s.name] = (f"a full save not named by {save_dir / 'latest'}"
-                               if latest_tag else f"another full save of step {s.step}")
-        else:
-            skipped[s.name] = (f"another timeline: it does not build on {start.name} "
-                               f"(an abandoned run, or a save that was replaced)")
-    partials = tuple(s for s in path if s.problem is None)
-    for s in path:
-        if s.problem is not None:
-            skipped[s.name] = s.problem
-    return Chain(start, partials, tuple(sorted(skipped.items(),
-                                               key=lambda kv: (by_name[kv[0]].step, kv[0]))))
-
-
-def _follow(start: Save, saves: list[Save]) -> list[Save]:
-    """The partial saves built on `start`, one on another, through unusable ones too (their
-    successors still hold good layers); at a fork, the newest branch."""
-    children: dict[str, list[Save]] = {}
-    for s in saves:
-        if s.lineage is not None and s.lineage.parent is not None:
-            children.setdefault(s.lineage.parent, []).append(s)
-    path, node = [], start
-    while node.lineage is not None and children.get(node.lineage.save_id):
-        node = max(children[node.lineage.save_id], key=lambda s: (s.step, s.name))
-        path.append(node)
-    return path
-
-
 def _latest(save_dir: Path, view) -> str | None:
     latest = save_dir / "latest"
     if not view.is_file(latest):
@@ -230,6 +147,15 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
                          f"full save of the timeline")
     return NothingToRecover(f"{save_dir}: no finished checkpoint: nothing to recover"
                             + (f" (incomplete: {reasons})" if reasons else ""))
+
+
+def choose(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain:
+    """The timeline to recover (planning/recovery.py), or why there is none."""
+    chain = choose_saves(save_dir, saves, _latest(save_dir, view))
+    if chain is None:
+        raise _nothing(save_dir, saves, {s.name: s.problem for s in saves
+                                         if s.problem is not None}, view)
+    return chain
 
 
 def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> Chain:
@@ -272,50 +198,3 @@ def _finder(place: Placement, save_dir: Path) -> int:
     return place.nodes.leader(max(counts, key=lambda n: (counts[n], -n)) if counts else 0)
 
 
-def recovery_recipe(save_dir: Path, chain: Chain, output: Path | None = None,
-                    layer_patterns: dict[str, str] | None = None) -> str:
-    """The YAML recipe that assembles the newest copy of every layer of the chain."""
-    full, partials = chain.full, list(chain.partials)
-    if layer_patterns is None:  # as the run saved them: the newest save that recorded some
-        recorded = [s.meta.layer_patterns for s in [full, *partials] if s.meta.layer_patterns]
-        layer_patterns = dict(recorded[-1]) if recorded else {}
-    classify = LayerClassifier(layer_patterns)
-    keys = sort_keys({classify(s.name) for s in full.meta.layout.slots} |
-                     {classify(n) for n, _ in full.meta.frozen_shapes})
-    chosen = {}
-    for key in keys:
-        holders = [p for p in partials if key in p.meta.held_layers]
-        chosen[key] = (holders[-1] if holders else full).name
-    newest = [full, *partials][-1]
-    # A save whose every layer was saved again later (even the full one) supplies nothing:
-    # leave it out. The newest save is always kept: it is the base.
-    used = set(chosen.values()) | {newest.name}
-    recipe: dict = {"sources": {s.name: str(s.path) for s in [full, *partials]
-                                if s.name in used},
-                    "layers": _layer_ranges(chosen)}
-    for key in (*AUX_KEYS, OTHER):
-        if key in chosen:
-            recipe[key] = chosen[key]
-    recipe["base"] = newest.name
-    if layer_patterns:
-        recipe["layer_patterns"] = dict(layer_patterns)
-    if output is not None:
-        recipe["output"] = str(output)
-    header = (f"# Generated by `mpitailor recover {save_dir}`: full checkpoint {full.name} "
-              f"(step {full.step}), {len(partials)} partial checkpoint(s) of its timeline "
-              f"after it; taken from: {', '.join(recipe['sources'])}.\n")
-    header += "".join(f"# skipped {n}: {why}\n" for n, why in chain.skipped)
-    return header + yaml.safe_dump(recipe, sort_keys=False)
-
-
-def _layer_ranges(chosen: dict[str, str]) -> dict[str, str]:
-    """{'0-3': a, '4': b, ...} from layer key -> source, merging consecutive layers."""
-    idx = sorted((i, src) for k, src in chosen.items() if (i := layer_index(k)) is not None)
-    out, start = {}, 0
-    for j, (i, src) in enumerate(idx):
-        last = j + 1 == len(idx) or idx[j + 1][1] != src
-        if last:
-            first = idx[start][0]
-            out[f"{first}-{i}" if i != first else str(i)] = src
-            start = j + 1
-    return out

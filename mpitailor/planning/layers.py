@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import regex  # user patterns: its matches can be time-boxed, the standard library's cannot
 
 from mpitailor.errors import UserError
+
+T = TypeVar("T")
 
 AUX_KEYS = ("embed", "norm", "lm_head")
 OTHER = "other"
@@ -115,3 +118,21 @@ def sort_keys(keys: Iterable[str]) -> list[str]:
 
 
 classify = LayerClassifier()
+
+
+def layer_runs(items: Iterable[tuple[int, T]]) -> list[tuple[str, T]]:
+    """Consecutive layer numbers with the same value, as recipe selectors: [(0, a), (1, a),
+    (2, b), (5, b)] -> [("0-1", a), ("2", b), ("5", b)]. The one "layer numbers -> ranges"
+    helper (recipes that recover writes, and messages)."""
+    out: list[tuple[str, T]] = []
+    first = prev = value = None
+    for i, v in sorted(items, key=lambda iv: iv[0]):
+        if first is not None and (i != prev + 1 or v != value):
+            out.append((f"{first}-{prev}" if prev != first else str(first), value))
+            first = None
+        if first is None:
+            first, value = i, v
+        prev = i
+    if first is not None:
+        out.append((f"{first}-{prev}" if prev != first else str(first), value))
+    return out

@@ -1,10 +1,12 @@
-"""Recipe + source metadata -> MergePlan. Pure: no I/O, no MPI, no tensors.
+"""Recipe + source metadata -> MergePlan. No MPI, no tensors, no reads of checkpoint data
+(the one file-system call: output and source paths are resolved to compare them).
 
-The plan says, for every sub-group of the (shared) ZeRO-3 layout, which contiguous element
-runs of the flat buffers come from which source, which Adam `step` the sub-group keeps, and
-where frozen parameters and buffers come from. Because every source has the same layout and
-world size, one plan serves every output partition: rank r copies run [a, a+n) of sub-group
-g from the same place in source rank r's buffers.
+The plan says, for every sub-group of the input layout, which contiguous element runs of the
+flat buffers come from which source, which Adam `step` the sub-group keeps, and where frozen
+parameters and buffers come from. Every source has the same layout and world size, so the
+runs are the same for every rank's part of a sub-group; how they land in the output (stage 3
+per-parameter slices, stage 1/2 flat partitions, another world size) is the copy program's
+business (program.py), built from this plan and the target layout.
 """
 from __future__ import annotations
 
@@ -15,7 +17,14 @@ from pathlib import Path
 from mpitailor.errors import UserError
 from mpitailor.formats import BYTES_PER_ELEMENT, CheckpointMeta
 from mpitailor.formats.dtypes import canonical
-from mpitailor.planning.layers import AUX_KEYS, OTHER, LayerClassifier, layer_index, sort_keys
+from mpitailor.planning.layers import (
+    AUX_KEYS,
+    OTHER,
+    LayerClassifier,
+    layer_index,
+    layer_runs,
+    sort_keys,
+)
 from mpitailor.planning.recipe import SELECTOR_RE, Recipe
 from mpitailor.planning.reshard import Target, target_layout
 
@@ -123,17 +132,26 @@ def _step_rule(param_source, metas, rule: str, base: str):
     old_subgroup = {s.name: s.subgroup for s in next(iter(metas.values())).layout.slots}
 
     def step_of(_g: int, names: list[str]) -> float:
-        cands = []
-        for n in names:
-            src = param_source[n]
-            step = metas[src].subgroup_steps[old_subgroup[n]]
-            cands.append((metas[src].global_steps, step, src))
-        if len({c[1] for c in cands}) == 1:
+        cands = [(param_source[n], metas[param_source[n]].subgroup_steps[old_subgroup[n]])
+                 for n in names]
+        if len({step for _, step in cands}) == 1:
             return cands[0][1]
         if rule == "base":  # as in a plain merge: the base's step, whoever contributes
             return metas[base].subgroup_steps[old_subgroup[names[0]]]
-        return (min if rule == "oldest" else max)(cands)[1]
+        src = step_source({s for s, _ in cands}, metas, rule, base)
+        return (min if rule == "oldest" else max)(step for s, step in cands if s == src)
     return step_of
+
+
+def step_source(sources: set[str], metas: dict[str, CheckpointMeta], rule: str,
+                base: str) -> str:
+    """The one Adam-step rule, for a sub-group whose parameters come from several sources:
+    the source whose step it keeps. newest/oldest by the sources' global steps (ties: the
+    source name, so the choice never depends on the order of the recipe); base: the base."""
+    if rule == "base":
+        return base
+    key = lambda name: (metas[name].global_steps, name)  # noqa: E731
+    return (min if rule == "oldest" else max)(sources, key=key)
 
 
 def _check_world_size(recipe: Recipe, meta: CheckpointMeta) -> None:
@@ -213,7 +231,8 @@ def _layer_sources(recipe: Recipe, n_layers: int) -> dict[str, str]:
             chosen[i] = ("rest", rest)
     missing = [i for i in range(n_layers) if i not in chosen]
     if missing:
-        raise UserError(f"{recipe.origin}: layers {_ranges(missing)} have no source (the model "
+        ranges = ", ".join(r for r, _ in layer_runs((i, None) for i in missing))
+        raise UserError(f"{recipe.origin}: layers {ranges} have no source (the model "
                         f"has layers 0-{n_layers - 1}); cover them or add `rest: SOURCE`")
     return {f"layers.{i}": src for i, (_, src) in chosen.items()}
 
@@ -230,15 +249,6 @@ def _select(sel: str, n_layers: int, origin: str) -> list[int]:
     return list(range(a, b + 1))
 
 
-def _ranges(idx: list[int]) -> str:
-    parts, start = [], idx[0]
-    for prev, cur in zip(idx, idx[1:] + [None]):
-        if cur != prev + 1:
-            parts.append(f"{start}-{prev}" if prev != start else str(start))
-            start = cur
-    return ", ".join(parts)
-
-
 def _subgroup_plan(slots, param_source: dict[str, str], metas: dict[str, CheckpointMeta],
                    g: int, rule: str, base: str) -> SubgroupPlan:
     runs: list[CopyRun] = []
@@ -249,12 +259,12 @@ def _subgroup_plan(slots, param_source: dict[str, str], metas: dict[str, Checkpo
             runs[-1] = CopyRun(src, last.start, last.length + s.length)
         else:
             runs.append(CopyRun(src, s.offset, s.length))
-    contributors = sorted({r.source for r in runs}, key=lambda n: metas[n].global_steps)
+    contributors = {r.source for r in runs}
     if len(contributors) <= 1:
-        src = contributors[0] if contributors else base
+        src = next(iter(contributors), base)
         how = "single source"
     else:
-        src = {"newest": contributors[-1], "oldest": contributors[0], "base": base}[rule]
+        src = step_source(contributors, metas, rule, base)
         how = rule
     return SubgroupPlan(tuple(runs), metas[src].subgroup_steps[g], src, how)
 

@@ -141,12 +141,32 @@ def parse_recipe(text: str, origin: str, base_dir: Path, output: str | None = No
     if model.layer_patterns:
         check_patterns(model.layer_patterns, where=f"{origin}{_line_of(node, ('layer_patterns',))}"
                                                    f": layer_patterns")
-    recipe = _resolve(model, text, origin, base_dir, output)
-    if world_size is not None:
-        if world_size < 1:
-            raise UserError(f"{origin}: --world-size must be >= 1, got {world_size}")
-        recipe = dataclasses.replace(recipe, world_size=world_size)
-    return recipe
+    return _with_world_size(_resolve(model, text, origin, base_dir, output), world_size)
+
+
+def recipe_from(doc: dict, origin: str, header: str = "",
+                world_size: int | None = None) -> Recipe:
+    """A recipe built in code (recover's chain, export's one source), checked as a recipe
+    file is. Its paths are absolute and taken literally: a `$` in a save dir's name is a
+    `$`, never an environment variable. `text` is the YAML a user could have written (header:
+    comment lines before it), for the manifest and `--emit-recipe`."""
+    text = header + yaml.safe_dump(doc, sort_keys=False)
+    try:
+        model = RecipeModel.model_validate(doc)
+    except ValidationError as e:
+        raise UserError(f"{origin}: {e.errors()[0]['msg']}") from None
+    if model.layer_patterns:
+        check_patterns(model.layer_patterns, where=f"{origin}: layer_patterns")
+    return _with_world_size(_resolve(model, text, origin, Path("/"), None, literal=True),
+                            world_size)
+
+
+def _with_world_size(recipe: Recipe, world_size: int | None) -> Recipe:
+    if world_size is None:
+        return recipe
+    if world_size < 1:
+        raise UserError(f"{recipe.origin}: --world-size must be >= 1, got {world_size}")
+    return dataclasses.replace(recipe, world_size=world_size)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -165,15 +185,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
-             output: str | None) -> Recipe:
+             output: str | None, literal: bool = False) -> Recipe:
     if (m.slices is None) == (m.layers is None):
         raise UserError(f"{origin}: give exactly one of `slices:` (MergeKit form) or `layers:`")
-    named = {k: _path(v, base_dir, origin, f"sources.{k}") for k, v in (m.sources or {}).items()}
+    named = {k: _path(v, base_dir, origin, f"sources.{k}", literal)
+             for k, v in (m.sources or {}).items()}
     sources: dict[str, Path] = dict(named)
 
     def ref(value: str, key: str) -> str:
         if value not in sources:
-            sources[value] = _path(value, base_dir, origin, key)
+            sources[value] = _path(value, base_dir, origin, key, literal)
         return value
 
     if m.slices is not None:
@@ -194,7 +215,7 @@ def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
     out_path = None
     if out is not None:
         out_path = Path(os.path.expandvars(out)) if output is not None else \
-            _path(out, base_dir, origin, "output")
+            _path(out, base_dir, origin, "output", literal)
         out_path = out_path.resolve()
     return Recipe(origin=origin, text=text, sources=tuple(sources.items()), layer_rules=rules,
                   aux=aux, base=base, adam_step=m.adam_step, output=out_path,
@@ -223,7 +244,9 @@ def _slices_to_rules(slices: list[Slice], origin: str) -> list[tuple[str, str]]:
     return rules
 
 
-def _path(value: str, base_dir: Path, origin: str, key: str) -> Path:
+def _path(value: str, base_dir: Path, origin: str, key: str, literal: bool = False) -> Path:
+    if literal:
+        return Path(value).resolve()
     expanded = os.path.expandvars(value)
     if "$" in expanded:
         raise UserError(f"{origin}: {key}: {value!r} uses an environment variable that is "

@@ -1,4 +1,5 @@
-"""Staging, locking and atomic publication of a merged checkpoint. Rank 0 only.
+"""Staging, locking and atomic publication of a merge's or an export's output. Called by
+the ranks that write its metadata (rank 0, or every node's leader under node-local storage).
 
 Output is written into a hidden staging dir beside the target, fsynced, and published by
 one rename: readers see the old state or the whole new checkpoint, never a part of it. A
@@ -7,6 +8,7 @@ left by a killed merge is reclaimed by the next one that gets the lock.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -23,8 +25,13 @@ log = logging.getLogger(__name__)
 
 
 class Staging:
-    def __init__(self, output: Path) -> None:
+    """replace: publishing over an existing output is allowed (a partial save of a step that
+    training reached again after resuming from an older save, as DeepSpeed's own save
+    overwrites its tag); merges and exports never overwrite."""
+
+    def __init__(self, output: Path, replace: bool = False) -> None:
         self.output = output
+        self.replace = replace
         self.dir = output.parent / f".{output.name}.mpitailor-staging"
         self.lock_path = output.parent / f".{output.name}.mpitailor-lock"
         self._lock_fd = -1
@@ -33,7 +40,7 @@ class Staging:
     def acquire(self, tag: str | None) -> Path:
         """Take the lock and create the staging dir (with an empty `tag` dir in it, if
         given); reclaim a stale one. Returns the staging dir."""
-        if os.path.lexists(self.output):
+        if os.path.lexists(self.output) and not self.replace:
             raise UserError(f"{self.output}: output already exists; remove it or choose "
                             f"another output path (mpitailor never overwrites)")
         _make_parent(self.output)
@@ -73,10 +80,13 @@ class Staging:
     def publish(self) -> None:
         """fsync the staged tree, then rename it to the output in one step."""
         fsync_tree(self.dir)
-        if os.path.lexists(self.output):
+        if self.replace:
+            _replace(self.dir, self.output)
+        elif os.path.lexists(self.output):
             raise MergeFailed(f"{self.output}: appeared while merging (written by something "
                               f"other than mpitailor?); nothing published")
-        os.rename(self.dir, self.output)
+        else:
+            os.rename(self.dir, self.output)
         fsync_dir(self.output.parent)
 
     def abandon(self) -> None:
@@ -105,6 +115,37 @@ class Staging:
                 pass
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _replace(staged: Path, output: Path) -> None:
+    """Publish staged as output over an existing one: the old output is moved aside first and
+    removed only once the new one is in place (put back if the rename fails)."""
+    old = output.with_name(f".{output.name}.mpitailor-old")
+    if os.path.lexists(output):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(output, old)
+    try:
+        os.rename(staged, output)
+    except OSError:
+        if os.path.lexists(old):
+            os.rename(old, output)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def holding(staging: Staging, mine: bool):
+    """On the ranks that hold the staging dir (mine): abandon it if anything fails inside,
+    and release the lock at the end, published or not."""
+    try:
+        yield staging
+    except BaseException:
+        if mine:
+            staging.abandon()
+        raise
+    finally:
+        if mine:
+            staging.release()
 
 
 def _make_parent(output: Path) -> None:

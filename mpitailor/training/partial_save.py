@@ -18,14 +18,14 @@ import hashlib
 import json
 import os
 import random
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from mpitailor.cluster.comm import Comm
+from mpitailor.errors import MpitailorError
 from mpitailor.formats.files import (
     PARTIAL_MANIFEST,
     STAGE12_MODEL,
@@ -34,13 +34,14 @@ from mpitailor.formats.files import (
     partial_files,
 )
 from mpitailor.formats.layout import KINDS, compute_layout
+from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest
 from mpitailor.formats.shard import without_flat_buffers
 from mpitailor.formats.stwrite import write_safetensors
 from mpitailor.planning.layers import LayerClassifier
-from mpitailor.publish.staging import fsync_and_record, fsync_dir, fsync_tree
+from mpitailor.publish.staging import Staging, fsync_and_record, holding, write_synced
+from mpitailor.training.distcomm import training_comm
 
-FORMAT = "mpitailor-partial"
-VERSION = 1
+VERSION = 1  # the partial layout (files and keys), beside the manifest's format_version
 
 
 class PartialSaveFailed(RuntimeError):
@@ -155,46 +156,48 @@ def save_layers(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[
 def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_state, classify,
                  lineage: Lineage | None):
     final = save_dir / tag
-    staging = save_dir / f".{tag}.mpitailor-staging"
-    rank, world = engine.global_rank, engine.dp_world_size
+    comm = training_comm()
     leader = save_leader(engine)
-    error = None
-    if leader:
-        error = _prepare(final, staging)
-    _agree(error)
-    try:
-        states = model_states(engine, client_state)
-        records = _write_rank(staging, rank, states,
-                              layer_slices(engine, states["param_shapes"], layers, classify),
-                              optimizer_meta(engine), final,
-                              STAGE12_MODEL if flat_engine(engine) and leader else
-                              None if flat_engine(engine) else model_file(rank))
-    except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
-        records, error = {}, f"rank {rank}: {type(e).__name__}: {e}"
-    _agree(error, cleanup=staging if leader else None)
-    all_records = _gather(records)
-    error = None
-    if leader:
-        try:
-            manifest = {"format": FORMAT, "version": VERSION, "tag": tag,
-                        "global_steps": engine.global_steps, "world_size": world,
-                        "dtype": "bf16" if engine.bfloat16_enabled() else
-                        "fp16" if engine.fp16_enabled() else "fp32",
-                        "layers": sorted(layers),
-                        "zero_stage": engine.zero_optimization_stage(),
-                        "layout_sha256": _layout_hash(states["param_shapes"]),
-                        "lineage": lineage.to_json() if lineage else None,
-                        "layer_patterns": classify.patterns,
-                        "files": {k: v for part in all_records for k, v in part.items()}}
-            _write_json(staging / PARTIAL_MANIFEST, manifest)
-            fsync_tree(staging)
-            _replace(staging, final)
-        except Exception as e:  # noqa: BLE001
-            error = f"rank {rank}: {type(e).__name__}: {e}"
-        else:
-            fsync_dir(final.parent)  # published: a failure here is not "nothing saved"
-    _agree(error, cleanup=staging if leader else None)
+    staging = Staging(final, replace=True)
+    with holding(staging, leader):
+        _step(comm, lambda: staging.acquire(None) if leader else None)
+        flat = flat_engine(engine)
+
+        def write_rank() -> tuple[dict, str]:
+            states = model_states(engine, client_state)
+            return _write_rank(staging.dir, engine.global_rank, states,
+                               layer_slices(engine, states["param_shapes"], layers, classify),
+                               optimizer_meta(engine), final,
+                               STAGE12_MODEL if flat and leader else
+                               None if flat else model_file(engine.global_rank)), \
+                _layout_hash(states["param_shapes"])
+        records, layout_sha256 = _step(comm, write_rank)
+        files = {k: v for part in comm.allgather(records) for k, v in part.items()}
+        manifest = Manifest("partial", files, {
+            "format": PARTIAL_FORMAT, "version": VERSION, "tag": tag,
+            "global_steps": engine.global_steps, "world_size": engine.dp_world_size,
+            "dtype": "bf16" if engine.bfloat16_enabled() else
+                     "fp16" if engine.fp16_enabled() else "fp32",
+            "layers": sorted(layers),
+            "zero_stage": engine.zero_optimization_stage(),
+            "layout_sha256": layout_sha256,
+            "lineage": lineage.to_json() if lineage else None,
+            "layer_patterns": classify.patterns})
+
+        def publish() -> None:
+            if leader:
+                write_synced(staging.dir / PARTIAL_MANIFEST, manifest.to_json())
+                staging.publish()
+        _step(comm, publish)
     return final
+
+
+def _step(comm: Comm, fn):
+    """Collective: fn on every rank; any rank's failure raised on every rank."""
+    try:
+        return comm.step(fn)
+    except MpitailorError as e:
+        raise PartialSaveFailed(f"partial checkpoint not saved: {e}") from None
 
 
 def save_leader(engine) -> bool:
@@ -203,33 +206,6 @@ def save_leader(engine) -> bool:
     use = getattr(engine, "use_node_local_storage", None)
     return engine.global_rank == 0 or (bool(use()) if callable(use) else False) \
         and engine.local_rank == 0
-
-
-def _replace(staging: Path, final: Path) -> None:
-    """Publish staging as final. An existing tag (training resumed from an older save and
-    reached this step again) is replaced, as DeepSpeed's own save overwrites it; it is
-    moved aside first and removed only after the new one is in place."""
-    old = final.with_name(f".{final.name}.mpitailor-old")
-    if os.path.lexists(final):
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    try:
-        os.rename(staging, final)
-    except OSError:
-        if os.path.lexists(old):
-            os.rename(old, final)  # the previous checkpoint stays where it was
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _prepare(final: Path, staging: Path) -> str | None:
-    try:
-        if os.path.lexists(staging):  # left by a save that was killed
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-    except OSError as e:
-        return f"{final}: {e}"
-    return None
 
 
 def _write_rank(staging: Path, rank: int, states: dict, slices: dict, optim: dict,
@@ -247,34 +223,10 @@ def _write_rank(staging: Path, rank: int, states: dict, slices: dict, optim: dic
         torch.save(obj, path)
         records[names[key]] = fsync_and_record(path)
     records[names["layers"]] = write_safetensors(staging / names["layers"], slices,
-                                                 metadata={"format": FORMAT})
+                                                 metadata={"format": PARTIAL_FORMAT})
     return records
 
 
 def _layout_hash(param_shapes) -> str:
     text = json.dumps([[(n, list(s)) for n, s in g.items()] for g in param_shapes])
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _write_json(path: Path, obj) -> None:
-    with open(path, "x") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _gather(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _agree(error: str | None, cleanup: Path | None = None) -> None:
-    """Collective: if any rank reported an error, clean up and raise it on every rank."""
-    errors = [e for e in _gather(error) if e]
-    if errors:
-        if cleanup is not None:
-            shutil.rmtree(cleanup, ignore_errors=True)
-        raise PartialSaveFailed(f"partial checkpoint not saved: {errors[0]}")

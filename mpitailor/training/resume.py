@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mpitailor.formats.extras import MANIFEST
+from mpitailor.formats.manifest import MANIFEST
 from mpitailor.jobs.merge import merge, plan_recipe
-from mpitailor.jobs.recovery import plan_recovery, recovery_recipe
-from mpitailor.planning.recipe import parse_recipe
+from mpitailor.jobs.recovery import plan_recovery
+from mpitailor.planning.recovery import recovery_recipe
 from mpitailor.training.distcomm import training_comm
 
 RESUME_DIR = ".mpitailor-resume"
@@ -34,8 +34,7 @@ def recover_for_resume(save_dir: str | Path, until_step: int | None = None,
     out = out_root / f"recovered-{base.name}-{base.lineage.save_id[:12] if base.lineage else 'x'}"
     if comm.root_step(_is_recovery_of, out, base.path):
         return out
-    text = recovery_recipe(save_dir, chain, out)
-    recipe = comm.root_step(parse_recipe, text, origin=f"recover {save_dir}", base_dir=save_dir)
+    recipe = comm.root_step(recovery_recipe, save_dir, chain, out)
     _, plan = plan_recipe(comm, recipe)
     merge(comm, plan, recipe.text, progress=False)
     return out

@@ -1,0 +1,101 @@
+"""The commands that write checkpoints: merge, recover, export. Options in from argparse,
+the jobs run, one line out (rank 0). Jobs are imported when a command runs: `--help` and
+the commands that need no torch stay fast."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mpitailor.cluster.comm import Comm
+from mpitailor.errors import UserError
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from mpitailor.jobs.merge import plan_merge
+    comm: Comm = args.comm
+    return run_planned(comm, *plan_merge(comm, args.recipe, args.output, args.world_size),
+                       args)
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    from mpitailor.jobs.recover import plan_recover, recover_recipe
+
+    comm = args.comm
+    save_dir = Path(args.save_dir).resolve()
+    out = Path(args.output).resolve() if args.output else None
+    if out is None and not (args.emit_recipe or args.dry_run):
+        raise UserError("recover: give -o OUTPUT (or --emit-recipe to only print the recipe)")
+    patterns = None
+    if args.layer_pattern:
+        patterns = {}
+        for item in args.layer_pattern:
+            regex, eq, key = item.rpartition("=")
+            if not eq or not regex:
+                raise UserError(f"--layer-pattern {item!r}: write REGEX=KEY, e.g. "
+                                f"'model\\.decoder\\.layers\\.(\\d+)\\..*=layers.{{i}}'")
+            patterns[regex] = key
+    if args.emit_recipe:
+        recipe = recover_recipe(comm, save_dir, out, patterns, "--layer-pattern")
+        if comm.rank == 0:
+            print(recipe.text, end="", flush=True)
+        return 0
+    if out is None:  # a dry run needs no output: plan for a default one
+        out = save_dir.parent / f"{save_dir.name}-recovered"
+    return run_planned(comm, *plan_recover(comm, save_dir, out, patterns, args.world_size,
+                                           "--layer-pattern"), args)
+
+
+
+
+def merge_options(args: argparse.Namespace):
+    from mpitailor.jobs.merge import MergeOptions
+    return MergeOptions(frozenset(args.export or ()), args.export_dtype, args.max_shard_size,
+                        args.verify, not args.no_progress, getattr(args, "ranks_per_node", None))
+
+
+def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace) -> int:
+    """Collective: dry-run report or merge + summary, as the command line says."""
+    from mpitailor.engine.universal import plan_limits
+    from mpitailor.jobs.merge import execute
+    from mpitailor.planning.plan_report import format_plan
+    from mpitailor.publish.staging import check_writable_file
+
+    opts = merge_options(args)
+    opts.check(plan)
+    if args.stats:  # written at the end: a bad path must fail before anything is merged
+        comm.root_step(check_writable_file, Path(args.stats).resolve(), "--stats")
+    if args.dry_run:
+        limits = comm.root_step(plan_limits, plan) if "universal" in opts.export else None
+        if comm.rank == 0:
+            print(format_plan(plan, comm.size))
+            if limits is not None:
+                print("universal    " + ("; ".join(limits) if limits else
+                                         "load_universal restores it exactly"))
+        return 0
+    result = execute(comm, recipe, plan, opts)
+    if comm.rank == 0 and args.stats:
+        Path(args.stats).write_text(json.dumps(
+            {"output": str(result.output), "seconds": result.seconds,
+             "bytes_written": result.bytes_written, "ranks": list(result.rank_stats)}, indent=2))
+    if comm.rank == 0:
+        gb = result.bytes_written / 1e9
+        print(f"mpitailor: merged {len(plan.layer_source)} layers from {len(plan.sources)} "
+              f"source(s) into {result.output}: {gb:.3f} GB written by {result.ranks} rank(s) "
+              f"in {result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s)",
+              flush=True)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mpitailor.jobs.export import run_export
+    comm: Comm = args.comm
+    source = Path(args.source).resolve()
+    out = run_export(comm, source, Path(args.output).resolve(), args.format, args.dtype,
+                     args.max_shard_size, not args.no_progress)
+    if comm.rank == 0:
+        gb = out.bytes_written / 1e9
+        print(f"mpitailor: exported {source} as {args.format} into {out.output}: "
+              f"{gb:.3f} GB written by {comm.size} rank(s) in {out.seconds:.2f} s",
+              flush=True)
+    return 0

@@ -1,0 +1,46 @@
+"""`diff` and `inspect` reports as text tables (their --json is the report as it is)."""
+from __future__ import annotations
+
+from mpitailor.planning.plan_report import human
+
+
+def format_table(rep: dict) -> str:
+    kind = rep["kind"] + (" (only the layers below were saved)" if rep["kind"] == "partial"
+                          else "")
+    lines = [
+        f"checkpoint   {rep['path']}",
+        f"kind         {kind}",
+        f"world size   {rep['world_size']}   ZeRO stage {rep['zero_stage']}   dtype {rep['dtype']}"
+        f"   step {rep['global_steps']}"
+        f"   samples {rep['global_samples']}   deepspeed {rep['ds_version']}",
+        f"optimizer    {len(rep['param_groups'])} param group(s), {rep['subgroups']} "
+        f"sub-group(s), {human(rep['optimizer_bytes_per_rank'])} per rank",
+    ]
+    if rep["tied"]:
+        lines.append("tied         " + ", ".join(f"{a} -> {b}" for a, b in rep["tied"].items()))
+    origin = rep["kind"] == "composite"
+    header = (f"{'layer':<12}{'params':>8}{'frozen':>8}{'elements':>12}{'bytes/rank':>12}  "
+              f"{'sub-groups':<12}" + ("  from (step)" if origin else ""))
+    lines.append(header.rstrip())
+    for key, row in rep["layers"].items():
+        subs = row["subgroups"]
+        span = f"{subs[0]}-{subs[-1]}" if len(subs) > 1 else (str(subs[0]) if subs else "-")
+        came = f"  {row['from']} ({row['from_step']})" if origin and "from" in row else ""
+        lines.append(f"{key:<12}{row['params']:>8}{row['frozen']:>8}{row['elements']:>12}"
+                     f"{human(row['bytes_per_rank']):>12}  {span:<12}{came}".rstrip())
+    return "\n".join(lines)
+
+
+def format_diff(rep: dict) -> str:
+    lines = [f"A  {rep['a']}", f"B  {rep['b']}",
+             f"{'layer':<12}{'kind':<12}{'same':<6}{'max |A-B|':>12}{'|A-B|/|A|':>12}"]
+    for key, kinds in rep["layers"].items():
+        for kind, d in kinds.items():
+            lines.append(f"{key:<12}{kind:<12}{'yes' if d['identical'] else 'NO':<6}"
+                         f"{d['max_abs_diff']:>12.4g}{d['rel_norm_diff']:>12.4g}")
+    for name, c in rep["counters"].items():
+        lines.append(f"{name:<24}{'yes' if c['identical'] else 'NO':<6}A {c['a']}   B {c['b']}")
+    if rep["not_compared"]:
+        lines.append(f"not compared (not held by both): {', '.join(rep['not_compared'])}")
+    lines.append("identical" if rep["identical"] else "different")
+    return "\n".join(lines)

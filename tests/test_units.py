@@ -1,0 +1,74 @@
+"""Small pure pieces, on made-up inputs: the Adam-step rule, layer ranges, the dtype table,
+the manifest's versioning. (The rest of the planner is proven on real checkpoints.)"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from mpitailor.errors import CheckpointError
+from mpitailor.formats.dtypes import DTYPES, canonical, from_safetensors, name_of
+from mpitailor.formats.manifest import FORMAT_VERSION, Manifest
+from mpitailor.planning.layers import layer_runs
+from mpitailor.planning.plan import step_source
+
+
+@dataclass
+class FakeMeta:
+    global_steps: int
+
+
+METAS = {"a": FakeMeta(10), "b": FakeMeta(5), "c": FakeMeta(10), "base": FakeMeta(7)}
+
+
+@pytest.mark.parametrize("rule,want", [("newest", "c"), ("oldest", "b"), ("base", "base")])
+def test_step_source_by_rule_ties_broken_by_name(rule, want):
+    # a and c are equally new: the name decides, never the order they are given in
+    for order in (["a", "b", "c"], ["c", "b", "a"]):
+        assert step_source(set(order), METAS, rule, "base") == want
+
+
+def test_layer_runs_joins_consecutive_layers_of_one_value():
+    items = [(3, "x"), (0, "x"), (1, "x"), (2, "y"), (5, "y"), (6, "y")]
+    assert layer_runs(items) == [("0-1", "x"), ("2", "y"), ("3", "x"), ("5-6", "y")]
+    assert layer_runs([]) == []
+    assert layer_runs([(4, None)]) == [("4", None)]
+
+
+def test_dtype_table_names():
+    assert canonical("bfloat16") == canonical("torch.bfloat16") == canonical("bf16") == "bf16"
+    assert canonical("float8") is None
+    assert from_safetensors("F16") == "fp16" and from_safetensors("F8_E4M3") is None
+    assert DTYPES["fp32"].itemsize == 4 and DTYPES["bf16"].safetensors == "BF16"
+    import torch
+    assert name_of(torch.float16) == "fp16" and name_of(torch.complex64) == "torch.complex64"
+
+
+def test_manifest_round_trip_and_version():
+    m = Manifest("merge", {"b/x.pt": {"bytes": 3, "crc32": 1}, "a": {"bytes": 4, "crc32": 2}},
+                 {"base": "new", "sources": {}})
+    back = Manifest.from_json(m.to_json(), "out/mpitailor_manifest.json")
+    assert back == m and back["base"] == "new" and back.bytes_written == 7
+    assert list(back.files) == ["a", "b/x.pt"]  # sorted in the file
+    assert back.format_version == FORMAT_VERSION
+
+
+def test_manifest_refuses_another_major_version_in_one_line():
+    newer = str(int(FORMAT_VERSION.split(".")[0]) + 1) + ".0"
+    data = Manifest("export", {}, {"format": "hf"}, format_version=newer).to_json()
+    with pytest.raises(CheckpointError, match=r"^out/m\.json: manifest format_version "
+                                              rf"{newer} was written by a newer mpitailor"):
+        Manifest.from_json(data, "out/m.json")
+    minor = FORMAT_VERSION.split(".")[0] + ".99"
+    assert Manifest.from_json(Manifest("export", {}, {"new_field": 1}, format_version=minor)
+                              .to_json(), "x")["new_field"] == 1
+
+
+def test_manifest_without_a_version_is_read_as_1_0_with_its_kind():
+    partial = b'{"format": "mpitailor-partial", "version": 1, "layers": [], "files": {}}'
+    merge = b'{"mpitailor_version": "0.1.0", "recipe": "", "files": {}}'
+    assert Manifest.from_json(partial, "p").kind == "partial"
+    assert Manifest.from_json(merge, "m").kind == "merge"
+    assert Manifest.from_json(merge, "m").format_version == "1.0"
+    with pytest.raises(CheckpointError, match="^m: unreadable mpitailor manifest"):
+        Manifest.from_json(b"[1, 2]", "m")
