@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import UserError
-from mpitailor.jobs.merge import MergeOptions, MergeResult, execute, plan_merge
+from mpitailor.jobs.merge import MergeOptions, MergeResult, plan_merge, run_merge
 from mpitailor.jobs.recover import plan_recover
 
 __all__ = ["MergeResult", "merge", "recover"]
@@ -31,7 +31,7 @@ def merge(recipe: str | os.PathLike, output: str | os.PathLike | None = None, *,
     opts = _options(export, export_dtype, max_shard_size, verify, progress)
     recipe_, plan = plan_merge(comm, str(recipe), None if output is None else str(output),
                                world_size)
-    return execute(comm, recipe_, plan, opts)
+    return run_merge(comm, recipe_, plan, opts)
 
 
 def recover(save_dir: str | os.PathLike, output: str | os.PathLike, *,
@@ -45,7 +45,7 @@ def recover(save_dir: str | os.PathLike, output: str | os.PathLike, *,
     comm = comm or Comm.world()
     opts = _options(export, export_dtype, max_shard_size, verify, progress)
     recipe, plan = plan_recover(comm, save_dir, output, layer_patterns, world_size)
-    return execute(comm, recipe, plan, opts)
+    return run_merge(comm, recipe, plan, opts)
 
 
 def _options(export, export_dtype, max_shard_size, verify, progress) -> MergeOptions:

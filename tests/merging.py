@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.jobs.merge import merge, plan_merge
+from mpitailor.jobs.merge import plan_merge, write_merge
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -29,7 +29,7 @@ def merge_in_process(recipe: str | Path, env: dict[str, str], monkeypatch, comm=
     comm = comm or Comm(None)
     path = recipe if Path(recipe).is_absolute() else RECIPES / recipe
     _, plan = plan_merge(comm, str(path), world_size=world_size)
-    return merge(comm, plan, progress=False)
+    return write_merge(comm, plan, progress=False)
 
 
 def run_cli(args: list[str], env: dict[str, str], ranks: int = 1, timeout: float = 180):

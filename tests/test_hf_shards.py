@@ -22,7 +22,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.engine import hf_weights
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.read import read_meta
-from mpitailor.jobs.merge import merge, plan_merge
+from mpitailor.jobs.merge import plan_merge, write_merge
 from mpitailor.planning.hf_layout import (
     INDEX,
     like_base,
@@ -124,7 +124,7 @@ def test_max_shard_size_cuts_as_save_pretrained_and_loads(exports, ckpt, tmp_pat
     for k, v in recipe_env(new, old, tmp_path / "one").items():
         monkeypatch.setenv(k, v)
     _, plan = plan_merge(Comm(None), str(RECIPES / "parity.yml"))
-    merge(Comm(None), plan, progress=False, export_dtype="bf16")
+    write_merge(Comm(None), plan, progress=False, export_dtype="bf16")
     one = tmp_path / "one"
     assert {p.name for p in (one / "hf").glob("model*")} == {"model.safetensors"}
     assert (one / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()

@@ -57,7 +57,7 @@ def merge_options(args: argparse.Namespace):
 def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace) -> int:
     """Collective: dry-run report or merge + summary, as the command line says."""
     from mpitailor.engine.universal import plan_limits
-    from mpitailor.jobs.merge import execute
+    from mpitailor.jobs.merge import run_merge
     from mpitailor.planning.plan_report import format_plan
     from mpitailor.publish.staging import check_writable_file
 
@@ -73,7 +73,7 @@ def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace) -> int:
                 print("universal    " + ("; ".join(limits) if limits else
                                          "load_universal restores it exactly"))
         return 0
-    result = execute(comm, recipe, plan, opts)
+    result = run_merge(comm, recipe, plan, opts)
     if comm.rank == 0 and args.stats:
         Path(args.stats).write_text(json.dumps(
             {"output": str(result.output), "seconds": result.seconds,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.formats import CheckpointMeta
@@ -72,10 +73,18 @@ def weight_files(base: CheckpointMeta) -> list[Path]:
     return sort_extras(base)[1]
 
 
-def read_extras(base: CheckpointMeta) -> tuple[list[tuple[str, bytes]], list[str]]:
+@dataclass(frozen=True, slots=True)
+class Extras:
+    """The files around a base's tag dir that go into the output, read as bytes."""
+
+    files: tuple[tuple[str, bytes], ...]   # (name, content)
+    left_out: tuple[str, ...]              # names of the base's save dir not carried over
+
+
+def read_extras(base: CheckpointMeta) -> Extras:
     """The extras as bytes (small files), for the ranks that write them into the output
-    (rank 0, or every node's first rank under node-local storage): ([(name, bytes)], names
-    left out). Torch files are safe-loaded first: one carrying a pickle payload is refused."""
+    (rank 0, or every node's first rank under node-local storage). Torch files are
+    safe-loaded first: one carrying a pickle payload is refused."""
     copy, _, left_out = sort_extras(base)
     if left_out:
         log.warning("not carried over from %s (not part of a checkpoint, or 16-bit .bin weights "
@@ -86,4 +95,4 @@ def read_extras(base: CheckpointMeta) -> tuple[list[tuple[str, bytes]], list[str
         if p.suffix in TORCH_SUFFIXES:
             load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
         out.append((p.name, p.read_bytes()))
-    return out, left_out
+    return Extras(tuple(out), tuple(left_out))

@@ -40,9 +40,9 @@ class Slot:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def valid(self, rank: int) -> int:
-        """How many of rank `rank`'s `length` elements are real (the rest is padding)."""
-        return max(0, min(self.length, self.numel - rank * self.length))
+    def valid(self, partition: int) -> int:
+        """How many of the partition's `length` elements are real (the rest is padding)."""
+        return max(0, min(self.length, self.numel - partition * self.length))
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class Layout:
 
     world_size: int
     slots: tuple[Slot, ...]
-    subgroup_sizes: tuple[int, ...]  # elements per rank in each sub-group's flat buffer
+    subgroup_sizes: tuple[int, ...]  # elements per partition in each sub-group's flat buffer
     flat: bool = False               # stages 1/2: a group's parameters in one flat buffer
 
     def by_name(self) -> dict[str, Slot]:
@@ -60,23 +60,24 @@ class Layout:
     def subgroup_slots(self, g: int) -> tuple[Slot, ...]:
         return tuple(s for s in self.slots if s.subgroup == g)
 
-    def held(self, slot: Slot, rank: int) -> tuple[int, int, int]:
-        """(offset in rank's buffer, first element of the parameter, count) of the part of
-        `slot` that rank holds; count 0 when it holds none (padding excluded)."""
+    def held(self, slot: Slot, partition: int) -> tuple[int, int, int]:
+        """(offset in partition's buffer, first element of the parameter, count) of the part of
+        `slot` that partition holds; count 0 when it holds none (padding excluded)."""
         if not self.flat:
-            return slot.offset, rank * slot.length, slot.valid(rank)
+            return slot.offset, partition * slot.length, slot.valid(partition)
         p = self.subgroup_sizes[slot.subgroup]
-        lo, hi = max(slot.offset, rank * p), min(slot.offset + slot.numel, (rank + 1) * p)
+        lo = max(slot.offset, partition * p)
+        hi = min(slot.offset + slot.numel, (partition + 1) * p)
         if lo >= hi:
             return 0, 0, 0
-        return lo - rank * p, lo - slot.offset, hi - lo
+        return lo - partition * p, lo - slot.offset, hi - lo
 
-    def span(self, slot: Slot, rank: int) -> tuple[int, int]:
-        """(start, length) of rank's slice of `slot` in its sub-group buffer: stage 3 the
-        slice with its padding; flat the part of the parameter the rank holds (maybe 0)."""
+    def span(self, slot: Slot, partition: int) -> tuple[int, int]:
+        """(start, length) of partition's slice of `slot` in its sub-group buffer: stage 3 the
+        slice with its padding; flat the part of the parameter the partition holds (maybe 0)."""
         if not self.flat:
             return slot.offset, slot.length
-        at, _, n = self.held(slot, rank)
+        at, _, n = self.held(slot, partition)
         return at, n
 
     def locate(self, slot: Slot, e: int) -> tuple[int, int, int]:

@@ -84,8 +84,8 @@ class TorchFile:
         """(index into records, record) of each storage record."""
         return [(i, r) for i, r in enumerate(self.records) if r.storage is not None]
 
-    def layout(self, archive: str = "archive") -> Layout:
-        return Layout.plan([(r.name, r.size) for r in self.records], archive, self.alignment)
+    def layout(self, archive: str = "archive") -> ZipLayout:
+        return ZipLayout.plan([(r.name, r.size) for r in self.records], archive, self.alignment)
 
 
 class _Recorder:
@@ -178,7 +178,7 @@ def _refuse_off_cpu(obj) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Entry:
+class ZipEntry:
     """Where one record lies: local header, then data, then data descriptor."""
     name: str  # full zip name: "archive/data/0"
     size: int
@@ -212,9 +212,9 @@ def _central_zip64(size: int, offset: int) -> list[int]:
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class ZipLayout:
     """Every byte offset of a torch file, from record names and sizes alone."""
-    entries: tuple[Entry, ...]
+    entries: tuple[ZipEntry, ...]
     alignment: int
     cd_offset: int  # the central directory; `tail` is written here
     cd_size: int
@@ -222,14 +222,14 @@ class Layout:
 
     @classmethod
     def plan(cls, records: Iterable[tuple[str, int]], archive: str = "archive",
-             alignment: int = 64) -> Layout:
+             alignment: int = 64) -> ZipLayout:
         entries, pos = [], 0
         for name, size in records:
             full = f"{archive}/{name}"
             start = pos + _LOCAL.size + len(full.encode()) + 4  # 4: the "FB" field's header
             start += len(_zip64_extra(_local_zip64(size, pos)))
             data = start + (-start % alignment)  # torch's getPadding
-            entries.append(Entry(full, size, pos, data))
+            entries.append(ZipEntry(full, size, pos, data))
             pos = entries[-1].end
         cd_size = sum(_CENTRAL.size + len(e.name.encode())
                       + len(_zip64_extra(_central_zip64(e.size, e.header_offset)))
@@ -298,7 +298,7 @@ class Layout:
             raise ValueError(f"{len(crcs)} CRCs for {len(self.entries)} records")
 
 
-def _flags(e: Entry) -> int:
+def _flags(e: ZipEntry) -> int:
     return 0x0800 if e.size == 0 else 0x0808
 
 

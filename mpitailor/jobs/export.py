@@ -29,7 +29,7 @@ from mpitailor.errors import UserError
 from mpitailor.formats.extras import extras_dir
 from mpitailor.formats.files import PARTIAL_MANIFEST, resolve
 from mpitailor.formats.manifest import MANIFEST, Manifest
-from mpitailor.jobs.merge import MergeOptions, execute, plan_recipe
+from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.recover import recover_recipe
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan
@@ -84,7 +84,7 @@ def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | No
     if fmt == "universal":
         if dtype is not None or max_shard_size is not None:
             raise UserError("--dtype and --max-shard-size go with --format hf or fp32")
-        result = execute(comm, recipe, plan, MergeOptions(frozenset({"universal"}),
+        result = run_merge(comm, recipe, plan, MergeOptions(frozenset({"universal"}),
                                                           progress=progress))
         return ExportResult(result.output, result.bytes_written, time.perf_counter() - t0)
     return _export_weights(comm, plan, fmt, dtype, max_shard_size, t0)

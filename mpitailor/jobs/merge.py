@@ -18,7 +18,7 @@ from mpitailor.engine.replicate import replicate
 from mpitailor.engine.universal import export_universal
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
-from mpitailor.formats.extras import extras_dir, read_extras
+from mpitailor.formats.extras import Extras, extras_dir, read_extras
 from mpitailor.formats.files import resolve
 from mpitailor.formats.manifest import MANIFEST, Manifest
 from mpitailor.formats.read import read_meta
@@ -85,10 +85,10 @@ def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
     return recipe, comm.root_step(make_plan, recipe, metas)
 
 
-def merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
-          verify: bool = False, export_dtype: str | None = None,
-          universal: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-          ranks_per_node: int | None = None) -> MergeResult:
+def write_merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
+                verify: bool = False, export_dtype: str | None = None,
+                universal: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                ranks_per_node: int | None = None) -> MergeResult:
     """Collective: write the merged checkpoint and publish it atomically.
     verify: check source records against their CRC-32 first (reads them whole).
     export_dtype: also write consolidated HF safetensors weights in this dtype to OUT/hf/.
@@ -197,8 +197,8 @@ def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
     return comm.allgather(mine)
 
 
-def _finish(plan: MergePlan, staging: Staging, files: dict, extras: tuple, recipe_text: str,
-            ranks: int) -> int:
+def _finish(plan: MergePlan, staging: Staging, files: dict, extras: Extras,
+            recipe_text: str, ranks: int) -> int:
     """Rank 0: the metadata files, then publish."""
     written = _write_metadata(plan, staging.dir, files, extras, recipe_text, ranks)
     failpoints.hit("commit")
@@ -206,15 +206,16 @@ def _finish(plan: MergePlan, staging: Staging, files: dict, extras: tuple, recip
     return written
 
 
-def _write_metadata(plan: MergePlan, root: Path, files: dict, extras: tuple,
+def _write_metadata(plan: MergePlan, root: Path, files: dict, extras: Extras,
                     recipe_text: str, ranks: int, **more) -> int:
     """The extras (read_extras), `latest`, then the manifest (last: the commit marker) into
     the staged output; returns the bytes of every file the manifest records."""
     files = dict(files)
-    for name, data in extras[0]:
+    for name, data in extras.files:
         files[name] = write_synced(root / name, data)
     files["latest"] = write_synced(root / "latest", plan.base_meta.files.tag.encode())
-    manifest = merge_manifest(plan, files, recipe_text, ranks, left_out=extras[1], **more)
+    manifest = merge_manifest(plan, files, recipe_text, ranks, left_out=list(extras.left_out),
+                              **more)
     write_synced(root / MANIFEST, manifest.to_json())
     return manifest.bytes_written
 
@@ -238,7 +239,7 @@ def _output_nodes(comm: Comm, plan: MergePlan, place: Placement,
 
 
 def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Staging,
-                     files: dict, extras: tuple, by_rank: list[dict], leaders: list[int],
+                     files: dict, extras: Extras, by_rank: list[dict], leaders: list[int],
                      recipe_text: str) -> int:
     """Node-local output: every node's leader writes the extras, `latest` and the manifest
     beside its node's partitions; once every node is ready, each publishes its own."""
@@ -314,12 +315,12 @@ class MergeOptions:
             raise UserError(f"--ranks-per-node {self.ranks_per_node}: give a positive count")
 
 
-def execute(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
+def run_merge(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
     """Collective: check the options against the plan, then merge as they say."""
     opts.check(plan)
     export_dtype = (opts.export_dtype or plan.base_meta.dtype) \
         if "safetensors" in opts.export else None
-    return merge(comm, plan, recipe.text, progress=opts.progress, verify=opts.verify,
+    return write_merge(comm, plan, recipe.text, progress=opts.progress, verify=opts.verify,
                  export_dtype=export_dtype, universal="universal" in opts.export,
                  max_shard_size=DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None
                  else opts.max_shard_size, ranks_per_node=opts.ranks_per_node)

@@ -80,14 +80,14 @@ def close_subgroups(names, shapes, world_size, sub_group_size) -> list[list[str]
     return out
 
 
-def pieces_for(target: Target, rank: int, src_layout: Layout,
+def pieces_for(target: Target, partition: int, src_layout: Layout,
                param_source: dict[str, str]) -> list[Piece]:
-    """Every source range output partition `rank` needs (padding excluded)."""
+    """Every source range output partition `partition` needs (padding excluded)."""
     old = src_layout.by_name()
     out = []
     for s2 in target.layout.slots:
         s1 = old[s2.name]
-        at, lo, n = target.layout.held(s2, rank)
+        at, lo, n = target.layout.held(s2, partition)
         e, hi = lo, lo + n
         while e < hi:  # element e of the parameter, where the sources hold it
             r1, at1, run = src_layout.locate(s1, e)

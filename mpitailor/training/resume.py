@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from mpitailor.formats.manifest import MANIFEST
-from mpitailor.jobs.merge import merge, plan_recipe
+from mpitailor.jobs.merge import plan_recipe, write_merge
 from mpitailor.jobs.recovery import plan_recovery
 from mpitailor.planning.recovery import recovery_recipe
 from mpitailor.training.distcomm import training_comm
@@ -36,7 +36,7 @@ def recover_for_resume(save_dir: str | Path, until_step: int | None = None,
         return out
     recipe = comm.root_step(recovery_recipe, save_dir, chain, out)
     _, plan = plan_recipe(comm, recipe)
-    merge(comm, plan, recipe.text, progress=False)
+    write_merge(comm, plan, recipe.text, progress=False)
     return out
 
 

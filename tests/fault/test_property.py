@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.formats.safeload import load
-from mpitailor.jobs.merge import merge, plan_recipe
+from mpitailor.jobs.merge import plan_recipe, write_merge
 from mpitailor.planning.recipe import parse_recipe
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -152,7 +152,7 @@ def test_merge_round_trips_random_layouts(tmp_path_factory, layout):
     recipe = parse_recipe(text, origin="property", base_dir=tmp)
     comm = Comm(None)
     _, plan = plan_recipe(comm, recipe)
-    merge(comm, plan, text, progress=False)
+    write_merge(comm, plan, text, progress=False)
 
     base = n_sources - 1  # newest
     got, got_steps = rebuild(tmp / "out" / f"global_step{steps[base]}", shapes, subs, world)
