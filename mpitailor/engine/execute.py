@@ -53,7 +53,7 @@ class _Laid:
     """A partition's optimizer file as its home rank laid it out."""
 
     name: str
-    layout: ptzip.Layout
+    layout: ptzip.ZipLayout
     crcs: list[int | None]            # per record; None where the copy step supplies it
     flat_records: dict[int, int]      # program buffer index -> record index
     model: dict | None                # the model states, written after the optimizer file
