@@ -5,9 +5,10 @@
 A 32-layer random-init Llama trained one step with DeepSpeed ZeRO-3 on CPU; then, repeated,
 a full `save_checkpoint` (as DeepSpeed leaves it, and fsynced like mpitailor's saves), parity
 partial saves (one cycle: 2 saves) and filter partial saves
-(first 2 and last 2 layers every save, the others every 4th: one cycle of 4 saves). Reports
-mean bytes and seconds per save and the ratios against the full save. Writes
-bench/out/save_bench.json.
+(first 2 and last 2 layers every save, the others every 4th: one cycle of 4 saves), each
+synchronous and asynchronous (`-async`: seconds are the time training is blocked; the
+background write is reported apart). Reports mean bytes and seconds per save and the ratios
+against the fsynced full save. Writes bench/out/save_bench.json.
 """
 from __future__ import annotations
 
@@ -38,22 +39,28 @@ def main() -> None:
         result = launch(spec, module="bench.save_worker", timeout=3600)
     rows = result["rows"]
     summary = {}
-    for case in ("full", "full+fsync", "parity", "filter"):
+    for case in ("full", "full+fsync", "parity", "filter", "parity-async", "filter-async"):
         mine = [r for r in rows if r["case"] == case]
         summary[case] = {"bytes_per_save": statistics.mean(r["bytes"] for r in mine),
                          "seconds_per_save": statistics.mean(r["seconds"] for r in mine),
                          "seconds_stdev": statistics.pstdev(r["seconds"] for r in mine),
+                         "background_per_save": statistics.mean(r["background"] for r in mine)
+                         if mine[0].get("background") is not None else None,
+                         "host_bytes": max(r.get("host_bytes", 0) for r in mine),
                          "saves": len(mine)}
     full = summary["full+fsync"]  # save_layers fsyncs every file: compare like with like
     print(f"{args.layers}-layer Llama, hidden {args.hidden}, world size {args.world_size}, "
           f"{args.reps} repetitions (mean per save; partial cases averaged over a cycle)")
-    print(f"{'case':<12}{'MB/save':>10}{'s/save':>10}{'bytes vs full':>15}"
-          f"{'time vs full+fsync':>20}")
+    print(f"{'case':<14}{'MB/save':>9}{'blocked s':>11}{'bg s':>8}{'bytes vs full':>15}"
+          f"{'time vs full+fsync':>20}{'stall/full+fsync':>18}")
     for case, s in summary.items():
         s["bytes_ratio"] = full["bytes_per_save"] / s["bytes_per_save"]
         s["time_ratio"] = full["seconds_per_save"] / s["seconds_per_save"]
-        print(f"{case:<12}{s['bytes_per_save'] / 1e6:>10.1f}{s['seconds_per_save']:>10.3f}"
-              f"{s['bytes_ratio']:>14.2f}x{s['time_ratio']:>19.2f}x")
+        s["stall_fraction"] = s["seconds_per_save"] / full["seconds_per_save"]
+        bg = s["background_per_save"]
+        print(f"{case:<14}{s['bytes_per_save'] / 1e6:>9.1f}{s['seconds_per_save']:>11.3f}"
+              f"{'-' if bg is None else f'{bg:.3f}':>8}{s['bytes_ratio']:>14.2f}x"
+              f"{s['time_ratio']:>19.2f}x{s['stall_fraction']:>18.3f}")
     OUT.mkdir(exist_ok=True)
     (OUT / "save_bench.json").write_text(json.dumps(
         {"args": vars(args), "summary": summary, "rows": rows}, indent=2))

@@ -1,7 +1,9 @@
 """One rank of the save benchmark (started by bench/save_bench.py through tinytrain.launch).
 
 Trains one step, then times, side by side and repeated, a full `engine.save_checkpoint` and
-`save_layers` under the parity and filter policies on the same engine. Rank 0 writes JSON.
+`save_layers` under the parity and filter policies on the same engine, synchronous and
+asynchronous (the time training is blocked: the slices copied to host buffers; the background
+write is timed apart, joined before the next save). Rank 0 writes JSON.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import torch.distributed as dist
 from mpitailor.publish.staging import fsync_tree
 from mpitailor.tinytrain.spec import TrainSpec
 from mpitailor.tinytrain.worker import build_engine, shutdown, train
-from mpitailor.training.partial_save import save_layers
+from mpitailor.training.partial_save import save_layers, take
 from mpitailor.training.policies import Filter, Parity
 from mpitailor.training.stats import model_layer_keys
+from mpitailor.training.writer import BackgroundWriter
 
 
 def fsync_tree_files(root: Path) -> None:
@@ -42,11 +45,14 @@ def main(spec_path: str, result_path: str) -> None:
     keys = model_layer_keys(engine)
     policies = {"parity": Parity(), "filter": Filter(always=(0, 1, -2, -1), every=4)}
     cycle = {"parity": [1, 2], "filter": [1, 2, 3, 4]}  # the partial saves of one cycle
+    writer = BackgroundWriter()
+    cases = ("full", "full+fsync", "parity", "filter", "parity-async", "filter-async")
     rows = []
     save_dir = Path(spec.save_dir)
     for rep in range(reps):
-        for case in ("full", "full+fsync", "parity", "filter"):
-            for idx in ([0] if case.startswith("full") else cycle[case]):
+        for case in cases:
+            policy = case.removesuffix("-async")
+            for idx in ([0] if case.startswith("full") else cycle[policy]):
                 tag = f"{case}-{rep}-{idx}"
                 dist.barrier()
                 t = time.perf_counter()
@@ -54,14 +60,24 @@ def main(spec_path: str, result_path: str) -> None:
                     engine.save_checkpoint(str(save_dir), tag=tag)
                     if case == "full+fsync":  # durable, as save_layers always is
                         fsync_tree_files(save_dir / tag)
+                elif case.endswith("-async"):
+                    layers = policies[policy].decide(idx, keys).layers
+                    writer.start(take(engine, save_dir, tag, layers, host=writer.host))
                 else:
-                    layers = policies[case].decide(idx, keys).layers
+                    layers = policies[policy].decide(idx, keys).layers
                     save_layers(engine, save_dir, tag, layers)
-                dist.barrier()
-                seconds = time.perf_counter() - t
+                background = None
+                if case.endswith("-async"):  # training would go on now: this rank's stall
+                    seconds = time.perf_counter() - t
+                    background = writer.join().seconds["background"]
+                    dist.barrier()
+                else:  # a collective save ends when every rank's part is done
+                    dist.barrier()
+                    seconds = time.perf_counter() - t
                 if engine.global_rank == 0:
                     rows.append({"case": case, "rep": rep, "save_index": idx,
-                                 "seconds": seconds, "bytes": du(save_dir / tag)})
+                                 "seconds": seconds, "background": background,
+                                 "host_bytes": writer.host.nbytes, "bytes": du(save_dir / tag)})
                     shutil.rmtree(save_dir / tag)
                 dist.barrier()
     if engine.global_rank == 0:

@@ -1,14 +1,19 @@
-"""Fault injection at named points, for the fault tests (tests/fault/).
+"""Fault injection at named points, for the fault tests (tests/fault/, test_async_save.py).
 
-MPITAILOR_FAILPOINT="POINT:RANK[:ACTION]" makes MPI rank RANK, on reaching POINT, die by
-SIGKILL (ACTION "kill", the default: a real kill -9, not an exception) or sleep (ACTION
-"sleep=SECONDS"). Points: "read" (sources opened, nothing copied), "write" (an optimizer
-file written, its model-states file not), "export" (a parameter's Universal files written,
-the rest not), "commit" (rank 0, staged tree complete, not yet published). Unset, it costs
-one environment lookup per point.
+MPITAILOR_FAILPOINT="POINT:RANK[:ACTION]" makes rank RANK, on reaching POINT, die by SIGKILL
+(ACTION "kill", the default: a real kill -9, not an exception), sleep (ACTION
+"sleep=SECONDS"), or fail to write as a full disk does (ACTION "enospc": OSError ENOSPC).
+POINT may name a detail too, "POINT/DETAIL" (a partial save's tag): then only there.
+Points: "read" (sources opened, nothing copied), "write" (an optimizer file written, its
+model-states file not), "export" (a parameter's Universal files written, the rest not),
+"commit" (rank 0, staged tree complete, not yet published), "partial-write" (a partial
+save's rank files about to be written), "partial-publish" (every rank's files written, the
+manifest not). RANK is the MPI rank, or the training rank (RANK) in a training process.
+Unset, it costs one environment lookup per point.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -16,22 +21,24 @@ import time
 ENV = "MPITAILOR_FAILPOINT"
 
 
-def hit(point: str) -> None:
+def hit(point: str, detail: str | None = None) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
     name, rank, *action = spec.split(":")
-    if name != point or int(rank) != _mpi_rank():
+    if name not in (point, f"{point}/{detail}") or int(rank) != _rank():
         return
     act = action[0] if action else "kill"
     if act == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif act.startswith("sleep="):
         time.sleep(float(act.removeprefix("sleep=")))
+    elif act == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (failpoint {spec})")
 
 
-def _mpi_rank() -> int:
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+def _rank() -> int:
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "RANK"):
         if var in os.environ:
             return int(os.environ[var])
     return 0

@@ -68,7 +68,14 @@ SAVING_VARIANTS: dict[str, tuple[dict, str | None]] = {
                                          dtype="bf16"), None),
     "hf_s2_w2_parity": (dict(world_size=2, zero_stage=2, steps=8, save_at=(2, 4, 6, 8),
                              policy={"name": "parity"}), HF_MODULE),
+    "s1_w2_parity": (dict(LAYERWISE, zero_stage=1, policy={"name": "parity"}), None),
 }
+# The same runs with partial saves written in the background: their saves must hold what the
+# synchronous runs' saves hold (tests/test_async_save.py).
+ASYNC_TWINS = {f"{name}_async": name for name in
+               ("w2_parity", "s2_w3_bf16_parity", "s1_w2_parity", "hf_s2_w2_parity")}
+SAVING_VARIANTS.update({twin: (dict(SAVING_VARIANTS[name][0], async_save=True),
+                               SAVING_VARIANTS[name][1]) for twin, name in ASYNC_TWINS.items()})
 STAGE12_VARIANTS = ["s2_w2_bf16_per_layer", "s2_w3_fp32_decay_tied_frozen", "s1_w2_fp32_one",
                     "hf_s2_w2_bf16"]
 ZERO3_VARIANTS = [n for n in VARIANTS if n not in ("w2_fp32_wide", *STAGE12_VARIANTS)]

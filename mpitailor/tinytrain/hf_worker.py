@@ -55,7 +55,8 @@ def main(spec_path: str, result_path: str) -> None:
         options = dict(spec.policy)
         trainer = LayerwiseTrainer(policy=make_policy(options.pop("name"), **options),
                                    stats=spec.stats, layer_patterns=spec.layer_patterns,
-                                   per_layer_groups=spec.per_layer_groups, model=model,
+                                   per_layer_groups=spec.per_layer_groups,
+                                   asynchronous=spec.async_save, model=model,
                                    args=args, train_dataset=data)
     else:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)

@@ -56,7 +56,8 @@ def launch(spec: TrainSpec, *, module: str = "mpitailor.tinytrain.worker",
             logs.append(log)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", module, str(spec_path), str(result_path)],
-                env=worker_env(rank, spec.world_size, port), stdout=log,
+                env={**worker_env(rank, spec.world_size, port), **spec.extra.get("env", {})},
+                stdout=log,
                 stderr=subprocess.STDOUT))
         try:
             _wait_all(procs, logs, timeout)
@@ -76,8 +77,14 @@ def _wait_all(procs, logs, timeout: float) -> None:
         codes = [p.poll() for p in procs]
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            raise TrainFailed(f"training rank {bad[0]} exited {codes[bad[0]]}:\n"
-                              + _tail(logs[bad[0]]))
+            # The others usually follow within moments (their peer is gone): say them all.
+            settle = time.monotonic() + 5
+            while time.monotonic() < settle and any(p.poll() is None for p in procs):
+                time.sleep(0.05)
+            codes = [p.poll() for p in procs]
+            raise TrainFailed("\n".join(
+                f"training rank {r} exited {c}:\n{_tail(logs[r])}"
+                for r, c in enumerate(codes) if c not in (None, 0)))
         if all(c == 0 for c in codes):
             return
         if time.monotonic() > deadline:

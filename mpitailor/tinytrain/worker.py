@@ -134,10 +134,14 @@ def run(spec: TrainSpec, result_path: str) -> None:
         options = dict(spec.policy)
         ckpt = LayerwiseCheckpointer(engine, spec.save_dir, make_policy(options.pop("name"),
                                                                         **options),
-                                     stats=spec.stats, layer_patterns=spec.layer_patterns)
+                                     stats=spec.stats, layer_patterns=spec.layer_patterns,
+                                     asynchronous=spec.async_save,
+                                     max_host_bytes=spec.max_host_bytes)
         on_save = lambda engine, spec, step: ckpt.save(  # noqa: E731
             tag=f"global_step{step}", client_state=client_state(spec, step))
     losses = train(spec, engine, first, on_save)
+    if spec.policy is not None:
+        ckpt.wait()  # the last asynchronous save published, or its failure raised here
     eval_loss = held_out_loss(spec, engine) if spec.eval_batches else None
     resumed = resume_own_saves(spec, engine) if spec.then_resume else None
     if engine.global_rank == 0:
@@ -145,7 +149,7 @@ def run(spec: TrainSpec, result_path: str) -> None:
             {"losses": losses, "first_step": first, "global_steps": engine.global_steps,
              "world_size": engine.world_size, "eval_loss": eval_loss,
              "client_state": shown_client_state(client), "resumed": resumed,
-             "loaded": loaded})
+             "loaded": loaded, "save_timings": ckpt.timings if spec.policy else None})
         if result_path == "-":
             print(result, flush=True)
         else:

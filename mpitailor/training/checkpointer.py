@@ -6,6 +6,14 @@
         if step % 100 == 0:
             ckpt.save()        # full or partial, as the policy says; collective
 
+With `asynchronous=True`, a partial save blocks training only while the chosen layers'
+slices are copied to host buffers (allocated once, reused; `max_host_bytes` bounds them);
+a background writer writes, fsyncs and publishes it while training goes on. One save is in
+flight at a time: the next `save()` waits for it, and `wait()` (call it when training ends)
+waits for the last one. A save that failed in the background raises PartialSaveFailed at
+the next `save()` or `wait()`, on every rank; it was never published. Full saves are
+DeepSpeed's own, synchronous.
+
 Recover with `python -m mpitailor recover ckpts -o merged` and resume with
 `engine.load_checkpoint("merged")`. A new checkpointer (after a resume) starts a new chain
 with a full save: every save records its chain and the save it builds on (a lineage), so
@@ -15,8 +23,10 @@ Collective: every method is called on every rank.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,17 +37,23 @@ from mpitailor.errors import UserError
 from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.publish.staging import fsync_dir, write_synced
-from mpitailor.training.partial_save import save_layers, save_leader
+from mpitailor.training.distcomm import training_comm
+from mpitailor.training.partial_save import save_leader, take
 from mpitailor.training.policies import Decision, Policy
+from mpitailor.training.snapshot import write
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
+from mpitailor.training.writer import BackgroundWriter
 
 
 class LayerwiseCheckpointer:
     def __init__(self, engine, save_dir: str | os.PathLike, policy: Policy,
                  stats: str | os.PathLike | None = None,
-                 layer_patterns: Mapping[str, str] | None = None) -> None:
+                 layer_patterns: Mapping[str, str] | None = None,
+                 asynchronous: bool = False, max_host_bytes: int | None = None) -> None:
         """layer_patterns: `{regex: layer key}` for parameter names the built-in rules do not
-        know (see `mpitailor.planning.layers`); recorded in every save, so `recover` needs no flag."""
+        know (see `mpitailor.planning.layers`); recorded in every save, so `recover` needs no
+        flag. asynchronous: write partial saves in the background (above); max_host_bytes:
+        refuse (UserError, every rank) a save whose slices need more host buffer than this."""
         self.engine, self.save_dir, self.policy = engine, save_dir, policy
         refuse_unsupported(engine)
         classify = LayerClassifier(layer_patterns)
@@ -51,6 +67,8 @@ class LayerwiseCheckpointer:
         self.staleness = {k: 0 for k in self.keys}
         self.last: dict | None = None
         self.lineage: Lineage | None = None  # of the last save (rank 0's is what counts)
+        self.writer = BackgroundWriter(max_host_bytes) if asynchronous else None
+        self.timings: list[dict] = []  # per save: seconds blocked, waited, in the background
 
     def decide(self) -> Decision:
         """Collective (measures updates when tracking): what the next save writes."""
@@ -68,9 +86,11 @@ class LayerwiseCheckpointer:
         return Lineage(save_id, self.lineage.chain, self.lineage.save_id)
 
     def record(self, decision: Decision, lineage: Lineage | None = None,
-               tag_dir: str | os.PathLike | None = None) -> None:
+               tag_dir: str | os.PathLike | None = None, blocked: float = math.nan,
+               waited: float = 0.0) -> None:
         """After a save: staleness, snapshots and the stats log. For a full save, rank 0
-        also writes its lineage record into the tag dir (DeepSpeed's files are complete)."""
+        also writes its lineage record into the tag dir (DeepSpeed's files are complete).
+        blocked: seconds training stood still for it; waited: of those, for the save before."""
         if lineage is not None:
             if decision.full and self.engine.global_rank == 0:
                 write_save_record(Path(tag_dir), lineage, self.engine.global_steps,
@@ -82,11 +102,16 @@ class LayerwiseCheckpointer:
             self.tracker.mark_saved(decision.layers)
         if self.log:
             self.log.append(self.engine.global_steps, decision.full, set(decision.layers),
-                            self.last)
+                            self.last, blocked=blocked, waited=waited)
+        self.timings.append({"step": self.engine.global_steps, "full": decision.full,
+                             "blocked": blocked, "waited": waited, "background": math.nan,
+                             "host_bytes": self.writer.host.nbytes if self.writer else 0})
         self.save_index += 1
 
     def save(self, tag: str | None = None, client_state: dict | None = None) -> Decision:
         """Collective: a full DeepSpeed save or a partial one, as the policy decides."""
+        t0 = time.perf_counter()
+        waited = self.wait()
         tag = tag or f"global_step{self.engine.global_steps}"
         decision = self.decide()
         lineage = self.next_lineage(decision)
@@ -94,10 +119,38 @@ class LayerwiseCheckpointer:
             self._drop_partial(tag)
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state or {})
         else:
-            save_layers(self.engine, self.save_dir, tag, decision.layers, client_state,
-                        self.classify, lineage)
-        self.record(decision, lineage, Path(self.save_dir) / tag)
+            self.save_partial(tag, decision.layers, lineage, client_state)
+        self.record(decision, lineage, Path(self.save_dir) / tag,
+                    blocked=time.perf_counter() - t0, waited=waited)
         return decision
+
+    def save_partial(self, tag: str, layers, lineage: Lineage | None,
+                     client_state: dict | None = None, save_dir: str | os.PathLike | None = None,
+                     on_published=None) -> None:
+        """Collective: a partial save of `layers`, now or (asynchronous) in the background.
+        on_published: run by the save's leaders once it is published (HF's `latest`)."""
+        save_dir = self.save_dir if save_dir is None else save_dir
+        if self.writer is None:
+            write(take(self.engine, save_dir, tag, layers, client_state, self.classify,
+                       lineage, on_published=on_published), training_comm())
+            return
+        self.wait()
+        self.writer.start(take(self.engine, save_dir, tag, layers, client_state,
+                               self.classify, lineage, host=self.writer.host,
+                               on_published=on_published))
+
+    def wait(self) -> float:
+        """Collective: wait for the save in flight (asynchronous saves); seconds waited.
+        Raises PartialSaveFailed, on every rank, if it failed."""
+        if self.writer is None or not self.writer.busy:
+            return 0.0
+        row = len(self.timings) - 1
+        snap = self.writer.join()
+        if row >= 0:
+            self.timings[row]["background"] = snap.seconds["background"]
+            if self.log:
+                self.log.set(row, "background_s", snap.seconds["background"])
+        return snap.seconds["waited"]
 
     def _drop_partial(self, tag: str) -> None:
         """A full save over an older partial checkpoint of the same tag (training resumed

@@ -14,33 +14,39 @@ from mpitailor.cluster.comm import Comm
 
 
 class TorchDistWorld:
-    """torch.distributed's default group, answering the calls `Comm` makes of mpi4py."""
+    """A torch.distributed group (the default one unless given), answering the calls `Comm`
+    makes of mpi4py. Ranks are the group's; every member must be in it (DeepSpeed's data
+    parallel world is the whole world here)."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
 
     def Get_rank(self) -> int:  # noqa: N802 - mpi4py's spelling
-        return dist.get_rank()
+        return dist.get_rank(self.group)
 
     def Get_size(self) -> int:  # noqa: N802
-        return dist.get_world_size()
+        return dist.get_world_size(self.group)
 
     def allgather(self, obj):
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def bcast(self, obj, root: int = 0):
         box = [obj]
-        dist.broadcast_object_list(box, src=root)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, root)
+                                   if self.group is not None else root, group=self.group)
         return box[0]
 
     def alltoall(self, objs: list) -> list:
         # torch.distributed has no object all-to-all: every rank gathers every list and keeps
         # its column (fine for what the training side sends: metadata, and node-local
         # bytes only when a resume reshards across nodes)
-        rank = dist.get_rank()
+        rank = dist.get_rank(self.group)
         return [row[rank] for row in self.allgather(objs)]
 
     def Barrier(self) -> None:  # noqa: N802
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def Abort(self, code: int) -> None:  # noqa: N802
         os._exit(code)  # the launcher sees the exit and ends the other ranks
@@ -49,3 +55,12 @@ class TorchDistWorld:
 def training_comm() -> Comm:
     """The training ranks (a world of one when torch.distributed is not initialised)."""
     return Comm(TorchDistWorld()) if dist.is_available() and dist.is_initialized() else Comm(None)
+
+
+def writer_comm() -> Comm:
+    """Collective (every training rank, once): a world of its own for a background writer, so
+    that its collectives never interleave with training's on the default group. A gloo group
+    (host objects, any backend training uses, as DCP's async_save does)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Comm(None)
+    return Comm(TorchDistWorld(dist.new_group(backend="gloo")))

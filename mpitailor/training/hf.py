@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,7 +33,6 @@ from mpitailor.errors import UserError
 from mpitailor.formats.files import PARTIAL_MANIFEST
 from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.training.checkpointer import LayerwiseCheckpointer
-from mpitailor.training.partial_save import save_layers
 from mpitailor.training.policies import Policy
 from mpitailor.training.resume import recover_for_resume
 
@@ -40,8 +40,12 @@ from mpitailor.training.resume import recover_for_resume
 class LayerwiseTrainer(transformers.Trainer):
     def __init__(self, *args, policy: Policy, stats: str | os.PathLike | None = None,
                  layer_patterns: Mapping[str, str] | None = None,
-                 per_layer_groups: bool = True, **kwargs) -> None:
+                 per_layer_groups: bool = True, asynchronous: bool = False,
+                 max_host_bytes: int | None = None, **kwargs) -> None:
+        """asynchronous, max_host_bytes: partial saves written in the background, as
+        LayerwiseCheckpointer's (train() waits for the last one before it returns)."""
         super().__init__(*args, **kwargs)
+        self.asynchronous, self.max_host_bytes = asynchronous, max_host_bytes
         self.layerwise_policy, self.layerwise_stats = policy, stats
         self.layer_patterns = dict(layer_patterns or {})
         self.per_layer_groups = per_layer_groups
@@ -89,7 +93,10 @@ class LayerwiseTrainer(transformers.Trainer):
         checkpoint-N first assembles the composite to resume from (collective)."""
         if resume_from_checkpoint:
             resume_from_checkpoint = str(self._resume_point(resume_from_checkpoint))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self._layerwise is not None:
+            self._layerwise.wait()  # the last asynchronous save is published (or raises)
+        return result
 
     def _resume_point(self, wanted: str | bool) -> Path:
         if wanted is True:
@@ -108,9 +115,11 @@ class LayerwiseTrainer(transformers.Trainer):
                                "deepspeed)")
         run_dir = Path(self._get_output_dir(trial=trial))
         if self._layerwise is None:
-            self._layerwise = LayerwiseCheckpointer(self.deepspeed, run_dir,
-                                                    self.layerwise_policy, self.layerwise_stats,
-                                                    self.layer_patterns)
+            self._layerwise = LayerwiseCheckpointer(
+                self.deepspeed, run_dir, self.layerwise_policy, self.layerwise_stats,
+                self.layer_patterns, self.asynchronous, self.max_host_bytes)
+        t0 = time.perf_counter()
+        waited = self._layerwise.wait()
         decision = self._layerwise.decide()
         lineage = self._layerwise.next_lineage(decision)
         out = run_dir / f"checkpoint-{self.state.global_step}"
@@ -118,7 +127,8 @@ class LayerwiseTrainer(transformers.Trainer):
             super()._save_checkpoint(model, trial)
         else:
             self._save_partial(out, decision.layers, lineage)
-        self._layerwise.record(decision, lineage, out / f"global_step{self.state.global_step}")
+        self._layerwise.record(decision, lineage, out / f"global_step{self.state.global_step}",
+                               blocked=time.perf_counter() - t0, waited=waited)
 
     def _save_partial(self, out: Path, layers, lineage) -> None:
         """A partial checkpoint-N; on failure, nothing of it is left (it had no `latest`)."""
@@ -142,7 +152,6 @@ class LayerwiseTrainer(transformers.Trainer):
                 torch.save(self.lr_scheduler.state_dict(), out / "scheduler.pt")
         self.accelerator.wait_for_everyone()
         self._save_rng_state(str(out))
-        save_layers(self.deepspeed, out, tag, layers, classify=self._layerwise.classify,
-                    lineage=lineage)
-        if self.args.should_save:
-            (out / "latest").write_text(tag)
+        # `latest` last, once the tag dir is published (by the writer, if asynchronous)
+        self._layerwise.save_partial(tag, layers, lineage, save_dir=out,
+                                     on_published=lambda: (out / "latest").write_text(tag))

@@ -24,28 +24,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpitailor.cluster.comm import Comm
-from mpitailor.errors import MpitailorError
 from mpitailor.formats.files import (
-    PARTIAL_MANIFEST,
     STAGE12_MODEL,
     Lineage,
     model_file,
     partial_files,
 )
 from mpitailor.formats.layout import KINDS, compute_layout
-from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest
+from mpitailor.formats.manifest import PARTIAL_FORMAT
 from mpitailor.formats.shard import without_flat_buffers
-from mpitailor.formats.stwrite import write_safetensors
 from mpitailor.planning.layers import LayerClassifier
-from mpitailor.publish.staging import Staging, fsync_and_record, holding, write_synced
 from mpitailor.training.distcomm import training_comm
+from mpitailor.training.snapshot import (
+    HostBuffers,
+    Snapshot,
+    agree,
+    torch_bytes,
+    write,
+)
 
 VERSION = 1  # the partial layout (files and keys), beside the manifest's format_version
-
-
-class PartialSaveFailed(RuntimeError):
-    """Some rank could not write its part; nothing was published."""
 
 
 class PartialCheckpointError(RuntimeError):
@@ -140,64 +138,54 @@ def save_layers(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[
     combines saves of two timelines; LayerwiseCheckpointer passes it.
     classify: parameter name -> layer key; its patterns are recorded, so `recover` finds the
     same layers without being told."""
+    snap = take(engine, save_dir, tag, layers, client_state, classify, lineage)
+    return write(snap, training_comm())
+
+
+def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
+         client_state: dict | None = None, classify: LayerClassifier | None = None,
+         lineage: Lineage | None = None, host: HostBuffers | None = None,
+         on_published=None) -> Snapshot:
+    """Collective: what the partial save of `layers` holds, from the live engine. host: copy
+    the slices into these buffers (an asynchronous save); else they stay views of the
+    engine's buffers, to be written before the engine takes another step."""
+    classify = classify or LayerClassifier()
+    layers = set(layers)
+    final = Path(save_dir) / tag
     opt = engine.optimizer
+    comm = training_comm()
     # As in engine.save_checkpoint: partition even the persistent (small) parameters so the
     # module's state dict holds placeholders, and gather them back afterwards (collective).
     if hasattr(opt, "checkpoint_event_prologue"):
         opt.checkpoint_event_prologue()
     try:
-        return _save_layers(engine, Path(save_dir), tag, set(layers), client_state,
-                            classify or LayerClassifier(), lineage)
+        def states_and_slices():
+            states = model_states(engine, client_state)
+            return states, layer_slices(engine, states["param_shapes"], layers, classify)
+        states, slices = agree(comm, states_and_slices)
+        if host is not None:
+            agree(comm, host.check, host.need(slices))
+            slices = host.copy(slices)
+        rank, leader, flat = engine.global_rank, save_leader(engine), flat_engine(engine)
+        names = partial_files(rank)
+        guard = STAGE12_MODEL if flat and leader else None if flat else model_file(rank)
+        blobs = {guard: torch_bytes(_ResumeGuard(str(final)))} if guard is not None else {}
+        blobs[names["model"]] = torch_bytes(states)
+        blobs[names["optim"]] = torch_bytes(optimizer_meta(engine))
+        blobs[names["rng"]] = torch_bytes(rng_state())
     finally:
         if hasattr(opt, "checkpoint_event_epilogue"):
             opt.checkpoint_event_epilogue()
-
-
-def _save_layers(engine, save_dir: Path, tag: str, layers: set[str], client_state, classify,
-                 lineage: Lineage | None):
-    final = save_dir / tag
-    comm = training_comm()
-    leader = save_leader(engine)
-    staging = Staging(final, replace=True)
-    with holding(staging, leader):
-        _step(comm, lambda: staging.acquire(None) if leader else None)
-        flat = flat_engine(engine)
-
-        def write_rank() -> tuple[dict, str]:
-            states = model_states(engine, client_state)
-            return _write_rank(staging.dir, engine.global_rank, states,
-                               layer_slices(engine, states["param_shapes"], layers, classify),
-                               optimizer_meta(engine), final,
-                               STAGE12_MODEL if flat and leader else
-                               None if flat else model_file(engine.global_rank)), \
-                _layout_hash(states["param_shapes"])
-        records, layout_sha256 = _step(comm, write_rank)
-        files = {k: v for part in comm.allgather(records) for k, v in part.items()}
-        manifest = Manifest("partial", files, {
-            "format": PARTIAL_FORMAT, "version": VERSION, "tag": tag,
-            "global_steps": engine.global_steps, "world_size": engine.dp_world_size,
-            "dtype": "bf16" if engine.bfloat16_enabled() else
-                     "fp16" if engine.fp16_enabled() else "fp32",
-            "layers": sorted(layers),
-            "zero_stage": engine.zero_optimization_stage(),
-            "layout_sha256": layout_sha256,
-            "lineage": lineage.to_json() if lineage else None,
-            "layer_patterns": classify.patterns})
-
-        def publish() -> None:
-            if leader:
-                write_synced(staging.dir / PARTIAL_MANIFEST, manifest.to_json())
-                staging.publish()
-        _step(comm, publish)
-    return final
-
-
-def _step(comm: Comm, fn):
-    """Collective: fn on every rank; any rank's failure raised on every rank."""
-    try:
-        return comm.step(fn)
-    except MpitailorError as e:
-        raise PartialSaveFailed(f"partial checkpoint not saved: {e}") from None
+    fields = {"format": PARTIAL_FORMAT, "version": VERSION, "tag": tag,
+              "global_steps": engine.global_steps, "world_size": engine.dp_world_size,
+              "dtype": "bf16" if engine.bfloat16_enabled() else
+                       "fp16" if engine.fp16_enabled() else "fp32",
+              "layers": sorted(layers),
+              "zero_stage": engine.zero_optimization_stage(),
+              "layout_sha256": _layout_hash(states["param_shapes"]),
+              "lineage": lineage.to_json() if lineage else None,
+              "layer_patterns": classify.patterns}
+    return Snapshot(final, rank, leader, blobs, slices, fields, on_published)
 
 
 def save_leader(engine) -> bool:
@@ -206,25 +194,6 @@ def save_leader(engine) -> bool:
     use = getattr(engine, "use_node_local_storage", None)
     return engine.global_rank == 0 or (bool(use()) if callable(use) else False) \
         and engine.local_rank == 0
-
-
-def _write_rank(staging: Path, rank: int, states: dict, slices: dict, optim: dict,
-                final: Path, guard_name: str | None) -> dict:
-    """guard_name: where DeepSpeed's loader looks for this rank's model states (stage 3:
-    one per rank; stages 1/2: one for all, written by the leader), for _ResumeGuard."""
-    names = partial_files(rank)
-    records = {}
-    if guard_name is not None:
-        guard = staging / guard_name
-        torch.save(_ResumeGuard(str(final)), guard)
-        records[guard.name] = fsync_and_record(guard)
-    for key, obj in (("model", states), ("optim", optim), ("rng", rng_state())):
-        path = staging / names[key]
-        torch.save(obj, path)
-        records[names[key]] = fsync_and_record(path)
-    records[names["layers"]] = write_safetensors(staging / names["layers"], slices,
-                                                 metadata={"format": PARTIAL_FORMAT})
-    return records
 
 
 def _layout_hash(param_shapes) -> str:

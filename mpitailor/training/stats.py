@@ -79,7 +79,12 @@ class StatsLog:
     def __init__(self, path: str | Path, keys: list[str]) -> None:
         self.path, self.keys = Path(path), list(keys)
 
-    def append(self, step: int, full: bool, saved: set[str], stats: dict | None) -> None:
+    TIMINGS = ("blocked_s", "waited_s", "background_s")  # per save; NaN where unknown
+
+    def append(self, step: int, full: bool, saved: set[str], stats: dict | None,
+               blocked: float = math.nan, waited: float = math.nan) -> None:
+        """One save's row. blocked: seconds training stood still for it (waited: of those,
+        for the save before); its background seconds come later (`set`)."""
         import h5py
 
         row = {"update_norm": [], "weight_norm": [], "relative_update": []}
@@ -96,10 +101,21 @@ class StatsLog:
                 for field in row:
                     f.create_dataset(field, shape=(0, L), maxshape=(None, L), dtype="f8")
             n = f["step"].shape[0]
-            for name in ("step", "full", "saved", *row):
+            for name in self.TIMINGS:  # also into a log written before they were recorded
+                if name not in f:
+                    f.create_dataset(name, data=np.full(n, math.nan), maxshape=(None,))
+            for name in ("step", "full", "saved", *row, *self.TIMINGS):
                 f[name].resize(n + 1, axis=0)
             f["step"][n] = step
             f["full"][n] = full
             f["saved"][n] = [k in saved for k in self.keys]
             for field, values in row.items():
                 f[field][n] = values
+            f["blocked_s"][n], f["waited_s"][n], f["background_s"][n] = blocked, waited, math.nan
+
+    def set(self, row: int, name: str, value: float) -> None:
+        """A timing of an earlier row, known once its background write ended."""
+        import h5py
+
+        with h5py.File(self.path, "a") as f:
+            f[name][row] = value

@@ -1,0 +1,148 @@
+"""A partial save in two halves: what it holds, taken from the live engine (`take`), and the
+files written, fsynced and published from that (`write`).
+
+A synchronous save runs both at once and writes the chosen slices straight from the
+engine's buffers. An asynchronous one (checkpointer.py) copies the slices into host buffers
+that are allocated once and reused (`HostBuffers`), returns to training, and has a
+background writer run `write` while training goes on. The small states (DeepSpeed's model
+states, the optimizer's non-tensor state, rng) are serialised while the engine is still
+still: the file's bytes are the snapshot.
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mpitailor import failpoints
+from mpitailor.cluster.comm import Comm
+from mpitailor.errors import MpitailorError, UserError
+from mpitailor.formats.files import PARTIAL_MANIFEST, partial_files
+from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest
+from mpitailor.formats.stwrite import write_safetensors
+from mpitailor.publish.staging import Staging, holding, write_synced
+
+
+class PartialSaveFailed(RuntimeError):
+    """Some rank could not write its part; nothing was published."""
+
+
+@dataclass
+class Snapshot:
+    """One rank's part of a partial save, ready to be written."""
+
+    final: Path                      # the tag dir it publishes
+    rank: int                        # this rank's number in the training world
+    leader: bool                     # this rank stages and publishes (save_leader)
+    blobs: dict[str, bytes]          # file name -> its bytes (torch files, serialised)
+    slices: dict[str, torch.Tensor]  # `{kind}/{name}` -> this rank's slice of a chosen layer
+    fields: dict                     # the manifest's fields (rank 0's count)
+    on_published: Callable[[], None] | None = None  # leader, after the rename (HF `latest`)
+    seconds: dict = field(default_factory=dict)     # "blocked", "background", "waited"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.slices.values())
+
+
+def torch_bytes(obj) -> bytes:
+    """What torch.save writes to a file, as bytes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+class HostBuffers:
+    """One host buffer per dtype for an asynchronous save's slices, allocated on first use,
+    grown only when a save needs more (so bounded by the largest save) and reused; never
+    above `limit` bytes, when set."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def need(self, slices: dict[str, torch.Tensor]) -> int:
+        """Bytes the buffers will hold after copying `slices` (grown where needed)."""
+        want: dict[torch.dtype, int] = {}
+        for t in slices.values():
+            want[t.dtype] = want.get(t.dtype, 0) + t.numel()
+        return sum(max(n, self._bufs[d].numel() if d in self._bufs else 0)
+                   * torch.empty(0, dtype=d).element_size() for d, n in want.items())
+
+    def check(self, need: int) -> None:
+        if self.limit is not None and need > self.limit:
+            raise UserError(f"an asynchronous layer-wise save needs {need / 2**20:.1f} MiB of "
+                            f"host buffers on this rank, over max_host_bytes="
+                            f"{self.limit / 2**20:.1f} MiB; raise the limit, save fewer "
+                            f"layers at a time, or save synchronously")
+
+    def copy(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The slices copied into the buffers (views of them, in the same order)."""
+        want: dict[torch.dtype, int] = {}
+        for t in slices.values():
+            want[t.dtype] = want.get(t.dtype, 0) + t.numel()
+        for dtype, n in want.items():
+            if dtype not in self._bufs or self._bufs[dtype].numel() < n:
+                self._bufs[dtype] = torch.empty(n, dtype=dtype, pin_memory=_pinnable())
+        at: dict[torch.dtype, int] = {}
+        out = {}
+        for name, t in slices.items():
+            i = at.get(t.dtype, 0)
+            view = self._bufs[t.dtype][i: i + t.numel()]
+            view.copy_(t.reshape(-1), non_blocking=True)
+            out[name] = view.view(t.shape)
+            at[t.dtype] = i + t.numel()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies are in host memory before training goes on
+        return out
+
+
+def _pinnable() -> bool:
+    return torch.cuda.is_available()
+
+
+def write(snap: Snapshot, comm: Comm) -> Path:
+    """Collective over comm (the training ranks, or the writer's own group): stage the save,
+    every rank writes and fsyncs its files, the leaders write the manifest last and publish
+    by rename. Any rank's failure is raised on every rank as PartialSaveFailed; then nothing
+    is published and the staging dir is removed."""
+    staging = Staging(snap.final, replace=True)
+    with holding(staging, snap.leader):
+        agree(comm, lambda: staging.acquire(None) if snap.leader else None)
+        records = agree(comm, _write_rank, snap, staging.dir)
+        files = {k: v for part in comm.allgather(records) for k, v in part.items()}
+        manifest = Manifest("partial", files, snap.fields)
+
+        def publish() -> None:
+            failpoints.hit("partial-publish", snap.final.name)
+            if snap.leader:
+                write_synced(staging.dir / PARTIAL_MANIFEST, manifest.to_json())
+                staging.publish()
+                if snap.on_published is not None:
+                    snap.on_published()
+        agree(comm, publish)
+    return snap.final
+
+
+def _write_rank(snap: Snapshot, root: Path) -> dict:
+    failpoints.hit("partial-write", snap.final.name)
+    records = {name: write_synced(root / name, data) for name, data in snap.blobs.items()}
+    name = partial_files(snap.rank)["layers"]
+    records[name] = write_safetensors(root / name, snap.slices,
+                                      metadata={"format": PARTIAL_FORMAT})
+    return records
+
+
+def agree(comm: Comm, fn, *args):
+    """Collective: fn on every rank; any rank's failure raised on every rank."""
+    try:
+        return comm.step(fn, *args)
+    except MpitailorError as e:
+        raise PartialSaveFailed(f"partial checkpoint not saved: {e}") from None

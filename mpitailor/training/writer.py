@@ -1,0 +1,64 @@
+"""The background writer of asynchronous layer-wise saves: at most one save in flight.
+
+Training blocks only while a save's slices are copied into host buffers (snapshot.py); a
+thread then writes, fsyncs and publishes it, with collectives on a gloo group of its own.
+The next save (or `wait`) joins the thread first: a save that failed on any rank raises
+PartialSaveFailed there, on every rank (the writers agreed on the failure), never lost.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from mpitailor.training.distcomm import writer_comm
+from mpitailor.training.snapshot import HostBuffers, PartialSaveFailed, Snapshot, write
+
+
+class BackgroundWriter:
+    def __init__(self, max_host_bytes: int | None = None) -> None:
+        """Collective (creates the writer's process group)."""
+        self.comm = writer_comm()
+        self.host = HostBuffers(max_host_bytes)
+        self._thread: threading.Thread | None = None
+        self._snap: Snapshot | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def start(self, snap: Snapshot) -> None:
+        """Write `snap` in the background (join the previous save first)."""
+        if self._thread is not None:
+            raise RuntimeError("a save is already in flight: join it first")
+        self._snap, self._error = snap, None
+        # Not a daemon: a training script that ends normally waits for its last save.
+        self._thread = threading.Thread(target=self._run, args=(snap,),
+                                        name="mpitailor-writer")
+        self._thread.start()
+
+    def _run(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        try:
+            write(snap, self.comm)
+        except BaseException as e:  # noqa: BLE001 - raised at the next join, on every rank
+            self._error = e
+        finally:
+            snap.seconds["background"] = time.perf_counter() - t0
+
+    def join(self) -> Snapshot | None:
+        """Wait for the save in flight; its snapshot (with the seconds waited), or None when
+        there was none. Raises PartialSaveFailed when it failed (on every rank alike)."""
+        if self._thread is None:
+            return None
+        t0 = time.perf_counter()
+        self._thread.join()
+        snap, error = self._snap, self._error
+        self._thread, self._snap, self._error = None, None, None
+        snap.seconds["waited"] = time.perf_counter() - t0
+        if isinstance(error, PartialSaveFailed):
+            raise error
+        if error is not None:
+            raise PartialSaveFailed(f"partial checkpoint {snap.final} not saved: "
+                                    f"{type(error).__name__}: {error}") from error
+        return snap

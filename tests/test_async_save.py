@@ -1,0 +1,151 @@
+"""Asynchronous layer-wise saves (real DeepSpeed, ZeRO stages 1-3, HF Trainer): the same
+saves as synchronous ones, nothing visible until complete, and failures never silent."""
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ckpt_fixtures import ASYNC_TWINS, VARIANTS, build, spec_for
+from conftest import tree_digest
+from merging import run_cli
+from safetensors import safe_open
+
+from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
+from mpitailor.formats.safeload import load
+from mpitailor.tinytrain import launch
+from mpitailor.tinytrain.launch import TrainFailed
+
+LAYERWISE_STEPS = (4, 6, 8)  # partial saves of the fixtures (2 is the full one)
+
+
+def same(a, b) -> bool:
+    """Equal values, tensors and numpy arrays compared elementwise, inside containers."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and \
+            a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        return same(vars(a), vars(b))  # objects without an equality (DeepSpeed's LossScaler)
+    return a == b
+
+
+def tag_dirs(root: Path, step: int) -> Path:
+    hf = root / f"checkpoint-{step}"
+    return hf / f"global_step{step}" if hf.is_dir() else root / f"global_step{step}"
+
+
+@pytest.mark.parametrize("twin", sorted(ASYNC_TWINS))
+def test_asynchronous_saves_hold_what_synchronous_saves_hold(twin):
+    sync_root, async_root = build(ASYNC_TWINS[twin]), build(twin)
+    for step in LAYERWISE_STEPS:
+        a, b = tag_dirs(sync_root, step), tag_dirs(async_root, step)
+        ma, mb = read_manifest(a / PARTIAL_MANIFEST), read_manifest(b / PARTIAL_MANIFEST)
+        assert ma.kind == mb.kind == "partial"
+        assert sorted(ma.files) == sorted(mb.files), step
+        for key in ("layers", "global_steps", "world_size", "dtype", "zero_stage",
+                    "layout_sha256"):
+            assert ma[key] == mb[key], (step, key)
+        for name in ma.files:
+            if name.endswith(".safetensors"):  # the layers' slices: the same bytes
+                assert (a / name).read_bytes() == (b / name).read_bytes(), (step, name)
+                with safe_open(b / name, "pt") as f:
+                    assert len(f.keys()) > 0
+            elif name.startswith("rank_"):    # model states, optimizer state, rng: same values
+                sa = load(a / name, opaque_ok=True, allow=("numpy", "deepspeed"))
+                sb = load(b / name, opaque_ok=True, allow=("numpy", "deepspeed"))
+                assert same(sa, sb), (step, name)
+    if (async_root / "checkpoint-8").is_dir():  # HF: `latest` after the writer published
+        assert (async_root / "checkpoint-8" / "latest").read_text() == "global_step8"
+
+
+def test_asynchronous_save_timings_and_stats_log(tmp_path):
+    spec = replace(spec_for("w2_parity_async", tmp_path / "run"), stats=str(tmp_path / "s.h5"))
+    result = launch(spec)
+    timings = result["save_timings"]
+    assert [t["step"] for t in timings] == [2, 4, 6, 8]
+    assert [t["full"] for t in timings] == [True, False, False, False]
+    partial = timings[1:]
+    assert all(t["blocked"] > 0 and t["background"] > 0 for t in partial)
+    assert all(t["host_bytes"] > 0 for t in partial)
+    import h5py
+    with h5py.File(tmp_path / "s.h5") as f:
+        assert f["blocked_s"].shape == (4,) and all(x > 0 for x in f["blocked_s"][:])
+        assert all(x > 0 for x in f["background_s"][1:])
+
+
+def test_kill_9_during_the_background_write_leaves_the_previous_saves(tmp_path):
+    """Rank 0 dies while the writer of the step-6 save runs (its rank files written, the
+    manifest not): nothing of step 6 is visible, and recover takes the saves before it."""
+    root = tmp_path / "run"
+    spec = replace(spec_for("w2_parity_async", root), stats=None,
+                   extra={"env": {"MPITAILOR_FAILPOINT": "partial-publish/global_step6:0"}})
+    with pytest.raises(TrainFailed, match="rank 0 exited -9"):
+        launch(spec)
+    assert not (root / "global_step6").exists()
+    assert not (root / "global_step8").exists()
+    # Recovering the crashed run equals recovering a copy of the saves made before step 6.
+    before = tmp_path / "before"
+    before.mkdir()
+    for name in ("global_step2", "global_step4"):
+        shutil.copytree(root / name, before / name)
+    shutil.copy2(root / "latest", before / "latest")
+    digest = tree_digest(root)
+    for d, out in ((root, tmp_path / "a"), (before, tmp_path / "b")):
+        r = run_cli(["recover", str(d), "-o", str(out)], {}, ranks=2)
+        assert r.returncode == 0, r.stderr
+    assert tree_digest(root) == digest  # the staging dir left by the kill is not touched
+    for name in sorted(p.name for p in (tmp_path / "a" / "global_step4").iterdir()):
+        assert (tmp_path / "a" / "global_step4" / name).read_bytes() == \
+            (tmp_path / "b" / "global_step4" / name).read_bytes(), name
+
+
+def test_a_full_disk_in_the_writer_raises_on_every_rank_and_publishes_nothing(tmp_path):
+    root = tmp_path / "run"
+    spec = replace(spec_for("w2_parity_async", root), stats=None,
+                   extra={"env": {"MPITAILOR_FAILPOINT": "partial-write/global_step4:1:enospc"}})
+    with pytest.raises(TrainFailed) as failed:
+        launch(spec)
+    text = str(failed.value)
+    for rank in (0, 1):  # the one rank's failure raised on both
+        assert f"rank {rank} exited 1" in text
+    assert text.count("PartialSaveFailed: partial checkpoint not saved") >= 2
+    assert "No space left on device" in text and "(on rank 1)" in text
+    assert not (root / "global_step4").exists()
+    assert not list(root.glob(".global_step4*"))  # staging removed, lock released
+    assert (root / "global_step2").is_dir()  # the full save before it stands
+
+
+def test_host_buffers_over_the_limit_are_refused_on_every_rank(tmp_path):
+    spec = replace(spec_for("w2_parity_async", tmp_path / "run"), stats=None,
+                   max_host_bytes=1000)
+    with pytest.raises(TrainFailed) as failed:
+        launch(spec)
+    text = str(failed.value)
+    assert "over max_host_bytes=0.0 MiB" in text
+    for rank in (0, 1):
+        assert f"rank {rank} exited 1" in text
+    assert not (tmp_path / "run" / "global_step4").exists()
+
+
+def test_resume_from_asynchronous_saves(tmp_path):
+    root = build("w2_parity_async")
+    out = tmp_path / "recovered"
+    r = run_cli(["recover", str(root), "-o", str(out)], {}, ranks=2)
+    assert r.returncode == 0, r.stderr
+    spec = replace(spec_for("w2_parity_async", tmp_path / "resumed"), steps=10, save_at=(),
+                   stats=None, policy=None, async_save=False, load_dir=str(out),
+                   load_tag="global_step8")
+    result = launch(spec)
+    assert result["global_steps"] == 10
+    assert all(math.isfinite(x) for x in result["losses"])
+    assert VARIANTS["w2_parity_async"][0]["async_save"] is True
