@@ -19,7 +19,7 @@ import torch.distributed as dist
 from mpitailor.publish.staging import fsync_tree
 from mpitailor.tinytrain.spec import TrainSpec
 from mpitailor.tinytrain.worker import build_engine, shutdown, train
-from mpitailor.training.partial_save import save_layers, take
+from mpitailor.training.partial_save import all_slices_elements, save_layers, take
 from mpitailor.training.policies import Filter, Parity
 from mpitailor.training.stats import model_layer_keys
 from mpitailor.training.writer import BackgroundWriter
@@ -45,7 +45,7 @@ def main(spec_path: str, result_path: str) -> None:
     keys = model_layer_keys(engine)
     policies = {"parity": Parity(), "filter": Filter(always=(0, 1, -2, -1), every=4)}
     cycle = {"parity": [1, 2], "filter": [1, 2, 3, 4]}  # the partial saves of one cycle
-    writer = BackgroundWriter()
+    writer = BackgroundWriter(reserve=all_slices_elements(engine))  # as the checkpointer does
     cases = ("full", "full+fsync", "parity", "filter", "parity-async", "filter-async")
     rows = []
     save_dir = Path(spec.save_dir)
@@ -62,12 +62,14 @@ def main(spec_path: str, result_path: str) -> None:
                         fsync_tree_files(save_dir / tag)
                 elif case.endswith("-async"):
                     layers = policies[policy].decide(idx, keys).layers
-                    writer.start(take(engine, save_dir, tag, layers, host=writer.host))
+                    snap = take(engine, save_dir, tag, layers, host=writer.host)
+                    writer.start(snap)
                 else:
                     layers = policies[policy].decide(idx, keys).layers
                     save_layers(engine, save_dir, tag, layers)
-                background = None
+                background, parts = None, None
                 if case.endswith("-async"):  # training would go on now: this rank's stall
+                    parts = {k: snap.seconds[k] for k in ("gather", "copy", "serialise")}
                     seconds = time.perf_counter() - t
                     background = writer.join().seconds["background"]
                     dist.barrier()
@@ -76,7 +78,7 @@ def main(spec_path: str, result_path: str) -> None:
                     seconds = time.perf_counter() - t
                 if engine.global_rank == 0:
                     rows.append({"case": case, "rep": rep, "save_index": idx,
-                                 "seconds": seconds, "background": background,
+                                 "seconds": seconds, "background": background, "parts": parts,
                                  "host_bytes": writer.host.nbytes, "bytes": du(save_dir / tag)})
                     shutil.rmtree(save_dir / tag)
                 dist.barrier()

@@ -38,7 +38,7 @@ from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.publish.staging import fsync_dir, write_synced
 from mpitailor.training.distcomm import training_comm
-from mpitailor.training.partial_save import save_leader, take
+from mpitailor.training.partial_save import all_slices_elements, save_leader, take
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.snapshot import write
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
@@ -67,7 +67,8 @@ class LayerwiseCheckpointer:
         self.staleness = {k: 0 for k in self.keys}
         self.last: dict | None = None
         self.lineage: Lineage | None = None  # of the last save (rank 0's is what counts)
-        self.writer = BackgroundWriter(max_host_bytes) if asynchronous else None
+        self.writer = BackgroundWriter(max_host_bytes, all_slices_elements(engine)) \
+            if asynchronous else None
         self.timings: list[dict] = []  # per save: seconds blocked, waited, in the background
 
     def decide(self) -> Decision:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import random
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -113,6 +114,14 @@ def layer_slices(engine, param_shapes, layers: set[str],
     return out
 
 
+def all_slices_elements(engine) -> int:
+    """Elements of this rank's slices of every layer (fp32 master and both moments): what
+    the largest partial save can hold. From the layout alone (no optimizer state needed)."""
+    layout = compute_layout(engine._get_zero_param_shapes(), engine.dp_world_size,
+                            flat=flat_engine(engine))
+    return len(KINDS) * sum(layout.span(slot, engine.global_rank)[1] for slot in layout.slots)
+
+
 def optimizer_meta(engine) -> dict:
     """The optimizer states file of DeepSpeed minus its flat buffers and moments."""
     osd = without_flat_buffers(engine.optimizer.state_dict())
@@ -154,6 +163,7 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
     final = Path(save_dir) / tag
     opt = engine.optimizer
     comm = training_comm()
+    t0 = time.perf_counter()
     # As in engine.save_checkpoint: partition even the persistent (small) parameters so the
     # module's state dict holds placeholders, and gather them back afterwards (collective).
     if hasattr(opt, "checkpoint_event_prologue"):
@@ -163,9 +173,11 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
             states = model_states(engine, client_state)
             return states, layer_slices(engine, states["param_shapes"], layers, classify)
         states, slices = agree(comm, states_and_slices)
+        t1 = time.perf_counter()
         if host is not None:
             agree(comm, host.check, host.need(slices))
             slices = host.copy(slices)
+        t2 = time.perf_counter()
         rank, leader, flat = engine.global_rank, save_leader(engine), flat_engine(engine)
         names = partial_files(rank)
         guard = STAGE12_MODEL if flat and leader else None if flat else model_file(rank)
@@ -185,7 +197,9 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
               "layout_sha256": _layout_hash(states["param_shapes"]),
               "lineage": lineage.to_json() if lineage else None,
               "layer_patterns": classify.patterns}
-    return Snapshot(final, rank, leader, blobs, slices, fields, on_published)
+    t3 = time.perf_counter()
+    return Snapshot(final, rank, leader, blobs, slices, fields, on_published,
+                    seconds={"gather": t1 - t0, "copy": t2 - t1, "serialise": t3 - t2})
 
 
 def save_leader(engine) -> bool:

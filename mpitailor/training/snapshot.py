@@ -41,7 +41,8 @@ class Snapshot:
     slices: dict[str, torch.Tensor]  # `{kind}/{name}` -> this rank's slice of a chosen layer
     fields: dict                     # the manifest's fields (rank 0's count)
     on_published: Callable[[], None] | None = None  # leader, after the rename (HF `latest`)
-    seconds: dict = field(default_factory=dict)     # "blocked", "background", "waited"
+    seconds: dict = field(default_factory=dict)     # taking it: "gather" (states, slices),
+    # "copy" (into host buffers), "serialise" (the small states); "background", "waited"
 
     @property
     def nbytes(self) -> int:
@@ -56,13 +57,22 @@ def torch_bytes(obj) -> bytes:
 
 
 class HostBuffers:
-    """One host buffer per dtype for an asynchronous save's slices, allocated on first use,
-    grown only when a save needs more (so bounded by the largest save) and reused; never
-    above `limit` bytes, when set."""
+    """One host buffer per dtype for an asynchronous save's slices, reused by every save;
+    never above `limit` bytes, when set. `reserve` allocates and touches it before training
+    (a fresh page costs a fault on first touch: a save that grew the buffer would stall on
+    them); a save that needs more grows it."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = limit
         self._bufs: dict[torch.dtype, torch.Tensor] = {}
+
+    def reserve(self, elements: int, dtype: torch.dtype = torch.float32) -> None:
+        """Hold `elements` (at most what `limit` allows) of dtype, pages touched."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        if self.limit is not None:
+            elements = min(elements, self.limit // size)
+        if dtype not in self._bufs or self._bufs[dtype].numel() < elements:
+            self._bufs[dtype] = torch.zeros(elements, dtype=dtype, pin_memory=_pinnable())
 
     @property
     def nbytes(self) -> int:

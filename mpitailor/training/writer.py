@@ -15,10 +15,13 @@ from mpitailor.training.snapshot import HostBuffers, PartialSaveFailed, Snapshot
 
 
 class BackgroundWriter:
-    def __init__(self, max_host_bytes: int | None = None) -> None:
-        """Collective (creates the writer's process group)."""
+    def __init__(self, max_host_bytes: int | None = None, reserve: int = 0) -> None:
+        """Collective (creates the writer's process group). reserve: fp32 elements of host
+        buffer to allocate now (the largest save's), within max_host_bytes."""
         self.comm = writer_comm()
         self.host = HostBuffers(max_host_bytes)
+        if reserve:
+            self.host.reserve(reserve)
         self._thread: threading.Thread | None = None
         self._snap: Snapshot | None = None
         self._error: BaseException | None = None
