@@ -73,3 +73,28 @@ def test_universal_export_of_a_stage2_checkpoint_is_refused_before_writing(tmp_p
                  "universal"], {}, ranks=2)
     assert r.returncode == 2 and "ZeRO stage 2" in r.stderr and "--world-size" in r.stderr
     assert not out.exists() and not list(tmp_path.glob(".*"))
+
+
+def test_paths_on_the_command_line_are_literal(tmp_path):
+    """A `$` in a path given on the command line is a `$`: `ckpt_$USER` is not `ckpt_root`,
+    `-o 'out$HOME'` is not `out/root` (only recipe files expand `${VAR}`)."""
+    import shutil
+    src = build("w2_bf16_per_layer") / "global_step10"
+    shutil.copytree(src, tmp_path / "ckpt_$USER")
+    shutil.copytree(build("w2_fp32_one") / "global_step10", tmp_path / "ckpt_root")
+    env = {"USER": "root", "HOME": "/root"}
+    out = tmp_path / "out$HOME"
+    r = run_cli(["export", str(tmp_path / "ckpt_$USER"), "-o", str(out), "--format", "fp32"],
+                env)
+    assert r.returncode == 0, r.stderr
+    assert out.is_dir() and not (tmp_path / "out" / "root").exists()
+    manifest = json.loads((out / "mpitailor_manifest.json").read_text())
+    assert manifest["sources"]["src"]["path"] == str(tmp_path / "ckpt_$USER")
+    got = load_file(out / "model.safetensors")
+    oracle = get_fp32_state_dict_from_zero_checkpoint(str(build("w2_bf16_per_layer")))
+    assert all(torch.equal(t, oracle[k].float()) for k, t in got.items())
+    merged = tmp_path / "merged$HOME"
+    r = run_cli(["recipes/parity.yml", "-o", str(merged)],
+                {**env, "NEW": str(src), "OLD": str(src), "OUT": "unused"})
+    assert r.returncode == 0, r.stderr
+    assert merged.is_dir() and not (tmp_path / "merged" / "root").exists()

@@ -214,7 +214,7 @@ def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
         m.output.path if isinstance(m.output, OutputSpec) else m.output)
     out_path = None
     if out is not None:
-        out_path = Path(os.path.expandvars(out)) if output is not None else \
+        out_path = Path(out) if output is not None or literal else \
             _path(out, base_dir, origin, "output", literal)
         out_path = out_path.resolve()
     return Recipe(origin=origin, text=text, sources=tuple(sources.items()), layer_rules=rules,
