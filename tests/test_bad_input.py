@@ -118,3 +118,51 @@ def test_a_fifo_in_place_of_a_rank_file(w2, tmp_path):
     r, out = merge(w2, tmp_path, [str(RECIPES / "parity.yml")])
     assert r.returncode == 2 and r.stderr.count("not a regular file") == 2, r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["dangling symlink", "name too long", "read-only parent",
+                                  "empty"])
+def test_bad_output_path(w2, tmp_path, case):
+    """-o that would be written through a link, whose staging name would not fit, whose
+    parent cannot be written, or that is empty: one line on every rank, exit 2, nothing
+    written (issue 26's rough edges)."""
+    before = tree_digest(w2)
+    out = tmp_path / "out" / "merged"
+    out.parent.mkdir()
+    message = {"dangling symlink": "a symbolic link (to ", "name too long": "use at most 236",
+               "read-only parent": "cannot write in", "empty": "an empty path"}[case]
+    arg = str(out)
+    if case == "dangling symlink":
+        out.symlink_to(tmp_path / "elsewhere")
+    elif case == "name too long":
+        out = out.parent / ("m" * 240)
+        arg = str(out)
+    elif case == "read-only parent":
+        if os.geteuid() == 0:  # root writes anywhere: a read-only mount says no to root too
+            import subprocess
+            ro = tmp_path / "ro"
+            ro.mkdir()
+            if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+                              capture_output=True).returncode != 0:
+                pytest.skip("cannot mount a read-only file system here (needs root)")
+            out = ro / "merged"
+            arg = str(out)
+        else:
+            out.parent.chmod(0o555)
+    elif case == "empty":
+        arg = ""
+    try:
+        r, _ = merge(w2, tmp_path, [str(RECIPES / "parity.yml"), "-o", arg], out=out)
+        assert r.returncode == 2, r.stderr
+        errors = [line for line in r.stderr.splitlines() if "mpitailor: error:" in line]
+        assert len(errors) == 2 and all(message in e for e in errors), r.stderr
+        if case == "dangling symlink":
+            assert not (tmp_path / "elsewhere").exists() and out.is_symlink()
+        elif case != "empty":
+            assert not out.exists()
+        assert not list(out.parent.glob(f".{out.name[:20]}*")) if case != "empty" else True
+        assert tree_digest(w2) == before
+    finally:
+        if case == "read-only parent" and os.geteuid() == 0:
+            import subprocess
+            subprocess.run(["umount", str(tmp_path / "ro")], capture_output=True)

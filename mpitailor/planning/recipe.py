@@ -210,13 +210,18 @@ def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
     aux = tuple((k, ref(v, k)) for k in ("embed", "norm", "lm_head", "other")
                 if (v := getattr(m, k)) is not None)
     base = ref(m.base, "base") if m.base is not None else None
+    if output is not None and not output.strip():
+        raise UserError("-o/--output: an empty path; give the output directory to create")
     out = output if output is not None else (
         m.output.path if isinstance(m.output, OutputSpec) else m.output)
     out_path = None
     if out is not None:
         out_path = Path(out) if output is not None or literal else \
             _path(out, base_dir, origin, "output", literal)
-        out_path = out_path.resolve()
+        # Absolute, but its last part not followed: an output that is a symbolic link is
+        # refused when staging (publish/staging.py), never written through.
+        out_path = out_path.parent.resolve() / out_path.name if out_path.name else \
+            out_path.resolve()
     return Recipe(origin=origin, text=text, sources=tuple(sources.items()), layer_rules=rules,
                   aux=aux, base=base, adam_step=m.adam_step, output=out_path,
                   layer_patterns=tuple((m.layer_patterns or {}).items()), dtype=m.dtype,

@@ -40,6 +40,11 @@ class Staging:
     def acquire(self, tag: str | None) -> Path:
         """Take the lock and create the staging dir (with an empty `tag` dir in it, if
         given); reclaim a stale one. Returns the staging dir."""
+        check_output_name(self.output)
+        if os.path.islink(self.output):
+            raise UserError(f"{self.output}: a symbolic link (to {os.readlink(self.output)}); "
+                            f"mpitailor never writes through a link: name the directory to "
+                            f"create")
         if os.path.lexists(self.output) and not self.replace:
             raise UserError(f"{self.output}: output already exists; remove it or choose "
                             f"another output path (mpitailor never overwrites)")
@@ -47,6 +52,10 @@ class Staging:
         try:
             fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise UserError(f"{self.output}: cannot write in {self.output.parent} "
+                                f"({e.strerror}); choose a writable place for the output") \
+                    from None
             if e.errno != errno.ELOOP:
                 raise
             raise UserError(f"{self.lock_path}: the lock path is a symbolic link; mpitailor "
@@ -146,6 +155,24 @@ def holding(staging: Staging, mine: bool):
     finally:
         if mine:
             staging.release()
+
+
+NAME_MAX = 255  # bytes in one file name (Linux file systems)
+STAGING_EXTRA = len(".mpitailor-staging") + 1  # the staging dir: "." + name + this
+
+
+def check_output_name(output: Path) -> None:
+    """An output whose staging dir's name would be too long, or that has no name at all:
+    refused up front (else a raw OSError, or the current directory)."""
+    name = output.name
+    if not name or name in (".", ".."):
+        raise UserError(f"{str(output)!r}: not a directory name; give the output directory "
+                        f"to create")
+    if len(name.encode()) + STAGING_EXTRA > NAME_MAX:
+        raise UserError(f"{output}: the name is {len(name.encode())} bytes; mpitailor stages "
+                        f"the output beside it under a name {STAGING_EXTRA} bytes longer and "
+                        f"a file name holds {NAME_MAX}: use at most "
+                        f"{NAME_MAX - STAGING_EXTRA} bytes")
 
 
 def _make_parent(output: Path) -> None:
