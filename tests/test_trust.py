@@ -218,3 +218,14 @@ def test_bin_weights_and_foreign_files_of_the_base_are_left_out(ckpt_copy, tmp_p
     assert {"trainer_state.json", "config.json", "scheduler.pt"} <= set(manifest["files"])
     assert not (out / "pytorch_model.bin").exists() and not (out / "train.log").exists()
     assert read_meta(out).global_steps == 10
+
+
+def test_a_merge_into_the_save_dir_does_not_list_its_own_lock_as_left_out(ckpt_copy):
+    run = ckpt_copy("w2_fp32_one")
+    out = run / "merged"
+    env = {"NEW": str(run / "global_step10"), "OLD": str(run / "global_step5"), "OUT": str(out)}
+    r = run_cli([str(RECIPES / "parity.yml")], env, ranks=2)
+    assert r.returncode == 0, r.stderr
+    assert "mpitailor-lock" not in r.stderr and "mpitailor-staging" not in r.stderr
+    manifest = json.loads((out / "mpitailor_manifest.json").read_text())
+    assert not [n for n in manifest["left_out"] if "mpitailor-" in n], manifest["left_out"]

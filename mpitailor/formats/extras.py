@@ -45,6 +45,11 @@ def extras_dir(base: CheckpointMeta) -> Path | None:
     return None
 
 
+# What mpitailor itself keeps beside an output while writing it (publish/staging.py): the lock
+# of a merge into this save dir is not a file of the save that was left out.
+MPITAILOR_WORK = re.compile(r"\..+\.mpitailor-(lock|staging|old)")
+
+
 def sort_extras(base: CheckpointMeta) -> tuple[list[Path], list[Path], list[str]]:
     """The base save dir's files: (to copy, 16-bit weights to rebuild, left out), by name.
     Left out: unknown names, links and non-regular files, weights mpitailor cannot rebuild."""
@@ -53,7 +58,8 @@ def sort_extras(base: CheckpointMeta) -> tuple[list[Path], list[Path], list[str]
         return [], [], []
     copy, weights, left_out = [], [], []
     for p in sorted(save_dir.iterdir()):
-        if p.name in OURS or (p.is_dir() and not p.is_symlink()):
+        if p.name in OURS or MPITAILOR_WORK.fullmatch(p.name) or \
+                (p.is_dir() and not p.is_symlink()):
             continue
         if p.is_symlink() or not p.is_file():
             left_out.append(p.name)
