@@ -72,3 +72,17 @@ def test_manifest_without_a_version_is_read_as_1_0_with_its_kind():
     assert Manifest.from_json(merge, "m").format_version == "1.0"
     with pytest.raises(CheckpointError, match="^m: unreadable mpitailor manifest"):
         Manifest.from_json(b"[1, 2]", "m")
+
+
+@pytest.mark.parametrize("output,message", [
+    ("{path: /x, world_size: 0}", "line 3: output.world_size: Input should be greater than or "
+                                  "equal to 1"),
+    ("{pth: /x}", "line 3: output.pth: unknown key"),
+    ("[1]", "line 3: output: Input should be a valid string"),
+])
+def test_recipe_output_errors_name_the_key_that_is_wrong(tmp_path, output, message):
+    from mpitailor.errors import UserError
+    from mpitailor.planning.recipe import parse_recipe
+    text = f"sources: {{a: /tmp}}\nlayers: {{rest: a}}\noutput: {output}\n"
+    with pytest.raises(UserError, match=f"^r.yml {message}"):
+        parse_recipe(text, origin="r.yml", base_dir=tmp_path)

@@ -56,6 +56,9 @@ class OutputSpec(_Strict):
     world_size: int | None = Field(default=None, ge=1)
 
 
+_BRANCHES = {"str", "OutputSpec"}  # pydantic names union branches in error locations
+
+
 class RecipeModel(_Strict):
     merge_method: Literal["passthrough"] | None = None
     dtype: str | None = None
@@ -132,8 +135,11 @@ def parse_recipe(text: str, origin: str, base_dir: Path, output: str | None = No
         model = RecipeModel.model_validate(raw)
     except ValidationError as e:
         # A misspelt key also makes its correct spelling "missing": report the typo.
-        err = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")[0]
-        loc = err["loc"]
+        # Of a union's branches (output: a path, or {path, world_size}) the one that got
+        # deepest into the value says what is wrong; the branch's name is not a key.
+        err = sorted(e.errors(), key=lambda x: (x["type"] != "extra_forbidden",
+                                                -len(x["loc"])))[0]
+        loc = tuple(p for p in err["loc"] if p not in _BRANCHES)
         key = ".".join(str(p) for p in loc) or "(top level)"
         what = "unknown key (check its spelling)" if err["type"] == "extra_forbidden" \
             else err["msg"].removeprefix("Value error, ")
