@@ -166,3 +166,12 @@ def test_bad_output_path(w2, tmp_path, case):
         if case == "read-only parent" and os.geteuid() == 0:
             import subprocess
             subprocess.run(["umount", str(tmp_path / "ro")], capture_output=True)
+
+
+@pytest.mark.parametrize("path", ["/tmp/" + "/".join(["d" * 200] * 25), "/tmp/" + "e" * 300])
+def test_a_path_the_file_system_cannot_name(tmp_path, path):
+    r = run_cli(["export", path, "-o", str(tmp_path / "x")], {}, ranks=2, timeout=120)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "mpitailor: error:" in line]
+    assert len(errors) == 2 and all("the file system cannot open it" in e for e in errors)
+    assert "Traceback" not in r.stderr and not (tmp_path / "x").exists()

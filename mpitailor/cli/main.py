@@ -12,7 +12,7 @@ import os
 import sys
 
 from mpitailor.cli.commands import cmd_export, cmd_merge, cmd_recover
-from mpitailor.errors import MpitailorError
+from mpitailor.errors import MpitailorError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,27 @@ def _shard_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+PATH_ARGS = ("recipe", "output", "save_dir", "source", "checkpoint", "a", "b", "stats_file",
+             "stats")
+PATH_MAX = 4096  # bytes in a path (Linux), the terminating NUL included
+
+
+def check_path_lengths(args: argparse.Namespace) -> None:
+    """A path the file system cannot name is bad input, said before any I/O (else a raw
+    ENAMETOOLONG deep inside, and MPI_Abort)."""
+    for key in PATH_ARGS:
+        value = getattr(args, key, None)
+        if not isinstance(value, str) or not value:
+            continue
+        raw = os.fsencode(value)
+        longest = max((len(part) for part in raw.split(b"/")), default=0)
+        if len(raw) >= PATH_MAX or longest > 255:
+            what = f"{len(raw)} bytes (at most {PATH_MAX - 1})" if len(raw) >= PATH_MAX \
+                else f"a name of {longest} bytes (at most 255)"
+            raise UserError(f"{key.replace('_', ' ')} {value[:60]}...: the path has {what}; "
+                            f"the file system cannot open it")
+
+
 SUBCOMMANDS = ("merge", "recover", "export", "diff", "inspect", "stats", "paths",
                "slurm-prologue")
 
@@ -242,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from mpitailor.cli.log import setup_logging
             setup_logging(0, 1, verbosity)
+        check_path_lengths(args)
         if getattr(args, "safe_globals", None):
             from mpitailor.formats.safeload import trust
             trust([n.strip() for n in args.safe_globals.split(",") if n.strip()])
