@@ -20,7 +20,8 @@ from mpitailor.formats.safetensors_header import header_prefix
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> dict:
     """Write contiguous CPU tensors to a new file; return its manifest record."""
-    prefix = header_prefix([(name, DTYPES[name_of(t.dtype)].safetensors, t.shape, t.numel() * t.element_size())
+    prefix = header_prefix([(name, DTYPES[name_of(t.dtype)].safetensors, t.shape,
+                             t.numel() * t.element_size())
                             for name, t in tensors.items()], metadata)
     rec = FileRecord()
     with open(path, "xb") as f:
