@@ -2,7 +2,9 @@
 
 MPITAILOR_FAILPOINT="POINT:RANK[:ACTION]" makes rank RANK, on reaching POINT, die by SIGKILL
 (ACTION "kill", the default: a real kill -9, not an exception), sleep (ACTION
-"sleep=SECONDS"), or fail to write as a full disk does (ACTION "enospc": OSError ENOSPC).
+"sleep=SECONDS"), wait for a go-ahead (ACTION "pause=DIR": create DIR/reached, then wait
+until DIR/go exists, at most 10 minutes: a test holds the run at a known point), or fail to
+write as a full disk does (ACTION "enospc": OSError ENOSPC).
 POINT may name a detail too, "POINT/DETAIL" (a partial save's tag): then only there.
 Points: "read" (sources opened, nothing copied), "write" (an optimizer file written, its
 model-states file not), "export" (a parameter's Universal files written, the rest not),
@@ -17,6 +19,7 @@ import errno
 import os
 import signal
 import time
+from pathlib import Path
 
 ENV = "MPITAILOR_FAILPOINT"
 
@@ -33,8 +36,17 @@ def hit(point: str, detail: str | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif act.startswith("sleep="):
         time.sleep(float(act.removeprefix("sleep=")))
+    elif act.startswith("pause="):
+        _pause(act.removeprefix("pause="))
     elif act == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (failpoint {spec})")
+
+
+def _pause(folder: str) -> None:
+    (Path(folder) / "reached").touch()
+    deadline = time.monotonic() + 600
+    while not (Path(folder) / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _rank() -> int:
