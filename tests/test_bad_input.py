@@ -175,3 +175,18 @@ def test_a_path_the_file_system_cannot_name(tmp_path, path):
     errors = [line for line in r.stderr.splitlines() if "mpitailor: error:" in line]
     assert len(errors) == 2 and all("the file system cannot open it" in e for e in errors)
     assert "Traceback" not in r.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command", ["export", "merge"])
+def test_max_shard_size_zero_is_refused_not_turned_into_5gb(w2, tmp_path, command):
+    out = tmp_path / "out"
+    if command == "export":
+        args = ["export", str(w2 / "global_step10"), "-o", str(out), "--max-shard-size", "0"]
+    else:
+        args = [str(RECIPES / "parity.yml"), "-o", str(out), "--export", "safetensors",
+                "--max-shard-size", "0"]
+    r, _ = merge(w2, tmp_path, args, out=out)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "mpitailor: error:" in line]
+    assert len(errors) == 2 and all("--max-shard-size 0: " in e for e in errors), r.stderr
+    assert not out.exists()

@@ -29,7 +29,7 @@ from mpitailor.errors import UserError
 from mpitailor.formats.extras import extras_dir
 from mpitailor.formats.files import PARTIAL_MANIFEST, resolve
 from mpitailor.formats.manifest import MANIFEST, Manifest
-from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
+from mpitailor.jobs.merge import MergeOptions, check_shard_size, plan_recipe, run_merge
 from mpitailor.jobs.recover import recover_recipe
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan
@@ -77,6 +77,7 @@ def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | No
                         f"dir ({source.parent}) to take every layer's newest copy")
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: choose among {', '.join(FORMATS)}")
+    check_shard_size(max_shard_size)
     if fmt == "fp32" and dtype not in (None, "fp32"):
         raise UserError(f"--format fp32 writes fp32; --dtype {dtype} goes with --format hf")
     recipe = source_recipe(comm, source, output)
@@ -100,7 +101,8 @@ def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
     with holding(staging, comm.rank == 0):
         root = comm.root_step(staging.acquire, None)
         files = export_hf(comm, base, extras_dir(base) if fmt == "hf" else None, root, dtype,
-                          max_shard_size or DEFAULT_MAX_SHARD_SIZE, sources)
+                          DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
+                          sources)
 
         def finish() -> int:
             manifest = Manifest("export", files, {

@@ -305,6 +305,7 @@ class MergeOptions:
             raise UserError("--verify is not supported together with resharding (--world-size)")
         if self.export_dtype and "safetensors" not in self.export:
             raise UserError("--export-dtype applies to --export safetensors; add that option")
+        check_shard_size(self.max_shard_size)
         if self.max_shard_size is not None and "safetensors" not in self.export:
             raise UserError("--max-shard-size applies to --export safetensors; add that option")
         if "universal" in self.export and plan.base_meta.layout.flat:
@@ -313,6 +314,12 @@ class MergeOptions:
                             f"--world-size N (DeepSpeed resumes that at N ranks)")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UserError(f"--ranks-per-node {self.ranks_per_node}: give a positive count")
+
+
+def check_shard_size(max_shard_size: int | None) -> None:
+    if max_shard_size is not None and max_shard_size < 1:
+        raise UserError(f"--max-shard-size {max_shard_size}: a safetensors file holds at least "
+                        f"one byte; give a size such as 5GB or 500MB")
 
 
 def run_merge(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
