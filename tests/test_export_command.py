@@ -98,3 +98,10 @@ def test_paths_on_the_command_line_are_literal(tmp_path):
                 {**env, "NEW": str(src), "OLD": str(src), "OUT": "unused"})
     assert r.returncode == 0, r.stderr
     assert merged.is_dir() and not (tmp_path / "merged" / "root").exists()
+
+
+def test_exporting_one_partial_hf_checkpoint_names_the_run_dir(tmp_path):
+    run = build("hf_w2_parity")
+    r = run_cli(["export", str(run / "checkpoint-4"), "-o", str(tmp_path / "x")], {})
+    assert r.returncode == 2
+    assert f"export its save dir ({run})" in r.stderr, r.stderr

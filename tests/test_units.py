@@ -86,3 +86,18 @@ def test_recipe_output_errors_name_the_key_that_is_wrong(tmp_path, output, messa
     text = f"sources: {{a: /tmp}}\nlayers: {{rest: a}}\noutput: {output}\n"
     with pytest.raises(UserError, match=f"^r.yml {message}"):
         parse_recipe(text, origin="r.yml", base_dir=tmp_path)
+
+
+def test_inspect_table_shows_sub_group_sets_as_ranges():
+    from mpitailor.cli.reports import format_table
+    row = {"params": 1, "frozen": 0, "elements": 8, "bytes_per_rank": 96}
+    rep = {"kind": "full", "path": "x", "world_size": 2, "zero_stage": 3, "dtype": "fp32",
+           "global_steps": 1, "global_samples": 2, "ds_version": "0", "param_groups": [0],
+           "subgroups": 7, "optimizer_bytes_per_rank": 96, "tied": {},
+           "layers": {"embed": {**row, "subgroups": [1, 6]},
+                      "norm": {**row, "subgroups": [2, 3, 4, 6]},
+                      "lm_head": {**row, "subgroups": []}}}
+    lines = format_table(rep).splitlines()
+    assert lines[-3].split()[-1] == "1,6"      # not 1-6: sub-groups 2-5 are not embed's
+    assert lines[-2].split()[-1] == "2-4,6"
+    assert lines[-1].split()[-1] == "-"

@@ -1,6 +1,7 @@
 """`diff` and `inspect` reports as text tables (their --json is the report as it is)."""
 from __future__ import annotations
 
+from mpitailor.planning.layers import layer_runs
 from mpitailor.planning.plan_report import human
 
 
@@ -24,7 +25,7 @@ def format_table(rep: dict) -> str:
     lines.append(header.rstrip())
     for key, row in rep["layers"].items():
         subs = row["subgroups"]
-        span = f"{subs[0]}-{subs[-1]}" if len(subs) > 1 else (str(subs[0]) if subs else "-")
+        span = ",".join(r for r, _ in layer_runs((g, None) for g in subs)) or "-"
         came = f"  {row['from']} ({row['from_step']})" if origin and "from" in row else ""
         lines.append(f"{key:<12}{row['params']:>8}{row['frozen']:>8}{row['elements']:>12}"
                      f"{human(row['bytes_per_rank']):>12}  {span:<12}{came}".rstrip())
