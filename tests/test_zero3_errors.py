@@ -142,3 +142,18 @@ def test_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError) as e:
         resolve(tmp_path / "nope")
     assert "no such checkpoint" in one_line(e)
+
+
+def test_a_missing_last_rank_model_file_is_named_and_called_incomplete(ckpt_copy, tmp_path):
+    tag = ckpt_copy("w3_bf16_decay_tied_frozen") / "global_step10"
+    (tag / "zero_pp_rank_2_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError) as e:
+        read_meta(tag)
+    assert one_line(e).endswith("missing zero_pp_rank_2_mp_rank_00_model_states.pt (optim "
+                                "states for ranks 0..2, model states for 0..1); the "
+                                "checkpoint is incomplete")
+    # export of that tag dir says the same, not "nothing to recover"
+    from merging import run_cli
+    r = run_cli(["export", str(tag), "-o", str(tmp_path / "x")], {})
+    assert r.returncode == 2 and "zero_pp_rank_2_mp_rank_00_model_states.pt" in r.stderr, \
+        r.stderr

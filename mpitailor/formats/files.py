@@ -210,8 +210,10 @@ def _scan_tag_dir(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> Checkpoin
     if missing:
         raise CheckpointError(f"{tag_dir}: missing {optim_file(missing[0], bf16)}; "
                               f"the checkpoint is incomplete")
-    if optim_ranks != list(range(world)):
-        raise CheckpointError(f"{tag_dir}: optim_states for ranks {optim_ranks} but model "
-                              f"states for ranks 0..{world - 1}; files from different runs?")
+    if optim_ranks != list(range(world)) and not flat:
+        extra = [r for r in optim_ranks if r >= world]  # the last ranks' model states missing
+        raise CheckpointError(f"{tag_dir}: missing {model_file(extra[0])} (optim states for "
+                              f"ranks 0..{optim_ranks[-1]}, model states for 0..{world - 1}); "
+                              f"the checkpoint is incomplete")
     return CheckpointFiles(tag_dir=tag_dir, world_size=world, bf16_prefix=bf16,
                            save_dir=save_dir, flat=flat)
