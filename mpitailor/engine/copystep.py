@@ -19,6 +19,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.crc import crc32, crc32_combine, crc32_zeros
 from mpitailor.formats.files import optim_file
 from mpitailor.formats.shard import open_shard
+from mpitailor.formats.shard_protocol import Shard
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 
@@ -29,7 +30,8 @@ class Shards:
     partitions and reopened when needed, so that few are open at a time."""
 
     def __init__(self, plan: MergePlan, place: Placement | None, rank: int) -> None:
-        self.plan, self.open, self.used = plan, {}, set()
+        self.plan, self.used = plan, set()
+        self.open: dict[tuple[str, int], Shard] = {}
         self.place = place if place is not None and place.node_local else None
         self.node = self.place.nodes.of_rank[rank] if self.place else 0
 
@@ -42,7 +44,7 @@ class Shards:
         """A rank whose node holds them (the spread-th, modulo)."""
         return self.place.reader(shard_paths(self.plan.meta(source), rank), spread)
 
-    def get(self, source: str, rank: int):
+    def get(self, source: str, rank: int) -> Shard:
         if (source, rank) not in self.open:
             if not self.local(source, rank):  # never reached by a correct program
                 raise RuntimeError(f"internal error: {source} rank {rank}: read off-node")
@@ -79,7 +81,7 @@ class Copy:
         self.tag_dir, self.opened = tag_dir, opened
         self.outs: dict[str, int] = {}
         self.copier = Copier()
-        self.shards: dict[tuple[str, int], object] = {}  # the local ones these tasks read
+        self.shards: dict[tuple[str, int], Shard] = {}   # the local ones these tasks read
         self.wanted: dict[int, list[Request]] = {}        # reader rank -> remote pieces
         self.remote: dict[tuple[int, int], int] = {}      # (plan, piece) -> request key
         self.dests: dict[int, tuple[str, int]] = {}       # key -> (out file, offset)
@@ -221,7 +223,8 @@ def raise_error(error: Exception | None) -> None:
         raise error
 
 
-def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
+def _whole_record(b: program.Buffer, t: program.Task, ps,
+                  shards: dict[tuple[str, int], Shard]) -> int | None:
     """The CRC-32 of the one source record that is all of buffer b unchanged, if it is."""
     if t.lo != 0 or t.hi != b.nbytes or len(ps) != 1:
         return None
@@ -232,11 +235,10 @@ def _whole_record(b: program.Buffer, t: program.Task, ps, shards) -> int | None:
     return rec[0] if rec is not None and rec[1] == b.nbytes else None
 
 
-def _verify(shards: dict, plans) -> None:
+def _verify(shards: dict[tuple[str, int], Shard], plans) -> None:
     used: dict[tuple[str, int], set] = {}
     for _, b, ps in plans:
         for p in ps:
             used.setdefault((p.source, p.src_rank), set()).add((b.kind, p.src_group))
     for key, kinds in used.items():
-        if not shards[key].meta.files.partial:
-            shards[key].verify(kinds)
+        shards[key].verify(kinds)

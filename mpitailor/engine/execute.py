@@ -22,7 +22,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -44,6 +43,7 @@ from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import opaque, ptzip
 from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.files import STAGE12_MODEL, model_file
+from mpitailor.formats.shard_protocol import ShardStates
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 
@@ -123,7 +123,8 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
             joined.setdefault(b, []).extend(pieces)
     records = comm.step(_finish, laid, bufs, joined, tag_dir)
     t_finish = lap()
-    stats = {"seconds": {"lay_out": t_lay_out, "copy": t_copy, "finish": t_finish},"partitions": sorted({b.unit for t in work[comm.rank]
+    stats = {"seconds": {"lay_out": t_lay_out, "copy": t_copy, "finish": t_finish},
+             "partitions": sorted({b.unit for t in work[comm.rank]
                                    if program.is_partition(b := bufs[t.buffer])}),
              "homes": mine, "bytes_written": written + sum(r["bytes"] for r in records.values()),
              "bytes_copied_unchanged": unchanged,
@@ -135,11 +136,12 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
     return records, stats
 
 
-def _rank0_states(comm: Comm, plan: MergePlan, shards: Shards):
+def _rank0_states(comm: Comm, plan: MergePlan,
+                  shards: Shards) -> tuple[ShardStates, dict] | None:
     """A reshard starts every output partition from the sources' rank-0 states. Under
     node-local storage they are read on a node that holds them and sent to every rank:
-    (the base's rank-0 shard as (model, optim), every source's rank-0 model states). None:
-    every rank reads them itself."""
+    (the base's rank-0 shard's states, every source's rank-0 model states). None: every
+    rank reads them itself."""
     if shards.place is None:
         return None
     if plan.frozen_source:
@@ -153,15 +155,14 @@ def _rank0_states(comm: Comm, plan: MergePlan, shards: Shards):
         base0 = shards.get(plan.base, 0)
         for name, _ in plan.sources:
             shards.get(name, 0)
-        states = (SimpleNamespace(model=base0.model, optim=base0.optim),
-                  rank0_model_states(plan))
+        states = (base0.states(), rank0_model_states(plan))
         shards.release()
         return states
     return comm.step_on(holder, read)
 
 
-def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
-             shards: Shards, rank0_states) -> dict[int, _Laid]:
+def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path, shards: Shards,
+             rank0_states: tuple[ShardStates, dict] | None) -> dict[int, _Laid]:
     """Home ranks: create the files of the units `mine`, their small records written."""
     out = {}
     first = {}  # unit -> its first buffer
@@ -176,7 +177,8 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path,
                                   flats[b.kind, -1], None, universal=True)
     mine = [u for u in mine if program.is_partition(bufs[first[u]])]
     if plan.target is not None and mine:  # what every partition of a reshard starts from
-        base0, rank0 = rank0_states or (shards.get(plan.base, 0), rank0_model_states(plan))
+        base0, rank0 = rank0_states or (shards.get(plan.base, 0).states(),
+                                        rank0_model_states(plan))
         for p in mine:
             flats = placeholders(plan.target.layout, p)
             model = resharded_model_states(plan, p, base0, rank0) \
@@ -249,7 +251,7 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
     """Home ranks: headers and central directory of each optimizer file, then its model
     states; {file name: manifest record}."""
     records = {}
-    for p, lay in laid.items():
+    for lay in laid.values():
         crcs = list(lay.crcs)
         for b, i in lay.flat_records.items():
             crcs[i] = _join(joined.get(b, []), bufs[b].nbytes, lay.name)

@@ -7,10 +7,11 @@ import torch
 
 from mpitailor.formats.layout import KINDS, Slot
 from mpitailor.formats.meta import CheckpointMeta
-from mpitailor.formats.shard import RankShard, open_all_shards
+from mpitailor.formats.shard import open_all_shards
+from mpitailor.formats.shard_protocol import Shard
 
 
-def full_tensor(shards: Sequence[RankShard], slot: Slot, kind: str) -> torch.Tensor:
+def full_tensor(shards: Sequence[Shard], slot: Slot, kind: str) -> torch.Tensor:
     """The whole parameter `slot` of kind fp32/exp_avg/exp_avg_sq, from all ranks' shards,
     each rank's real elements read straight into their place (no per-rank copies)."""
     out = torch.empty(slot.numel, dtype=torch.float32)
@@ -18,7 +19,8 @@ def full_tensor(shards: Sequence[RankShard], slot: Slot, kind: str) -> torch.Ten
     return out.view(slot.shape)
 
 
-def read_range(shards: Sequence, slot: Slot, kind: str, lo: int, out: torch.Tensor) -> None:
+def read_range(shards: Sequence[Shard], slot: Slot, kind: str, lo: int,
+               out: torch.Tensor) -> None:
     """Elements [lo, lo + out.numel()) of the whole parameter `slot` (flattened) into `out`,
     from the ranks that hold them (layout.held)."""
     hi = lo + out.numel()
@@ -29,7 +31,7 @@ def read_range(shards: Sequence, slot: Slot, kind: str, lo: int, out: torch.Tens
             s.read_into(kind, slot.subgroup, at + a - first, out[a - lo: b - lo])
 
 
-def frozen_tensor(shards: Sequence[RankShard], name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def frozen_tensor(shards: Sequence[Shard], name: str, shape: tuple[int, ...]) -> torch.Tensor:
     numel = torch.Size(shape).numel()
     parts = [s.model["frozen_param_fragments"][name].reshape(-1) for s in shards]
     return torch.cat(parts)[:numel].view(shape)

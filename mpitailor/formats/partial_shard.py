@@ -1,4 +1,4 @@
-"""One rank's part of a partial checkpoint, read with the same interface as `RankShard`.
+"""One rank's part of a partial checkpoint, a `Shard` (shard_protocol.py) like `RankShard`.
 
 A partial checkpoint stores, per rank, each saved parameter's slice (stage 3: padding
 included; stages 1/2: the part of the flat partition the rank holds, if any) as safetensors
@@ -13,35 +13,30 @@ import json
 import os
 import zlib
 from dataclasses import dataclass, field
-
-import torch
+from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import rawio
 from mpitailor.formats.files import PARTIAL_MANIFEST, partial_files
 from mpitailor.formats.layout import Slot
 from mpitailor.formats.meta import CheckpointMeta
 from mpitailor.formats.safeload import load, require_regular
+from mpitailor.formats.shard_protocol import Shard
 
 
 @dataclass
-class PartialShard:
-    meta: CheckpointMeta
-    rank: int
-    model: dict
-    optim: dict   # DeepSpeed's optimizer state without its flat buffers
-    fd: int
+class PartialShard(Shard):
+    """A partial checkpoint's rank: each saved parameter's slice is a record of the rank's
+    layers file (`data_path`), so a run of a sub-group's buffer may span several records, and
+    no buffer is a record of its own (`whole_record` is always None)."""
+
     records: dict[str, tuple[int, int]]  # "{kind}/{name}" -> (byte offset, byte count)
     _by_subgroup: dict[int, list[Slot]] = field(repr=False, default_factory=dict)
 
     @property
-    def inner(self) -> dict:
-        osd = self.optim["optimizer_state_dict"]
-        return osd["base_optimizer_state"] if self.meta.layout.flat else osd["optimizer_state_dict"]
+    def data_path(self) -> Path:
+        return self.meta.files.layers_path(self.rank)
 
     def byte_ranges(self, kind: str, g: int, start: int, n: int) -> list[tuple[int, int, int]]:
-        """Where elements [start, start + n) of sub-group g's `kind` buffer lie:
-        (open file descriptor, byte offset, byte count) runs, in order."""
         end, out = start + n, []
         for slot in self._by_subgroup[g]:
             first, length = self.meta.layout.span(slot, self.rank)
@@ -51,54 +46,18 @@ class PartialShard:
             key = f"{kind}/{slot.name}"
             if key not in self.records:
                 raise CheckpointError(
-                    f"{self.meta.files.layers_path(self.rank)}: no record {key!r}; this partial "
-                    f"checkpoint does not hold that layer")
+                    f"{self.data_path}: no record {key!r}; this partial checkpoint does not "
+                    f"hold that layer")
             offset, size = self.records[key]
             if (hi - first) * 4 > size:
-                raise CheckpointError(f"{self.meta.files.layers_path(self.rank)}: record {key!r} "
-                                      f"is shorter than the parameter's slice; the file is damaged")
+                raise CheckpointError(f"{self.data_path}: record {key!r} is shorter than the "
+                                      f"parameter's slice; the file is damaged")
             out.append((self.fd, offset + (lo - first) * 4, (hi - lo) * 4))
         return out
 
-    def whole_record(self, kind: str, g: int) -> None:
-        """Never: a partial save stores parameters, not sub-group buffers."""
-        return None
-
-    def path_of(self, fd: int) -> str:
-        return str(self.meta.files.layers_path(self.rank))
-
-    def read_into(self, kind: str, g: int, start: int, out: torch.Tensor) -> None:
-        pos = 0
-        for fd, offset, nbytes in self.byte_ranges(kind, g, start, out.numel()):
-            try:
-                rawio.read_into(fd, offset, out[pos: pos + nbytes // 4])
-            except (OSError, EOFError) as e:
-                raise CheckpointError(f"{self.path_of(fd)}: read failed ({e}); the file is "
-                                      f"damaged or truncated") from None
-            pos += nbytes // 4
-
-    def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
-        size = self.meta.layout.buffer_size(kind, g, self.rank)
-        out = torch.empty(size - start if length is None else length, dtype=torch.float32)
-        self.read_into(kind, g, start, out)
-        return out
-
-    def reopen(self) -> None:
-        """Open the file again after close() (the parsed metadata is kept): a rank that
-        works through many partitions parses each once and holds few descriptors."""
-        if self.fd < 0:
-            self.fd = os.open(self.meta.files.layers_path(self.rank), os.O_RDONLY)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> "PartialShard":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def verify(self, used: set[tuple[str, int]]) -> None:
+        """Nothing left to check: open_partial_shard checked every file of the rank against
+        the CRC-32 its manifest recorded before anything was read."""
 
 
 def check_partial_rank(meta: CheckpointMeta, rank: int, crc: bool) -> None:

@@ -1,8 +1,10 @@
 """One rank's files of a checkpoint, opened for byte-range reads and checked against rank 0.
 
-The optimizer file is parsed without reading its big buffers (see rawio.py); the fp32
-master weights and both Adam moments are then read slice by slice with `read_into`. The
-model-states file is small (placeholders, shapes, counters) and is memory-mapped.
+`open_shard` gives a `Shard` (shard_protocol.py): a `RankShard` for a full checkpoint, a
+`PartialShard` (partial_shard.py) for a partial one. In a full one the optimizer file is
+parsed without reading its big buffers (see rawio.py); the fp32 master weights and both Adam
+moments are then read slice by slice with `read_into`. The model-states file is small
+(placeholders, shapes, counters) and is memory-mapped.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,90 +20,43 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats import rawio
 from mpitailor.formats.layout import KINDS
 from mpitailor.formats.meta import CheckpointMeta
+from mpitailor.formats.partial_shard import open_partial_shard
 from mpitailor.formats.read import flat_mappings_agree
 from mpitailor.formats.safeload import load
-from mpitailor.formats.verify import record_crcs
+from mpitailor.formats.shard_protocol import Shard
+from mpitailor.formats.verify import record_crcs, verify_records
 
 
 @dataclass
-class RankShard:
-    """Rank `rank`'s model states (loaded) and optimizer file (indexed, open for reads)."""
+class RankShard(Shard):
+    """A full checkpoint's rank: model states (loaded) and the optim file, whose flat buffers
+    are records of their own (read in place, each with its CRC in the zip)."""
 
-    meta: CheckpointMeta
-    rank: int
-    model: dict
-    optim: dict   # flat buffers on the meta device; everything else (Adam steps) real
-    fd: int
     offsets: dict[tuple[str, int], int]  # (kind, sub-group) -> byte offset in the optim file
     _records: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
 
     @property
-    def inner(self) -> dict:
-        """The torch optimizer's state dict (state per sub-group, param groups)."""
-        osd = self.optim["optimizer_state_dict"]
-        return osd["base_optimizer_state"] if self.meta.layout.flat else osd["optimizer_state_dict"]
-
-    def read_into(self, kind: str, g: int, start: int, out: torch.Tensor) -> None:
-        """Fill fp32 `out` with elements [start, start + out.numel()) of sub-group g's
-        flat buffer of kind fp32/exp_avg/exp_avg_sq."""
-        try:
-            rawio.read_into(self.fd, self.offsets[kind, g] + start * 4, out)
-        except (OSError, EOFError) as e:
-            raise CheckpointError(f"{self.meta.files.optim_path(self.rank)}: read failed "
-                                  f"({e}); the file is damaged or truncated") from None
+    def data_path(self) -> Path:
+        return self.meta.files.optim_path(self.rank)
 
     def byte_ranges(self, kind: str, g: int, start: int, n: int) -> list[tuple[int, int, int]]:
-        """Where elements [start, start + n) of sub-group g's `kind` buffer lie:
-        (open file descriptor, byte offset, byte count) runs, in order."""
         return [(self.fd, self.offsets[kind, g] + start * 4, n * 4)]
 
     def whole_record(self, kind: str, g: int) -> tuple[int, int] | None:
-        """(CRC-32, bytes) of sub-group g's `kind` buffer as its zip record states them (the
-        buffer is a record of its own): a copy of all of it can take this CRC as it is."""
         if self._records is None:
-            self._records = record_crcs(self.meta.files.optim_path(self.rank), self.fd)
+            self._records = record_crcs(self.data_path, self.fd)
         return self._records.get(self.offsets[kind, g])
 
-    def path_of(self, fd: int) -> str:
-        """The file behind one of this shard's descriptors (for error messages)."""
-        return str(self.meta.files.optim_path(self.rank))
-
-    def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
-        size = self.meta.layout.buffer_size(kind, g, self.rank)
-        out = torch.empty(size - start if length is None else length, dtype=torch.float32)
-        self.read_into(kind, g, start, out)
-        return out
-
     def verify(self, used: set[tuple[str, int]]) -> None:
-        """Check the whole records of these (kind, sub-group) buffers against their CRC."""
-        from mpitailor.formats.verify import verify_records
-        verify_records(self.meta.files.optim_path(self.rank), self.fd,
-                       {self.offsets[k] for k in used})
-
-    def reopen(self) -> None:
-        """Open the file again after close() (the parsed metadata is kept): a rank that
-        works through many partitions parses each once and holds few descriptors."""
-        if self.fd < 0:
-            self.fd = os.open(self.meta.files.optim_path(self.rank), os.O_RDONLY)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> "RankShard":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        """Check the whole records of these buffers against the CRCs in the zip."""
+        verify_records(self.data_path, self.fd, {self.offsets[k] for k in used})
 
 
-def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
+def open_shard(meta: CheckpointMeta, rank: int) -> Shard:
     """Open rank `rank`'s files; raise CheckpointError if they disagree with rank 0's.
 
-    Partial checkpoints get a `PartialShard`, which reads the same way."""
+    A full checkpoint's rank is a `RankShard`, a partial checkpoint's a `PartialShard`."""
     if meta.files.partial:
-        from mpitailor.formats.partial_shard import open_partial_shard
         return open_partial_shard(meta, rank)
     model_path, optim_path = meta.files.model_path(rank), meta.files.optim_path(rank)
     model = load(model_path, opaque_ok=True)
@@ -121,7 +77,7 @@ def open_shard(meta: CheckpointMeta, rank: int) -> RankShard:
 
 
 @contextmanager
-def open_all_shards(meta: CheckpointMeta) -> Iterator[list[RankShard]]:
+def open_all_shards(meta: CheckpointMeta) -> Iterator[list[Shard]]:
     """Every rank's shard, in rank order; all closed on exit, also when one fails to open."""
     with ExitStack() as stack:
         yield [stack.enter_context(open_shard(meta, r)) for r in range(meta.world_size)]
