@@ -1,42 +1,46 @@
-"""Moving bytes between files for the executor: chunked copies through a bounded buffer with
-the CRC-32 taken on the way, double-buffered with a writer thread, kernel copies where a
-record goes unchanged, writeback started as the bytes are written."""
+"""The engine's one copy engine: byte ranges moved between files through a bounded buffer with
+the CRC-32 taken on the way, double-buffered with a writer thread; kernel copies where a record
+goes unchanged. Merges copy bytes as they are; the HF/fp32 exports read fp32 elements and write
+them cast to the output dtype (Copier.cast). All I/O goes through storage.py.
+"""
 from __future__ import annotations
 
-import errno
-import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from mpitailor.engine import writeback
-from mpitailor.errors import CheckpointError
-from mpitailor.formats.crc import crc32
+import torch
 
-CHUNK = 512 << 10  # bytes per read/write, the executor's whole buffer: small enough that
-# what preadv brings in is still in the CPU's L2 cache when the CRC and pwrite read it (8 MiB
-# chunks made a 1-rank merge 1.5-3x slower on the development machine: three passes
-# through RAM)
+from mpitailor.engine import storage
+from mpitailor.engine.storage import (
+    fsync_close,
+    kernel_copy,
+    pread_into,
+    pwrite_all,  # noqa: F401  until execute.py and copystep.py import it from storage.py
+    write_out,
+)
+from mpitailor.formats.crc import crc32
+from mpitailor.planning.program import ELEMENT
 
 
 def sync_close(copier: Copier, outs: dict[str, int]) -> None:
     """Wait for the writes in flight, fsync and close the output files."""
     copier.drain()
-    while outs:
-        name, fd = outs.popitem()
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_close(outs)
 
 
 class Copier:
-    """Copies byte ranges in CHUNKs, double-buffered: while a writer thread pwrites one chunk,
-    this thread reads the next and takes its CRC (preadv, the CRC and pwrite all release the
-    GIL), so that one rank keeps two cores busy. Memory: two chunks."""
+    """Moves chunks of storage.CHUNK bytes, double-buffered: while a writer thread pwrites one
+    chunk, this thread reads (and casts) the next and takes its CRC (preadv, the cast, the CRC
+    and pwrite all release the GIL), so that one rank keeps two cores busy. Memory: two
+    chunks, and two more for the casts once cast() is used."""
 
     def __init__(self) -> None:
-        self.bufs = [memoryview(bytearray(CHUNK)) for _ in range(2)]
+        self.chunk = storage.CHUNK
+        self.raw = [bytearray(self.chunk) for _ in range(2)]
+        self.bufs = [memoryview(b) for b in self.raw]
         self.pending: list[Future | None] = [None, None]
         self.turn = 0
+        self.casts: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, memoryview]]] = {}
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mpitailor-writer")
 
     def copy(self, src: int, off: int, n: int, dst: int, dst_off: int, crc: int,
@@ -45,19 +49,51 @@ class Copier:
         done = 0
         while done < n:
             view = self._free_buffer()
-            try:
-                got = os.preadv(src, [view[:min(CHUNK, n - done)]], off + done)
-            except OSError as e:
-                raise CheckpointError(f"{path}: read failed ({e}); the file is damaged") \
-                    from None
-            if got <= 0:
-                raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
-                                      f"{off + done}; the file is truncated")
+            got = pread_into(src, view[:min(self.chunk, n - done)], off + done, path, n - done)
             crc = crc32(view[:got], crc)
-            self.pending[self.turn] = self.writer.submit(write_out, dst, view[:got],
-                                                         dst_off + done)
+            self._write(dst, view[:got], dst_off + done)
             done += got
         return crc
+
+    def cast(self, fill: Callable[[int, torch.Tensor], None], lo: int, hi: int,
+             dtype: torch.dtype, dst: int, dst_off: int, crc: int) -> int:
+        """Write elements [lo, hi) of an fp32 stream cast to dtype, from dst_off on; return
+        the CRC-32 continued over the bytes written. fill(first, into) puts the elements
+        from `first` on into the fp32 tensor `into`, a chunk at a time."""
+        step = self.chunk // ELEMENT
+        for a in range(lo, hi, step):
+            n = min(hi - a, step)
+            self._free_buffer()
+            src, out, out_bytes = self._cast_buffers(dtype)
+            fill(a, src[:n])
+            if out is None:  # fp32 out: the chunk as read
+                data = self.bufs[self.turn][:n * ELEMENT]
+            else:
+                out[:n].copy_(src[:n])  # Tensor.to(dtype) is this copy_ into a new tensor
+                data = out_bytes[:n * out.element_size()]
+            crc = crc32(data, crc)
+            self._write(dst, data, dst_off)
+            dst_off += len(data)
+        return crc
+
+    def _cast_buffers(self, dtype: torch.dtype):
+        """This turn's buffer as fp32, and its cast's buffer as dtype and as bytes (None for
+        fp32), made on first use."""
+        if dtype not in self.casts:
+            made = []
+            for raw in self.raw:
+                f32 = torch.frombuffer(raw, dtype=torch.float32)
+                if dtype == torch.float32:
+                    made.append((f32, None, None))
+                else:
+                    out_raw = bytearray(self.chunk)
+                    made.append((f32, torch.frombuffer(out_raw, dtype=dtype),
+                                 memoryview(out_raw)))
+            self.casts[dtype] = made
+        return self.casts[dtype][self.turn]
+
+    def _write(self, dst: int, data, offset: int) -> None:
+        self.pending[self.turn] = self.writer.submit(write_out, dst, data, offset)
 
     def _free_buffer(self) -> memoryview:
         self.turn ^= 1
@@ -74,38 +110,15 @@ class Copier:
                 f.result()
 
     def close(self) -> None:
+        """Wait for the writes in flight (their errors dropped: drain() raised them, or
+        another error is on its way up), so that no descriptor closes under one."""
         self.writer.shutdown(wait=True)
 
 
 def copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, copier: Copier,
-                    path: str) -> None:
-    """Copy n bytes inside the kernel (copy_file_range: no pass through this process, a
-    reflink where the file system shares extents); chunked copies where it cannot."""
-    done = 0
-    while done < n:
-        try:
-            k = os.copy_file_range(src, dst, min(n - done, 64 << 20), off + done,
-                                   dst_off + done)  # 64 MiB a call: writeback starts early
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise  # a full disk, an I/O error: as any write's
-            copier.copy(src, off + done, n - done, dst, dst_off + done, 0, path)
-            return
-        if k == 0:
-            raise CheckpointError(f"{path}: ends {n - done} bytes early at offset "
-                                  f"{off + done}; the file is truncated")
-        writeback.start(dst, dst_off + done, k)
-        done += k
-
-
-def write_out(fd: int, data, offset: int) -> None:
-    """pwrite a chunk and start its writeback (the final fsync then waits for little)."""
-    pwrite_all(fd, data, offset)
-    writeback.start(fd, offset, len(data))
-
-
-def pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+                   path: str) -> None:
+    """Copy n bytes inside the kernel (storage.kernel_copy); through the copier's buffers
+    where the file systems cannot."""
+    done = kernel_copy(src, off, n, dst, dst_off, path)
+    if done < n:
+        copier.copy(src, off + done, n - done, dst, dst_off + done, 0, path)

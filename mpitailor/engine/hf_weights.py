@@ -4,7 +4,9 @@ The files do not depend on how many ranks write them: hf_layout.py plans them (w
 every tensor's byte offset) from names, shapes and the dtype. Rank 0 creates each file with
 its header; every rank then casts its share of the model-order stream of elements (one
 contiguous byte range of each file it touches) and writes it in place, reading the slices
-from the partition files (byte ranges only) a bounded chunk at a time. A file's CRC-32 is
+from the partition files (byte ranges only) a bounded chunk at a time, through the engine's
+one copy engine (copyio.Copier.cast: read, cast and CRC one chunk while the writer thread
+writes the one before). A file's CRC-32 is
 combined from the ranks' CRCs of their ranges. Tied aliases are left out, as
 `save_pretrained` does.
 """
@@ -14,8 +16,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from pathlib import Path
 import torch
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.engine.copyio import write_out
+from mpitailor.engine.copyio import Copier, sync_close
+from mpitailor.engine.storage import close_all, create_sized, fsync_close
 from mpitailor.errors import CheckpointError, MergeFailed
 from mpitailor.formats import CheckpointMeta, Slot
 from mpitailor.formats.consolidate import read_range
@@ -31,7 +33,6 @@ from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.dtypes import DTYPES, from_safetensors, torch_dtype
 from mpitailor.formats.extras import weight_files
 from mpitailor.formats.shard import RankShard, open_all_shards
-from mpitailor.formats.stwrite import as_bytes
 from mpitailor.planning.hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX,
@@ -44,7 +45,6 @@ from mpitailor.planning.hf_layout import (
 )
 from mpitailor.publish.staging import copy_synced, write_synced
 
-CHUNK = 1 << 20  # elements read, cast and written at a time: 4 MiB of fp32, two in flight
 _SHARD_FILE = re.compile(r"\w[\w.-]*\.safetensors")
 
 
@@ -78,8 +78,6 @@ def _weight_map(path: Path) -> tuple[tuple[str, str], ...]:
                               f"to .safetensors files beside it); fix it or remove the base's "
                               f"16-bit weights")
     return tuple(weight_map.items())
-
-
 
 
 def weights_dtype(path: Path) -> str:
@@ -130,12 +128,12 @@ def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPla
 
 def _create(plan: WeightsPlan, dest: Path) -> None:
     """Rank 0 only: every file at its full size, its header written."""
-    for f in plan.files:
-        with open(dest / f.name, "xb") as out:
-            out.write(f.prefix)
-            out.truncate(f.size)
-            out.flush()
-            os.fsync(out.fileno())
+    files = {}
+    try:
+        for f in plan.files:
+            files[f.name] = create_sized(dest / f.name, f.size, f.prefix)
+    finally:
+        fsync_close(files)
 
 
 def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
@@ -147,83 +145,34 @@ def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
         return []
     slots, done = meta.layout.by_name(), []
     needed = {str(m.path): m for m in [meta, *sources.values()]}
+    dtype = torch_dtype(plan.dtype)
+    outs: dict[str, int] = {}
     with ExitStack() as stack:
         opened = {key: stack.enter_context(open_all_shards(m)) for key, m in needed.items()}
-        out = stack.enter_context(_Pipeline(torch_dtype(plan.dtype)))
+        stack.callback(close_all, outs)  # runs after the copier's close: no write in flight
+        copier = Copier()
+        stack.callback(copier.close)
         for f, runs in work:
             first = runs[0][0].offset + runs[0][1] * plan.itemsize
-            fd = os.open(dest / f.name, os.O_WRONLY)
-            try:
-                out.start(fd, first)
-                for piece, a, b in runs:
-                    shards = opened[str(sources.get(piece.name, meta).path)]
-                    slot = slots.get(piece.name)
-                    for lo in range(a, b, CHUNK):
-                        out.put(shards, slot, piece.name, lo, min(b, lo + CHUNK))
-                pos, crc = out.finish()
-                os.fsync(fd)
-            finally:
-                out.settle()  # no write may still be in flight on a closed descriptor
-                os.close(fd)
+            outs[f.name] = fd = os.open(dest / f.name, os.O_WRONLY)
+            pos, crc = first, 0
+            for piece, a, b in runs:
+                shards = opened[str(sources.get(piece.name, meta).path)]
+                fill = _reader(shards, slots.get(piece.name), piece.name)
+                crc = copier.cast(fill, a, b, dtype, fd, pos, crc)
+                pos += (b - a) * plan.itemsize
+            sync_close(copier, outs)
             done.append((f.name, first, pos - first, crc))
     return done
 
 
-class _Pipeline:
-    """Reads, casts and CRCs one chunk while a writer thread pwrites the one before
-    (preadv, the cast, the CRC and pwrite release the GIL): one rank keeps two cores busy.
-    Memory: two chunks and their casts."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.bufs = [torch.empty(CHUNK, dtype=torch.float32) for _ in range(2)]
-        self.pending: list[Future | None] = [None, None]
-        self.turn, self.fd, self.pos, self.crc = 0, -1, 0, 0
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="mpitailor-export-writer")
-
-    def start(self, fd: int, pos: int) -> None:
-        self.fd, self.pos, self.crc = fd, pos, 0
-
-    def put(self, shards: Sequence[RankShard], slot: Slot | None, name: str, lo: int,
-            hi: int) -> None:
-        """Elements [lo, hi) of parameter `name` (flattened) next in the file: the fp32
-        master weights of a trainable one, a frozen one's fragments as saved."""
-        self.turn ^= 1
-        self._wait(self.turn)  # its buffer (and the cast of it) is free again
-        chunk = self.bufs[self.turn][: hi - lo]
-        if slot is None:
-            chunk.copy_(_frozen_range(shards, name, lo, hi))
-        else:
-            read_range(shards, slot, "fp32", lo, chunk)
-        data = as_bytes(chunk.to(self.dtype))
-        self.crc = crc32(data, self.crc)
-        self.pending[self.turn] = self.writer.submit(write_out, self.fd, data, self.pos)
-        self.pos += len(data)
-
-    def finish(self) -> tuple[int, int]:
-        """Wait for the file's writes (their errors raise here): (end position, CRC-32)."""
-        for i in range(2):
-            self._wait(i)
-        return self.pos, self.crc
-
-    def settle(self) -> None:
-        """Wait for the writes in flight, their errors dropped (another error is on its
-        way up, or finish() has raised them already)."""
-        for i in range(2):
-            f, self.pending[i] = self.pending[i], None
-            if f is not None:
-                f.exception()
-
-    def _wait(self, i: int) -> None:
-        if (f := self.pending[i]) is not None:
-            self.pending[i] = None
-            f.result()
-
-    def __enter__(self) -> "_Pipeline":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.writer.shutdown(wait=True)
+def _reader(shards: Sequence[RankShard], slot: Slot | None, name: str
+            ) -> Callable[[int, torch.Tensor], None]:
+    """fill(first, into) for Copier.cast: elements of parameter `name` (flattened) from
+    `first` on, the fp32 master weights of a trainable one, a frozen one's fragments as saved."""
+    if slot is None:
+        return lambda lo, into: into.copy_(_frozen_range(shards, name, lo, lo + into.numel()))
+    return lambda lo, into: read_range(shards, slot, "fp32", lo, into)
 
 
 def _frozen_range(shards: Sequence[RankShard], name: str, a: int, b: int) -> torch.Tensor:

@@ -10,15 +10,13 @@ Collective: call on every rank with the same arguments.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.exchange import Request, exchange
 from mpitailor.cluster.nodes import Nodes
-from mpitailor.engine.copyio import pwrite_all
+from mpitailor.engine.storage import CrcWriter, close_all, create_sized, fsync_close
 from mpitailor.errors import MergeFailed
-from mpitailor.formats.crc import crc32
 
 
 def replicate(comm: Comm, nodes: Nodes, root: Path, files: dict[str, dict],
@@ -41,9 +39,7 @@ def replicate(comm: Comm, nodes: Nodes, root: Path, files: dict[str, dict],
         for key, (name, rec) in enumerate(mine):
             path = root / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            fds[key] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.ftruncate(fds[key], rec["bytes"])
-    running: dict[int, int] = {}
+            fds[key] = create_sized(path, rec["bytes"])
 
     def read(what: tuple, off: int, n: int) -> bytes:
         with open(root / what[0], "rb") as f:
@@ -53,24 +49,20 @@ def replicate(comm: Comm, nodes: Nodes, root: Path, files: dict[str, dict],
             raise MergeFailed(f"{root / what[0]}: shorter than its record while sending it")
         return data
 
-    def write(key: int, off: int, data: bytes) -> int:
-        pwrite_all(fds[key], data, off)
-        running[key] = crc32(data, running.get(key, 0))
-        return running[key]
+    received = CrcWriter(lambda key: (fds[key], 0))
 
     def finish(error) -> None:
         if error is not None:
             raise error
         for key, (name, rec) in enumerate(mine):
-            if f"{running.get(key, 0):08x}" != rec["crc32"]:
+            if f"{received.crcs.get(key, 0):08x}" != rec["crc32"]:
                 raise MergeFailed(f"{root / name}: the copy received over MPI fails its "
                                   f"CRC-32; nothing published")
-            os.fsync(fds[key])
+        fsync_close(fds)
     try:
         comm.step(create)
-        moved = exchange(comm, wanted, read, write)
+        moved = exchange(comm, wanted, read, received.write)
         comm.step(finish, moved.error)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        close_all(fds)
     return {"bytes_mpi_sent": moved.bytes_sent, "bytes_mpi_received": moved.bytes_received}
