@@ -157,3 +157,38 @@ def test_a_missing_last_rank_model_file_is_named_and_called_incomplete(ckpt_copy
     r = run_cli(["export", str(tag), "-o", str(tmp_path / "x")], {})
     assert r.returncode == 2 and "zero_pp_rank_2_mp_rank_00_model_states.pt" in r.stderr, \
         r.stderr
+
+
+@pytest.mark.parametrize("name,optim", [
+    ("w2_fp32_one", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ("s2_w2_bf16_per_layer", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")])
+def test_a_rank_file_from_another_step_is_refused_by_merge_and_export(ckpt_copy, tmp_path,
+                                                                      name, optim):
+    """Rank 1's optimizer file of step 5 copied into step 10: merge and export refuse it in
+    one line naming the file (it would have carried step-5 weights and moments)."""
+    from merging import RECIPES, run_cli
+    root = ckpt_copy(name)
+    shutil.copy(root / "global_step5" / optim, root / "global_step10" / optim)
+    want = f"{optim}: from another save: its Adam step is 5 where rank 0's files (step 10)"
+    r = run_cli(["export", str(root / "global_step10"), "-o", str(tmp_path / "x"),
+                 "--format", "fp32"], {}, ranks=2)
+    assert r.returncode == 2 and r.stderr.count(want) == 2, r.stderr
+    env = {"NEW": str(root / "global_step10"), "OLD": str(root / "global_step5"),
+           "OUT": str(tmp_path / "m")}
+    r = run_cli([str(RECIPES / "parity.yml")], env, ranks=2)
+    assert r.returncode == 2 and r.stderr.count(want) == 2, r.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "m").exists()
+
+
+def test_recover_skips_a_save_with_a_rank_file_from_another_step(ckpt_copy, tmp_path):
+    """recover checks every rank file of every save: the step-10 save with rank 1's step-5
+    optimizer file is skipped, said with its reason, and the step-5 save recovered."""
+    from merging import run_cli
+    root = ckpt_copy("w2_fp32_one")  # full saves at 5 and 10; latest: global_step10
+    optim = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(root / "global_step5" / optim, root / "global_step10" / optim)
+    out = tmp_path / "out"
+    r = run_cli(["recover", str(root), "-o", str(out)], {}, ranks=2)
+    assert r.returncode == 0, r.stderr
+    assert "skipping global_step10" in r.stderr and "from another save" in r.stderr, r.stderr
+    assert read_meta(out).global_steps == 5

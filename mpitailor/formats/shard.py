@@ -70,7 +70,10 @@ def open_shard(meta: CheckpointMeta, rank: int) -> Shard:
         offsets = _flat_offsets(meta, optim, rank, os.fstat(fd).st_size, optim_path)
         flats = frozenset(id(flat_tensor(optim, kind, g, meta.layout.flat))
                           for kind, g in offsets)
-        return RankShard(meta, rank, model, rawio.materialize(optim, fd, flats), fd, offsets)
+        optim = rawio.materialize(optim, fd, flats)
+        if rank != 0:
+            _check_same_save(meta, optim, optim_path)
+        return RankShard(meta, rank, model, optim, fd, offsets)
     except BaseException:
         os.close(fd)
         raise
@@ -93,6 +96,31 @@ def _check_model_agrees(meta: CheckpointMeta, model: dict, path) -> None:
     if shapes != expect or int(model.get("global_steps", -1)) != meta.global_steps:
         raise CheckpointError(f"{path}: disagrees with rank 0's model states "
                               f"(param_shapes or global_steps); files from different runs?")
+
+
+def _check_same_save(meta: CheckpointMeta, optim: dict, path) -> None:
+    """A rank's optimizer file belongs to the save rank 0's files describe: its Adam steps
+    are rank 0's (DeepSpeed steps every sub-group on every rank together). A file copied in
+    from another step would otherwise merge that step's weights and moments without a word."""
+    try:
+        osd = optim["optimizer_state_dict"]
+        state = osd["base_optimizer_state" if meta.layout.flat else "optimizer_state_dict"]
+        state = state["state"]
+        steps = tuple(float(_scalar(state.get(g, {}).get("step", 0)))
+                      for g in range(len(meta.subgroup_steps)))
+    except (KeyError, TypeError, AttributeError, ValueError):
+        raise CheckpointError(f"{path}: no Adam state where rank 0's file has one; files "
+                              f"from different runs?") from None
+    if steps != meta.subgroup_steps:
+        g = next(i for i, (a, b) in enumerate(zip(steps, meta.subgroup_steps)) if a != b)
+        raise CheckpointError(
+            f"{path}: from another save: its Adam step is {steps[g]:g} where rank 0's files "
+            f"(step {meta.global_steps}) have {meta.subgroup_steps[g]:g} (sub-group {g}); "
+            f"put this save's own file back")
+
+
+def _scalar(value) -> float:
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 def _check_flat_rank(meta: CheckpointMeta, optim: dict, rank: int, path) -> None:
