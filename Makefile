@@ -62,3 +62,11 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .cache demo-out
+
+# The GPU check (issue 24, part 4; minutes, not part of make test): on a machine with one CUDA
+# GPU, DeepSpeed ZeRO-3 bf16 and ZeRO-2 fp16 training with layer-wise saves, a crash, recover
+# and resume, and Lightning's DeepSpeedStrategy saves merged and exported. Without a GPU it
+# says so in one line and exits 0. JSON in bench/out/gpu_check.json.
+.PHONY: gpu-check
+gpu-check: install
+	$(BIN)/python -m bench.gpu_check
