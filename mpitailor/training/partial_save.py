@@ -177,6 +177,8 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
         if host is not None:
             agree(comm, host.check, host.need(slices))
             slices = host.copy(slices)
+        else:  # written now, from host memory: slices of GPU buffers are copied down first
+            slices = {k: v if v.device.type == "cpu" else v.cpu() for k, v in slices.items()}
         t2 = time.perf_counter()
         rank, leader, flat = engine.global_rank, save_leader(engine), flat_engine(engine)
         names = partial_files(rank)
