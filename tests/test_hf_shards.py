@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers.utils.hub import convert_file_size_to_int
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.engine import hf_weights
+from mpitailor.engine import storage
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.read import read_meta
 from mpitailor.jobs.merge import plan_merge, write_merge
@@ -31,6 +31,7 @@ from mpitailor.planning.hf_layout import (
     share,
     size_shards,
 )
+from mpitailor.planning.program import ELEMENT
 
 NAME = "hf_w3_bf16_weights_tied"
 RANKS = (1, 2, 3, 5)
@@ -120,7 +121,7 @@ def test_max_shard_size_cuts_as_save_pretrained_and_loads(exports, ckpt, tmp_pat
     assert {p.name for p in sharded.glob("model*.safetensors")} == set(oracle.filename_to_tensors)
     # The reference: one file (the default size), in-process, cast and written 1000 elements
     # at a time, so every parameter is read in several chunks.
-    monkeypatch.setattr(hf_weights, "CHUNK", 1000)
+    monkeypatch.setattr(storage, "CHUNK", 1000 * ELEMENT)
     for k, v in recipe_env(new, old, tmp_path / "one").items():
         monkeypatch.setenv(k, v)
     _, plan = plan_merge(Comm(None), str(RECIPES / "parity.yml"))

@@ -15,7 +15,6 @@ from mpitailor.engine.storage import (
     fsync_close,
     kernel_copy,
     pread_into,
-    pwrite_all,  # noqa: F401  until execute.py and copystep.py import it from storage.py
     write_out,
 )
 from mpitailor.formats.crc import crc32

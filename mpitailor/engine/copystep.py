@@ -14,14 +14,15 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.exchange import Exchanged, Request, exchange
 from mpitailor.cluster.nodes import Placement, shard_paths
-from mpitailor.engine.copyio import Copier, copy_unchanged, pwrite_all, sync_close
-from mpitailor.errors import CheckpointError
-from mpitailor.formats.crc import crc32, crc32_combine, crc32_zeros
+from mpitailor.engine.copyio import Copier, copy_unchanged, sync_close
+from mpitailor.engine.storage import CrcWriter, pread_exact
+from mpitailor.formats.crc import crc32_combine, crc32_zeros
 from mpitailor.formats.files import optim_file
 from mpitailor.formats.shard import open_shard
 from mpitailor.formats.shard_protocol import Shard
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
+from mpitailor.planning.program import ELEMENT
 
 
 class Shards:
@@ -92,7 +93,8 @@ class Copy:
             if b.unit not in pieces_of:
                 pieces_of[b.unit] = program.pieces(plan, b.unit) if program.is_partition(b) \
                     else {-1: program.param_pieces(plan, b.param)}
-            ps = program.clip(pieces_of[b.unit].get(b.subgroup, []), t.lo // 4, t.hi // 4)
+            ps = program.clip(pieces_of[b.unit].get(b.subgroup, []), t.lo // ELEMENT,
+                              t.hi // ELEMENT)
             for j, p in enumerate(ps):
                 if opened.local(p.source, p.src_rank):
                     if (p.source, p.src_rank) not in self.shards:
@@ -100,11 +102,12 @@ class Copy:
                     continue
                 key = len(self.dests)
                 self.remote[len(self.plans), j] = key
-                self.dests[key] = (output_file(plan, b), offsets[t.buffer] + p.dst_start * 4)
+                self.dests[key] = (output_file(plan, b),
+                                   offsets[t.buffer] + p.dst_start * ELEMENT)
                 reader = opened.reader(p.source, p.src_rank, t.buffer)
                 self.wanted.setdefault(reader, []).append(Request(
                     key, (p.source, p.src_rank, b.kind, p.src_group, p.src_start, p.length),
-                    p.length * 4))
+                    p.length * ELEMENT))
             self.plans.append((t, b, ps))
         if verify:
             _verify(self.shards, self.plans)
@@ -113,8 +116,6 @@ class Copy:
 
     def fetch_remote(self, comm: Comm) -> Exchanged:
         """Collective: the pieces held on other nodes, written in place; serve theirs."""
-        running: dict[int, int] = {}
-
         def read(what: tuple, off: int, n: int) -> bytes:
             source, rank, kind, group, start, length = what
             shard = self.opened.get(source, rank)
@@ -122,17 +123,15 @@ class Copy:
             for fd, pos, size in shard.byte_ranges(kind, group, start, length):
                 lo, hi = max(off, 0), min(off + n, size)
                 if lo < hi:
-                    out += _pread(fd, hi - lo, pos + lo, shard.path_of(fd))
+                    out += pread_exact(fd, hi - lo, pos + lo, shard.path_of(fd))
                 off -= size
             return bytes(out)
 
-        def write(key: int, off: int, data: bytes) -> int:
+        def place(key: int) -> tuple[int, int]:
             name, dst = self.dests[key]
-            pwrite_all(self._out(name), data, dst + off)
-            running[key] = crc32(data, running.get(key, 0))
-            return running[key]
+            return self._out(name), dst
         try:
-            moved = exchange(comm, self.wanted, read, write)
+            moved = exchange(comm, self.wanted, read, CrcWriter(place).write)
             try:
                 sync_close(self.copier, self.outs)
             except OSError as e:  # raised by the caller on every rank, like the others
@@ -178,11 +177,11 @@ class Copy:
                 continue
             crc, pos = 0, t.lo
             for j, p in enumerate(ps):
-                start = p.dst_start * 4
+                start = p.dst_start * ELEMENT
                 crc = crc32_zeros(start - pos, crc)  # padding: the file is zeros there
                 if (i, j) in self.remote:  # written by fetch_remote: its CRC as received
                     crc = crc32_combine(crc, moved.crcs.get(self.remote[i, j], 0),
-                                        p.length * 4)
+                                        p.length * ELEMENT)
                 else:
                     shard = shards[p.source, p.src_rank]
                     dst = base + start
@@ -190,8 +189,8 @@ class Copy:
                                                         p.length):
                         crc = copier.copy(fd, off, n, out, dst, crc, shard.path_of(fd))
                         dst += n
-                written += p.length * 4
-                pos = start + p.length * 4
+                written += p.length * ELEMENT
+                pos = start + p.length * ELEMENT
             crc = crc32_zeros(t.hi - pos, crc)
             crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
             bar.update(t.hi - t.lo)
@@ -207,17 +206,6 @@ class Copy:
         self.opened.release()
 
 
-def _pread(fd: int, n: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, n, offset)
-    while len(data) < n:
-        more = os.pread(fd, n - len(data), offset + len(data))
-        if not more:
-            raise CheckpointError(f"{path}: ends before byte {offset + n}; the file is "
-                                  f"truncated")
-        data += more
-    return data
-
-
 def raise_error(error: Exception | None) -> None:
     if error is not None:
         raise error
@@ -229,7 +217,7 @@ def _whole_record(b: program.Buffer, t: program.Task, ps,
     if t.lo != 0 or t.hi != b.nbytes or len(ps) != 1:
         return None
     p = ps[0]
-    if p.dst_start != 0 or p.src_start != 0 or p.length * 4 != b.nbytes:
+    if p.dst_start != 0 or p.src_start != 0 or p.length * ELEMENT != b.nbytes:
         return None
     rec = shards[p.source, p.src_rank].whole_record(b.kind, p.src_group)
     return rec[0] if rec is not None and rec[1] == b.nbytes else None

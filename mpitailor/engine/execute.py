@@ -28,7 +28,6 @@ import torch
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths
-from mpitailor.engine.copyio import pwrite_all
 from mpitailor.engine.copystep import Copy, Shards, output_file, raise_error
 from mpitailor.engine.iostats import snapshot
 from mpitailor.engine.partition_states import (
@@ -39,6 +38,7 @@ from mpitailor.engine.partition_states import (
     resharded_model_states,
     resharded_optim,
 )
+from mpitailor.engine.storage import pwrite_all
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import opaque, ptzip
 from mpitailor.formats.crc import crc32, crc32_combine
@@ -171,7 +171,7 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path, shards: Shar
     for u in mine:
         b = bufs[first[u]]
         if not program.is_partition(b):
-            flats = {(b.kind, -1): torch.empty(b.nbytes // 4, dtype=torch.float32)}
+            flats = {(b.kind, -1): torch.empty(b.nbytes // program.ELEMENT, dtype=torch.float32)}
             (tag_dir / "zero" / b.param).mkdir(parents=True, exist_ok=True)
             out[u] = _lay_out_one(bufs, u, tag_dir / output_file(plan, b), flats,
                                   flats[b.kind, -1], None, universal=True)

@@ -74,7 +74,9 @@ def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | No
                max_shard_size: int | None, progress: bool = False) -> ExportResult:
     """Collective: export SRC to OUT."""
     t0 = time.perf_counter()
-    if (source / PARTIAL_MANIFEST).exists() or any(source.glob(f"global_step*/{PARTIAL_MANIFEST}")):
+    partial_hf = source.name.startswith("checkpoint-") and any(
+        source.glob(f"global_step*/{PARTIAL_MANIFEST}"))  # an HF checkpoint-N of a partial save
+    if (source / PARTIAL_MANIFEST).exists() or partial_hf:
         raise UserError(f"{source}: one partial save holds only some layers; export its save "
                         f"dir ({source.parent}) to take every layer's newest copy")
     if fmt not in FORMATS:
