@@ -1,8 +1,9 @@
-"""Reading and writing DeepSpeed ZeRO-3 checkpoints: layout, files, safe loading.
+"""Facts about files: DeepSpeed ZeRO checkpoints of stages 1-3 (layout, rank files, safe
+loading, shards), the torch zip container, safetensors, HF side files, dtypes, the manifest.
 
 The package re-exports only its torch-free records (files, layout, meta), so the planner
 can import them without torch. Reading needs torch: `read_meta` is in `formats.read`,
-`open_shard`/`RankShard` in `formats.shard`; import them from there.
+`open_shard` (a `Shard`: formats/shard_protocol.py) in `formats.shard`; import them there.
 """
 from __future__ import annotations
 
