@@ -178,6 +178,8 @@ def test_a_rank_file_from_another_step_is_refused_by_merge_and_export(ckpt_copy,
     r = run_cli([str(RECIPES / "parity.yml")], env, ranks=2)
     assert r.returncode == 2 and r.stderr.count(want) == 2, r.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "m").exists()
+    r = run_cli(["inspect", str(root / "global_step10")], {})
+    assert r.returncode == 2 and want in r.stderr, r.stderr
 
 
 def test_recover_skips_a_save_with_a_rank_file_from_another_step(ckpt_copy, tmp_path):
