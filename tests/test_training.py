@@ -202,3 +202,20 @@ def test_stage1_adaptive_saves_recover_and_resume_inside_the_job(tmp_path):
     held = [set(json.loads((tmp_path / "run" / f"global_step{s}" / "mpitailor_partial.json")
                            .read_text())["layers"]) for s in (4, 6, 8)]
     assert all(0 < len({k for k in h if k.startswith("layers.")}) < 4 for h in held)
+
+
+def test_the_in_job_resume_says_what_it_recovered(tmp_path, caplog):
+    """recover_for_resume (LayerwiseTrainer.train(resume_from_checkpoint=True)) logs one line
+    naming the full save and the partial saves it took layers from."""
+    import logging
+
+    from mpitailor.training import recover_for_resume
+    root = tmp_path / "run"
+    shutil.copytree(build("w2_parity"), root)
+    with caplog.at_level(logging.INFO, logger="mpitailor.training.resume"):
+        out = recover_for_resume(root)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mpitailor.training.resume"]
+    assert lines == [f"resuming from {out}, recovered from the full save global_step2 and the "
+                     f"partial saves global_step4, global_step6, global_step8 (newest copy of "
+                     f"every layer)"], lines
+    assert read_meta(out).global_steps == 8
