@@ -116,8 +116,10 @@ def test_a_full_disk_in_the_writer_raises_on_every_rank_and_publishes_nothing(tm
     with pytest.raises(TrainFailed) as failed:
         launch(spec)
     text = str(failed.value)
-    for rank in (0, 1):  # the one rank's failure raised on both
-        assert f"rank {rank} exited 1" in text
+    # The one rank's failure raised on both (the exit code after an uncaught exception can be
+    # 1, or an abort in the interpreter's teardown with DeepSpeed's threads alive).
+    for rank in (0, 1):
+        assert f"training rank {rank} exited" in text
     assert text.count("PartialSaveFailed: partial checkpoint not saved") >= 2
     assert "No space left on device" in text and "(on rank 1)" in text
     assert not (root / "global_step4").exists()
@@ -131,9 +133,9 @@ def test_host_buffers_over_the_limit_are_refused_on_every_rank(tmp_path):
     with pytest.raises(TrainFailed) as failed:
         launch(spec)
     text = str(failed.value)
-    assert "over max_host_bytes=0.0 MiB" in text
+    assert text.count("over max_host_bytes=0.0 MiB") >= 2  # said on both ranks
     for rank in (0, 1):
-        assert f"rank {rank} exited 1" in text
+        assert f"training rank {rank} exited" in text
     assert not (tmp_path / "run" / "global_step4").exists()
 
 

@@ -77,8 +77,9 @@ def _wait_all(procs, logs, timeout: float) -> None:
         codes = [p.poll() for p in procs]
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            # The others usually follow within moments (their peer is gone): say them all.
-            settle = time.monotonic() + 5
+            # The others usually follow within moments (their peer is gone, or they raise the
+            # same collective error): wait a while for them, then say them all.
+            settle = time.monotonic() + 30
             while time.monotonic() < settle and any(p.poll() is None for p in procs):
                 time.sleep(0.05)
             codes = [p.poll() for p in procs]
