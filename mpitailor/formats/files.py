@@ -105,7 +105,7 @@ def resolve(path: Path | str, view=LOCAL) -> CheckpointFiles:
         raise CheckpointError(f"{path}: not a directory; name a DeepSpeed save dir or tag dir")
     if view.exists(path / PARTIAL_MANIFEST):
         return _partial(path, None, view)
-    if _has_rank_files(path, view) or view.exists(path / STAGE12_MODEL):
+    if is_tag_dir(path, view):
         return _scan_tag_dir(path, None, view)
     latest = path / "latest"
     if view.is_file(latest):
@@ -172,8 +172,10 @@ def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFile
                            save_dir=save_dir, partial=True, flat=flat)
 
 
-def _has_rank_files(path: Path, view=LOCAL) -> bool:
-    return any(MODEL_RE.fullmatch(n) for n in view.names(path))
+def is_tag_dir(path: Path, view=LOCAL) -> bool:
+    """Does `path` hold a checkpoint's rank files itself (a tag dir, not a save dir)?"""
+    return view.is_dir(path) and (any(MODEL_RE.fullmatch(n) for n in view.names(path))
+                                  or view.exists(path / STAGE12_MODEL))
 
 
 def _scan_tag_dir(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFiles:

@@ -27,7 +27,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.engine.hf_weights import export_hf
 from mpitailor.errors import UserError
 from mpitailor.formats.extras import extras_dir
-from mpitailor.formats.files import MODEL_RE, OPTIM_RE, PARTIAL_MANIFEST, resolve
+from mpitailor.formats.files import PARTIAL_MANIFEST, is_tag_dir, resolve
 from mpitailor.formats.manifest import MANIFEST, Manifest
 from mpitailor.jobs.merge import MergeOptions, check_shard_size, plan_recipe, run_merge
 from mpitailor.jobs.recover import recover_recipe
@@ -54,7 +54,7 @@ def source_recipe(comm: Comm, source: Path, output: Path) -> Recipe:
         try:
             files = resolve(source)
         except UserError:
-            if _has_rank_files(source):
+            if is_tag_dir(source):
                 raise  # a tag dir that is damaged: say what is wrong with it
             return False  # not one checkpoint: a save dir of several (recover decides)
         if files.partial:
@@ -120,12 +120,3 @@ def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
             return manifest.bytes_written
         written = comm.root_step(finish)
     return ExportResult(plan.output, written, time.perf_counter() - t0)
-
-
-def _has_rank_files(path: Path) -> bool:
-    """Does `path` hold DeepSpeed rank files itself (a tag dir, not a save dir)?"""
-    try:
-        return any(MODEL_RE.fullmatch(p.name) or OPTIM_RE.fullmatch(p.name)
-                   for p in path.iterdir())
-    except OSError:
-        return False

@@ -80,9 +80,7 @@ class HostBuffers:
 
     def need(self, slices: dict[str, torch.Tensor]) -> int:
         """Bytes the buffers will hold after copying `slices` (grown where needed)."""
-        want: dict[torch.dtype, int] = {}
-        for t in slices.values():
-            want[t.dtype] = want.get(t.dtype, 0) + t.numel()
+        want = _elements(slices)
         return sum(max(n, self._bufs[d].numel() if d in self._bufs else 0)
                    * torch.empty(0, dtype=d).element_size() for d, n in want.items())
 
@@ -95,9 +93,7 @@ class HostBuffers:
 
     def copy(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The slices copied into the buffers (views of them, in the same order)."""
-        want: dict[torch.dtype, int] = {}
-        for t in slices.values():
-            want[t.dtype] = want.get(t.dtype, 0) + t.numel()
+        want = _elements(slices)
         for dtype, n in want.items():
             if dtype not in self._bufs or self._bufs[dtype].numel() < n:
                 self._bufs[dtype] = torch.empty(n, dtype=dtype, pin_memory=_pinnable())
@@ -112,6 +108,14 @@ class HostBuffers:
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies are in host memory before training goes on
         return out
+
+
+def _elements(slices: dict[str, torch.Tensor]) -> dict[torch.dtype, int]:
+    """Elements of the slices, per dtype (one host buffer each)."""
+    want: dict[torch.dtype, int] = {}
+    for t in slices.values():
+        want[t.dtype] = want.get(t.dtype, 0) + t.numel()
+    return want
 
 
 def _pinnable() -> bool:
