@@ -25,7 +25,7 @@ fixtures: install
 	$(BIN)/python tests/ckpt_fixtures.py
 
 test: fixtures
-	timeout 2400 $(PYTEST) tests
+	timeout 2400 $(PYTEST) -n 2 tests
 	timeout 900 $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m mpi tests
 	timeout 900 $(MPIEXEC) -n 3 $(PYTEST) --with-mpi -m mpi tests
 	$(MAKE) test-slurm
