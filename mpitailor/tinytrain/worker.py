@@ -58,7 +58,9 @@ def ds_config(spec: TrainSpec) -> dict:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
                                                      "warmup_max_lr": spec.lr,
                                                      "warmup_num_steps": 4}},
-        "zero_optimization": {"stage": spec.zero_stage, "sub_group_size": spec.sub_group_size},
+        # extra["zero_optimization"]: more ZeRO settings (bucket sizes of a large model's run)
+        "zero_optimization": {"stage": spec.zero_stage, "sub_group_size": spec.sub_group_size,
+                              **spec.extra.get("zero_optimization", {})},
         "bf16": {"enabled": spec.dtype == "bf16"},
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
