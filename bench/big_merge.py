@@ -8,10 +8,12 @@ world size W) by mpitailor.tinytrain, built under --root (default .cache/big) an
 at the end unless --keep:
   1b     TinyLlama-1.1B's shape (22 layers, hidden 2048, intermediate 5632, 32 heads, 4 KV
          heads, vocab 32000): 1.1B parameters, 13.2 GB of ZeRO-3 state per save, 26.4 GB
-         (24.6 GiB) the pair. Training it holds ~17 bytes per parameter (16-bit weights and
-         gradients, fp32 master and moments, one sub-group's fp32 gradient): ~21 GB with
-         the processes, so build it on an otherwise idle machine (refused, one line, when
-         /proc/meminfo's MemAvailable is short of it).
+         (24.6 GiB) the pair. Training it holds 22 bytes per parameter (measured: 11.99 GB a
+         rank at 0.55B parameters each when the OOM killer stopped it): 26 GB with the
+         processes, more than this machine's 23.5 GiB — the reason a pair larger than memory
+         cannot be trained in it. So `--swap-gb 12` (root) adds a swap file for the build
+         only (221 s, ~2 GB of it used), removed before anything is measured; without
+         enough memory and swap the build is refused in one line.
   small  the same code path at 4 layers x 256 (minutes, to try the bench).
 Cases, side by side, cold (every input dropped from the page cache before the run) and warm:
   merge    parity merge of the two saves on W ranks (bench/merge_bench.py's recipe)
