@@ -1,11 +1,14 @@
 """The files around a ZeRO-3 tag dir that a resume also needs (carried into the output).
 
-From the base source's save dir (an HF `checkpoint-N/` or a DeepSpeed save dir): trainer
-state, rng states, scheduler, training args, config, generation config, tokenizer files,
-`zero_to_fp32.py` -- known names only. Torch files among them are safe-loaded first, so one
-carrying a pickle payload is refused rather than passed on. 16-bit weight files are not
-copied: they hold the base's weights, not the merged ones: the merge rebuilds safetensors
-weights (export/hf_weights.py) and leaves `.bin` ones out, with a warning.
+From the base source's save dir (an HF `checkpoint-N/`, an `accelerator.save_state` dir or
+a DeepSpeed save dir): trainer state, rng states, scheduler, training args, config,
+generation config, tokenizer files, `zero_to_fp32.py`, Accelerate's own files -- known names
+only. HF's torch files among them are safe-loaded first, so one carrying a pickle payload is
+refused rather than passed on. Accelerate's files are copied as bytes, never loaded, as
+`training_args.bin` is: they are pickles of whatever the loop registered (custom objects,
+samplers), which only the resuming script, trusting its own save, unpickles. 16-bit weight
+files are not copied: they hold the base's weights, not the merged ones: the merge rebuilds
+safetensors weights (export/hf_weights.py) and leaves `.bin` ones out, with a warning.
 """
 from __future__ import annotations
 
@@ -30,6 +33,12 @@ KNOWN_FILE = re.compile(
     r"rng_state(_\d+)?\.pth|scheduler\.pt|(generation_|adapter_|preprocessor_)?config\.json|"
     r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|"
     r"vocab\.(json|txt)|merges\.txt|spiece\.model|chat_template\.(jinja|json)")
+# What `accelerator.save_state` writes beside its DeepSpeed tag dir (`pytorch_model`): rng
+# states (with Accelerate's step counter) per process, the schedulers DeepSpeed does not
+# own, dataloader samplers and states, the GradScaler, `register_for_checkpointing` objects.
+ACCELERATE_FILE = re.compile(
+    r"random_states_\d+\.pkl|(scheduler|sampler|dl_state_dict)(_\d+)?\.bin|scaler\.pt|"
+    r"custom_checkpoint_\d+\.pkl")
 TORCH_SUFFIXES = (".pt", ".pth")
 OURS = {"latest", "latest_universal", MANIFEST}  # ours name our tags, not the base's
 
@@ -67,7 +76,7 @@ def sort_extras(base: CheckpointMeta) -> tuple[list[Path], list[Path], list[str]
             # Rebuilt from the merged fp32 weights: safetensors only. The base's .bin would
             # hold the base's weights, not the merged ones.
             (weights if ".safetensors" in p.name else left_out).append(p)
-        elif KNOWN_FILE.fullmatch(p.name):
+        elif KNOWN_FILE.fullmatch(p.name) or ACCELERATE_FILE.fullmatch(p.name):
             copy.append(p)
         else:
             left_out.append(p.name)
@@ -90,7 +99,8 @@ class Extras:
 def read_extras(base: CheckpointMeta) -> Extras:
     """The extras as bytes (small files), for the ranks that write them into the output
     (rank 0, or every node's first rank under node-local storage). Torch files are
-    safe-loaded first: one carrying a pickle payload is refused."""
+    safe-loaded first: one carrying a pickle payload is refused; Accelerate's are not loaded
+    at all (above)."""
     copy, _, left_out = sort_extras(base)
     if left_out:
         log.warning("not carried over from %s (not part of a checkpoint, or 16-bit .bin weights "
@@ -98,7 +108,7 @@ def read_extras(base: CheckpointMeta) -> Extras:
                     "HF weights): %s", extras_dir(base), ", ".join(left_out))
     out = []
     for p in copy:
-        if p.suffix in TORCH_SUFFIXES:
+        if p.suffix in TORCH_SUFFIXES and not ACCELERATE_FILE.fullmatch(p.name):
             load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
         out.append((p.name, p.read_bytes()))
     return Extras(tuple(out), tuple(left_out))
