@@ -1,11 +1,18 @@
-"""HF Trainer + DeepSpeed on a machine without GPUs (to try mpitailor, or in CI).
+"""DeepSpeed training on a machine without GPUs (to try mpitailor, or in CI): a plain
+DeepSpeed loop, HF Trainer or Accelerate, as real multi-process gloo worlds.
 
-Two things stop them there, and `enable_cpu_training()` undoes just those: accelerate finds
-no distributed backend without a GPU and falls back to a world of one (DeepSpeed then fails
-with "Check batch related parameters"), and HF refuses `bf16=True` without a GPU. It also
-skips the CPU shared-memory all-reduce that DeepSpeed compiles with g++ at start (~25 s),
-which gloo training does not need. Call it before making `TrainingArguments`; on GPUs,
-leave it out.
+`enable_cpu_training()`, called first thing (before `deepspeed.initialize`,
+`TrainingArguments` or `Accelerator`), undoes what stops them there:
+
+- every loop: DeepSpeed compiles a CPU shared-memory all-reduce with g++ when it sets up its
+  communication (~25 s, and a failure without a compiler); gloo training does not need it.
+- HF Trainer and Accelerate: accelerate finds no distributed backend without a GPU and
+  falls back to a world of one (a Trainer then fails with "Check batch related
+  parameters"). Under a launcher (LOCAL_RANK set) it gets gloo.
+- HF Trainer: HF refuses `bf16=True` without a GPU (`bf16=False` leaves that alone).
+
+The accelerate and transformers parts apply only where those are installed (a plain loop
+needs neither). On GPUs, leave it out.
 
 End such a script with `end_cpu_training()`. ZeRO-3 keeps the gloo process groups alive
 (every parameter holds one) past `destroy_process_group`, until the interpreter tears down;
@@ -15,18 +22,27 @@ the work is done: a Slurm job would be marked failed. Exiting at once avoids the
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import NoReturn
 
 
 def enable_cpu_training(bf16: bool = True) -> None:
-    import accelerate.state
     import deepspeed.comm.torch  # noqa: F401  (registers the module patched below)
-    import transformers.training_args as ta
-    from accelerate.utils import DistributedType
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    if importlib.util.find_spec("accelerate") is not None:
+        _accelerate_on_gloo()
+    if bf16 and importlib.util.find_spec("transformers") is not None:
+        import transformers.training_args as ta
+        ta.is_torch_bf16_gpu_available = lambda: True
+
+
+def _accelerate_on_gloo() -> None:
+    import accelerate.state
+    from accelerate.utils import DistributedType
+
     orig = accelerate.state.PartialState.__init__
     if getattr(orig, "_mpitailor_cpu", False):
         return
@@ -40,8 +56,6 @@ def enable_cpu_training(bf16: bool = True) -> None:
             self.distributed_type = DistributedType.MULTI_CPU
     init._mpitailor_cpu = True
     accelerate.state.PartialState.__init__ = init
-    if bf16:
-        ta.is_torch_bf16_gpu_available = lambda: True
 
 
 def end_cpu_training(code: int = 0) -> NoReturn:
