@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +195,52 @@ def test_recover_skips_a_save_with_a_rank_file_from_another_step(ckpt_copy, tmp_
     assert r.returncode == 0, r.stderr
     assert "skipping global_step10" in r.stderr and "from another save" in r.stderr, r.stderr
     assert read_meta(out).global_steps == 5
+
+
+STEP0 = """
+import os, sys
+from dataclasses import replace
+from mpitailor.tinytrain import TrainSpec
+from mpitailor.tinytrain.launch import free_port, worker_env
+from mpitailor.tinytrain.worker import build_engine
+os.environ.update(worker_env(0, 1, free_port()))
+engine = build_engine(replace(TrainSpec(save_dir=sys.argv[1]), world_size=1))
+engine.save_checkpoint(sys.argv[1], tag="global_step0")
+"""
+
+
+@pytest.fixture(scope="session")
+def saved_at_step_0() -> Path:
+    """A real one-rank DeepSpeed ZeRO-3 save made before the first optimizer step (what
+    `accelerator.save_state` before training writes): its Adam state is empty. Built once
+    (~18 s of DeepSpeed start-up) and cached beside the other fixtures."""
+    import subprocess
+    import sys
+
+    from ckpt_fixtures import CACHE
+    final = CACHE / "step0-zero3-v1"
+    if not (final / "DONE").exists():
+        tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run([sys.executable, "-c", STEP0, str(tmp)], check=True, timeout=300,
+                       capture_output=True)
+        (tmp / "DONE").write_text("ok\n")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    return final
+
+
+def test_a_save_before_the_first_optimizer_step_says_so(saved_at_step_0, tmp_path):
+    from merging import run_cli
+    optim = saved_at_step_0 / "global_step0" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert load(optim, mmap=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"] \
+        == {}
+    with pytest.raises(CheckpointError) as e:
+        open_shard(read_meta(saved_at_step_0), 0)
+    msg = one_line(e)
+    assert msg.startswith(f"{optim}: saved before the first optimizer step: it holds no Adam "
+                          f"state") and "not a DeepSpeed" not in msg
+    out = tmp_path / "x"
+    r = run_cli(["export", str(saved_at_step_0), "-o", str(out), "--format", "fp32"], {})
+    assert r.returncode == 2 and "saved before the first optimizer step" in r.stderr, r.stderr
+    assert not out.exists()

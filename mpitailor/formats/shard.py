@@ -160,9 +160,26 @@ def without_flat_buffers(osd: dict) -> dict:
     return osd
 
 
+def _adam_state(optim: dict, flat: bool) -> bool:
+    """Does the optim file hold any Adam state? torch's Adam creates it at the first step,
+    so a save made before that has an empty `state` (what `accelerator.save_state` before
+    training writes); a damaged file is left to the checks that follow."""
+    try:
+        osd = optim["optimizer_state_dict"]
+        state = osd["base_optimizer_state" if flat else "optimizer_state_dict"]["state"]
+        return bool(state)
+    except (KeyError, TypeError):
+        return True
+
+
 def _flat_offsets(meta: CheckpointMeta, optim: dict, rank: int, size: int, path) -> dict:
     """Byte offset of every flat buffer, checked against the layout and the file size."""
     offsets = {}
+    if meta.layout.subgroup_sizes and not _adam_state(optim, meta.layout.flat):
+        raise CheckpointError(
+            f"{path}: saved before the first optimizer step: it holds no Adam state "
+            f"(exp_avg, exp_avg_sq), only the initial weights; save after at least one "
+            f"training step, or take the initial weights from the model itself")
     try:
         for g in range(len(meta.layout.subgroup_sizes)):
             for kind in KINDS:
