@@ -91,8 +91,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from mpitailor.jobs.export import run_export
     comm: Comm = args.comm
     source = Path(args.source).resolve()
+    config = Path(args.config).resolve() if args.config else None
     out = run_export(comm, source, Path(args.output).resolve(), args.format, args.dtype,
-                     args.max_shard_size, not args.no_progress)
+                     args.max_shard_size, not args.no_progress, config, args.verify)
     if comm.rank == 0:
         gb = out.bytes_written / 1e9
         print(f"mpitailor: exported {source} as {args.format} into {out.output}: "

@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of --format hf (default: the model's)")
     e.add_argument("--max-shard-size", type=_shard_size, metavar="SIZE",
                    help="largest safetensors file, as save_pretrained cuts them (default 5GB)")
+    e.add_argument("--config", metavar="DIR|FILE",
+                   help="--format hf: the model's config.json, or a model dir whose config, "
+                        "generation config and tokenizer files go with the weights; wins over "
+                        "the source's own (needed when the source has none: a plain DeepSpeed "
+                        "save)")
+    e.add_argument("--verify", action="store_true",
+                   help="check every source record read against its zip CRC-32 first (reads "
+                        "them whole), as merge --verify does")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     trust_option(e)
     common(e)

@@ -110,12 +110,16 @@ def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWei
 
 
 def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPlan,
-                  sources: dict[str, CheckpointMeta] | None = None) -> dict:
+                  sources: dict[str, CheckpointMeta] | None = None,
+                  verify: bool = False) -> dict:
     """Collective: the files of `plan` in dest, each rank writing its share; {file: record}.
     sources: parameter -> the checkpoint its values come from (a composite exported without
-    writing it first: saves of one run, one layout); default meta."""
+    writing it first: saves of one run, one layout); default meta.
+    verify: first check every source record this rank reads against its CRC (reads them
+    whole), as merge --verify does."""
     comm.root_step(_create, plan, dest)
-    mine = comm.step(_write_share, meta, plan, dest, comm.rank, comm.size, sources or {})
+    mine = comm.step(_write_share, meta, plan, dest, comm.rank, comm.size, sources or {},
+                     verify)
     gathered = comm.allgather(mine)
 
     def finish() -> dict[str, dict]:
@@ -137,7 +141,7 @@ def _create(plan: WeightsPlan, dest: Path) -> None:
 
 
 def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
-                 size: int, sources: dict[str, CheckpointMeta]
+                 size: int, sources: dict[str, CheckpointMeta], verify: bool
                  ) -> list[tuple[str, int, int, int]]:
     """This rank's share of the files: [(file, first byte, bytes, CRC-32 of those bytes)]."""
     work = list(share(plan, rank, size))
@@ -149,6 +153,8 @@ def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
     outs: dict[str, int] = {}
     with ExitStack() as stack:
         opened = {key: stack.enter_context(open_all_shards(m)) for key, m in needed.items()}
+        if verify:
+            _verify(work, slots, opened, sources, meta)
         stack.callback(close_all, outs)  # runs after the copier's close: no write in flight
         copier = Copier()
         stack.callback(copier.close)
@@ -164,6 +170,24 @@ def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
             sync_close(copier, outs)
             done.append((f.name, first, pos - first, crc))
     return done
+
+
+def _verify(work, slots: dict[str, Slot], opened: dict[str, list[RankShard]],
+            sources: dict[str, CheckpointMeta], meta: CheckpointMeta) -> None:
+    """Check, whole, every fp32 record this rank's share reads a slice of."""
+    used: dict[tuple[str, int], set[tuple[str, int]]] = {}
+    for _, runs in work:
+        for piece, a, b in runs:
+            slot = slots.get(piece.name)
+            if slot is None:  # frozen: from the model-states file, as merge --verify
+                continue
+            key = str(sources.get(piece.name, meta).path)
+            for s in opened[key]:
+                _, first, n = s.meta.layout.held(slot, s.rank)
+                if max(a, first) < min(b, first + n):
+                    used.setdefault((key, s.rank), set()).add(("fp32", slot.subgroup))
+    for (key, rank), kinds in sorted(used.items()):
+        opened[key][rank].verify(kinds)
 
 
 def _reader(shards: Sequence[RankShard], slot: Slot | None, name: str
@@ -212,26 +236,39 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                  "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
+def side_files(side_dir: Path | None, config: Path | None = None) -> dict[str, Path]:
+    """Rank 0 only. name -> the config and tokenizer files an HF export carries: side_dir's,
+    then `config`'s over them (`export --config`: a config.json, or a model dir whose side
+    files replace the source's of the same names). Links are never followed."""
+    found: dict[str, Path] = {}
+    for d in (side_dir, config if config is not None and config.is_dir() else None):
+        for name in HF_SIDE_FILES if d is not None else ():
+            if (d / name).is_file() and not (d / name).is_symlink():
+                found[name] = d / name
+    if config is not None and not config.is_dir():
+        found["config.json"] = config
+    return found
+
+
 def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: Path,
               dtype: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-              sources: dict[str, CheckpointMeta] | None = None) -> dict:
+              sources: dict[str, CheckpointMeta] | None = None, config: Path | None = None,
+              verify: bool = False) -> dict:
     """Collective: `--export safetensors`: consolidated weights in `dtype` into dest, in
     shards of at most max_shard_size bytes as `save_pretrained` cuts them (one
     model.safetensors if they fit, else an index too), plus config and tokenizer files from
-    side_dir. sources: as write_planned's."""
+    side_dir and `config` (side_files). sources, verify: as write_planned's."""
     def prepare() -> dict:
         dest.mkdir(exist_ok=True)
         records = {}
-        for name in HF_SIDE_FILES:
-            src = side_dir / name if side_dir is not None else None
-            if src is None or not src.is_file() or src.is_symlink():
-                continue
+        for name, src in side_files(side_dir, config).items():
             if name == "config.json":  # the config says which dtype the weights are in
-                config = json.loads(src.read_text())
+                config_json = json.loads(src.read_text())
                 for key in ("torch_dtype", "dtype"):
-                    if key in config or key == "dtype":
-                        config[key] = DTYPES[dtype].torch
-                records[name] = write_synced(dest / name, json.dumps(config, indent=2).encode())
+                    if key in config_json or key == "dtype":
+                        config_json[key] = DTYPES[dtype].torch
+                records[name] = write_synced(dest / name,
+                                             json.dumps(config_json, indent=2).encode())
             else:
                 records[name] = copy_synced(src, dest / name)
         return records
@@ -242,5 +279,5 @@ def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: P
         files = by_size(sizes, max_shard_size)
         return plan_weights(tensors, dtype, files, index=len(files) > 1)
     records = comm.root_step(prepare)
-    records.update(write_planned(comm, staged, dest, comm.root_step(plan), sources))
+    records.update(write_planned(comm, staged, dest, comm.root_step(plan), sources, verify))
     return records

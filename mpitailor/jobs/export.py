@@ -4,7 +4,8 @@ another format, on any number of MPI ranks.
 SRC is a checkpoint (tag dir, save dir, HF `checkpoint-N/`) or a save dir of layer-wise saves,
 whose newest copy of every layer (`recover`'s chain) is exported without assembling it first.
 - hf:   consolidated HF safetensors weights in the model's dtype (or --dtype), sharded as
-        `save_pretrained` cuts them, with the source's config and tokenizer files;
+        `save_pretrained` cuts them, with the source's config and tokenizer files, or
+        --config's (a plain DeepSpeed save has none: refused without --config);
 - fp32: the fp32 master weights as safetensors (what DeepSpeed's `zero_to_fp32.py
         --safe_serialization` writes), weights only;
 Both are written straight from the source's partition files, every rank casting and writing
@@ -19,13 +20,15 @@ Collective: every rank calls run_export.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.engine.hf_weights import export_hf
+from mpitailor.engine.hf_weights import export_hf, side_files
 from mpitailor.errors import UserError
+from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.extras import extras_dir
 from mpitailor.formats.files import PARTIAL_MANIFEST, is_tag_dir, resolve
 from mpitailor.formats.manifest import MANIFEST, Manifest
@@ -71,9 +74,17 @@ def source_recipe(comm: Comm, source: Path, output: Path) -> Recipe:
 
 
 def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | None,
-               max_shard_size: int | None, progress: bool = False) -> ExportResult:
-    """Collective: export SRC to OUT."""
+               max_shard_size: int | None, progress: bool = False,
+               config: Path | None = None, verify: bool = False) -> ExportResult:
+    """Collective: export SRC to OUT.
+    config: `--config`, a config.json or a model dir whose config and tokenizer files go
+    with --format hf in place of the source's. verify: check every source record read
+    against its zip CRC-32 first, as merge --verify does."""
     t0 = time.perf_counter()
+    if config is not None:
+        if fmt != "hf":
+            raise UserError(f"--config goes with --format hf; --format {fmt} writes no config")
+        comm.root_step(check_config, config)
     partial_hf = source.name.startswith("checkpoint-") and any(
         source.glob(f"global_step*/{PARTIAL_MANIFEST}"))  # an HF checkpoint-N of a partial save
     if (source / PARTIAL_MANIFEST).exists() or partial_hf:
@@ -89,14 +100,42 @@ def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | No
     if fmt == "universal":
         if dtype is not None or max_shard_size is not None:
             raise UserError("--dtype and --max-shard-size go with --format hf or fp32")
-        result = run_merge(comm, recipe, plan, MergeOptions(frozenset({"universal"}),
-                                                          progress=progress))
+        result = run_merge(comm, recipe, plan, MergeOptions(
+            frozenset({"universal"}), verify=verify, progress=progress))
         return ExportResult(result.output, result.bytes_written, time.perf_counter() - t0)
-    return _export_weights(comm, plan, fmt, dtype, max_shard_size, t0)
+    if fmt == "hf" and config is None:
+        comm.root_step(_require_config, source, plan.base_meta)
+    return _export_weights(comm, plan, fmt, dtype, max_shard_size, t0, config, verify)
+
+
+def check_config(config: Path) -> None:
+    """Rank 0 only. `--config` names a config.json, or a dir that holds one: UserError
+    unless it is there and is a JSON object."""
+    file = config / "config.json" if config.is_dir() else config
+    what = "give a model's config.json or the model dir that holds it"
+    if not config.exists():
+        raise UserError(f"--config {config}: no such file or directory; {what}")
+    if not file.is_file():
+        raise UserError(f"--config {config}: a directory without config.json; {what}")
+    try:
+        ok = isinstance(json.loads(file.read_text()), dict)
+    except (OSError, UnicodeDecodeError, ValueError):
+        ok = False
+    if not ok:
+        raise UserError(f"--config {file}: not a JSON object; {what}")
+
+
+def _require_config(source: Path, base: CheckpointMeta) -> None:
+    """Rank 0 only. An HF export without a config.json does not load (`from_pretrained`
+    needs one): a plain DeepSpeed save carries none, so one must be given."""
+    if "config.json" not in side_files(extras_dir(base)):
+        raise UserError(f"{source}: no config.json beside the checkpoint, and from_pretrained "
+                        f"needs one; pass --config with the model's config.json or model dir")
 
 
 def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
-                    max_shard_size: int | None, t0: float) -> ExportResult:
+                    max_shard_size: int | None, t0: float, config: Path | None,
+                    verify: bool) -> ExportResult:
     base = plan.base_meta
     dtype = "fp32" if fmt == "fp32" else (dtype or base.dtype)
     sources = {name: plan.meta(src)
@@ -106,7 +145,7 @@ def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
         root = comm.root_step(staging.acquire, None)
         files = export_hf(comm, base, extras_dir(base) if fmt == "hf" else None, root, dtype,
                           DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
-                          sources)
+                          sources, config, verify)
 
         def finish() -> int:
             manifest = Manifest("export", files, {
