@@ -86,9 +86,37 @@ def model_states(engine, client_state: dict | None = None) -> dict:
         params = {n for n, _ in engine.module.named_parameters()}
         module = type(module)((n, t.new_empty(0) if n in params else t)
                               for n, t in module.items())
-    state = engine._common_checkpoint_state(module, True, True)
+    state = _checkpoint_state(engine, module)
     state.update(client_state or {})
     return state
+
+
+def _checkpoint_state(engine, module: dict) -> dict:
+    """DeepSpeed's model-states dict for `module`, a ZeRO save with frozen parameters.
+    Newer releases build it in `_common_checkpoint_state`; 0.16.9 and older build the same
+    dict inline in `_save_checkpoint` (with sparse_tensor_module_names, without the parallel
+    metadata), copied here key for key so that a partial save matches that release's own."""
+    if hasattr(engine, "_common_checkpoint_state"):
+        return engine._common_checkpoint_state(module, True, True)
+    from deepspeed import version
+    shapes, fragments = engine._get_param_shape_func, engine._get_param_fragment_func
+    loader = engine.training_dataloader
+    return {
+        "module": module, "buffer_names": engine._get_buffer_names(), "optimizer": None,
+        "param_shapes": engine._get_zero_param_shapes() if engine.optimizer else None,
+        "frozen_param_shapes": engine._get_zero_frozen_param_attributes(shapes),
+        "shared_params": engine._get_shared_params() if engine.optimizer else None,
+        "frozen_param_fragments": engine._get_zero_frozen_param_attributes(fragments),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None
+        else None,
+        "data_sampler": loader.data_sampler.state_dict()
+        if loader is not None and engine.curriculum_learning_enabled() else None,
+        "random_ltd": engine.random_ltd_scheduler.state_dict() if engine.random_ltd_enabled()
+        else None,
+        "sparse_tensor_module_names": engine.sparse_tensor_module_names,
+        "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples, "dp_world_size": engine.seq_dp_world_size,
+        "mp_world_size": engine.mp_world_size, "ds_config": engine.config, "ds_version": version}
 
 
 def layer_slices(engine, param_shapes, layers: set[str],
