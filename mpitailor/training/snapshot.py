@@ -135,7 +135,7 @@ def write(snap: Snapshot, comm: Comm) -> Path:
         manifest = Manifest("partial", files, snap.fields)
 
         def publish() -> None:
-            failpoints.hit("partial-publish", snap.final.name)
+            _failpoint("partial-publish", snap.final)
             if snap.leader:
                 write_synced(staging.dir / PARTIAL_MANIFEST, manifest.to_json())
                 staging.publish()
@@ -146,12 +146,19 @@ def write(snap: Snapshot, comm: Comm) -> Path:
 
 
 def _write_rank(snap: Snapshot, root: Path) -> dict:
-    failpoints.hit("partial-write", snap.final.name)
+    _failpoint("partial-write", snap.final)
     records = {name: write_synced(root / name, data) for name, data in snap.blobs.items()}
     name = partial_files(snap.rank)["layers"]
     records[name] = write_safetensors(root / name, snap.slices,
                                       metadata={"format": PARTIAL_FORMAT})
     return records
+
+
+def _failpoint(point: str, final: Path) -> None:
+    """A save is named by its tag, or by its dir and tag where every save has the same tag
+    (Accelerate's `checkpoint-8/pytorch_model`)."""
+    failpoints.hit(point, final.name)
+    failpoints.hit(point, f"{final.parent.name}/{final.name}")
 
 
 def agree(comm: Comm, fn, *args):
