@@ -70,7 +70,10 @@ def find_saves(save_dir: Path, view=LOCAL) -> list[Save]:
 
 def _lineage(child: Path, view) -> Lineage | None:
     """The lineage of a save that cannot be read as a whole (its successors still need it)."""
-    tags = [child / n for n in view.names(child) if n.startswith("global_step")]
+    # Tags of HF's checkpoint-N (global_stepN) and Accelerate's (pytorch_model, the tag of
+    # accelerator.save_state and of mpitailor's AccelerateCheckpointer).
+    tags = [child / n for n in view.names(child)
+            if n.startswith("global_step") or n == "pytorch_model"]
     for tag_dir in (child, *(p for p in tags if view.is_dir(p))):
         for partial in (True, False):
             try:

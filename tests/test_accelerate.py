@@ -1,0 +1,138 @@
+"""The README's Accelerate loop runs as written: on 2 CPU processes it saves layer-wise, is
+killed, and run again it recovers and resumes with `accelerator.load_state`, rng included.
+
+Cost: two runs of the script, 50-65 s on the 2-core machine (most of it start-up); the
+second test, a recover of a cached fixture, a few seconds."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from mpitailor.formats.safeload import load
+from mpitailor.tinytrain.launch import free_port, worker_env
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+KILL_AT_8 = "partial-publish/checkpoint-8/pytorch_model:0"  # rank 0, publishing step 8's save
+
+
+def snippet() -> str:
+    m = re.search(r"<!-- accelerate-example -->\n```python\n(.*?)```\n"
+                  r"<!-- /accelerate-example -->", README.read_text(), re.DOTALL)
+    assert m, "the README lost its Accelerate example"
+    return m.group(1)
+
+
+def run(script: Path, cwd: Path, env: dict, ranks: int = 2) -> list[int]:
+    port = free_port()
+    logs = [cwd / f"rank{r}.log" for r in range(ranks)]
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=cwd, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT, env={**worker_env(r, ranks, port), **env})
+             for r, log in enumerate(logs)]
+    try:
+        return [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def rng(path: Path) -> tuple:
+    """Accelerate's rng file, read safely (a pickle of python, numpy and torch states)."""
+    s = load(path, allow=("numpy",), mmap=False)
+    return (s["random_state"], s["numpy_random_seed"][1].tolist(),
+            s["torch_manual_seed"].tolist(), s["step"])
+
+
+def test_the_readme_accelerate_loop_is_killed_recovers_and_resumes_with_its_rng(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(snippet())
+    codes = run(script, tmp_path, {"MPITAILOR_FAILPOINT": KILL_AT_8})
+    assert codes[0] == -9, (tmp_path / "rank0.log").read_text()[-3000:]
+    saves = tmp_path / "run"
+    assert not (saves / "checkpoint-8" / "latest").exists()  # the killed save is not one
+    assert (saves / "checkpoint-2" / "pytorch_model" / "mpitailor_save.json").exists()  # full
+    for n in (4, 6):
+        assert (saves / f"checkpoint-{n}" / "pytorch_model" / "mpitailor_partial.json").exists()
+    # Drawn by the killed run just before it died: what the resumed run must draw again.
+    killed = [rng(saves / "checkpoint-8" / f"random_states_{r}.pkl") for r in (0, 1)]
+
+    codes = run(script, tmp_path, {})  # the requeued job: the script as written
+    assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    composite, = (saves / ".mpitailor-resume").glob("recovered-checkpoint-6-*")
+    assert (composite / "latest").read_text() == "pytorch_model"
+    manifest = json.loads((composite / "mpitailor_manifest.json").read_text())
+    assert manifest["left_out"] == []
+    for r in (0, 1):  # the newest save's rng states, carried as bytes
+        name = f"random_states_{r}.pkl"
+        assert (composite / name).read_bytes() == (saves / "checkpoint-6" / name).read_bytes()
+    # The resumed run's first save starts a new timeline (full), and load_state gave it the
+    # step-6 rng states: steps 7 and 8 drew what the killed run drew.
+    assert list((saves / "checkpoint-8" / "pytorch_model").glob("*optim_states.pt"))
+    assert [rng(saves / "checkpoint-8" / f"random_states_{r}.pkl") for r in (0, 1)] == killed
+    assert killed[0] != killed[1]  # each rank its own stream: the check sees the right file
+
+
+class Payload:
+    """Unpickling it touches a file: a pickle that runs code when loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_recover_carries_accelerates_files_as_bytes_and_never_loads_them(tmp_path):
+    """An `accelerator.save_state` dir (DeepSpeed tag `pytorch_model`, Accelerate's files
+    beside it): recovered, every Accelerate file is in the output, byte for byte, and none
+    was unpickled (one that runs code when loaded is copied, not run)."""
+    import pickle
+
+    from ckpt_fixtures import build
+
+    from mpitailor import recover
+
+    save = tmp_path / "run" / "checkpoint-10"
+    shutil.copytree(build("w2_fp32_one") / "global_step10", save / "pytorch_model")
+    (save / "latest").write_text("pytorch_model")
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(Payload(marker))
+    files = {"random_states_0.pkl": b"rng 0", "random_states_1.pkl": b"rng 1",
+             "scheduler.bin": b"scheduler", "sampler.bin": b"sampler",
+             "dl_state_dict.bin": b"loader", "scaler.pt": payload,
+             "custom_checkpoint_0.pkl": payload}
+    for name, data in files.items():
+        (save / name).write_bytes(data)
+    out = tmp_path / "out"
+    recover(tmp_path / "run", out)
+    assert (out / "latest").read_text() == "pytorch_model"
+    assert {name: (out / name).read_bytes() for name in files} == files
+    assert json.loads((out / "mpitailor_manifest.json").read_text())["left_out"] == []
+    assert not marker.exists()
+
+
+def test_recover_follows_accelerate_saves_through_a_damaged_one(tmp_path):
+    """Saves laid out as AccelerateCheckpointer's (checkpoint-N/pytorch_model; here an HF
+    fixture's, renamed): a partial save whose rank file is truncated is skipped, and the
+    save built on it still counts (its lineage is read from the damaged save's manifest)."""
+    from ckpt_fixtures import build
+
+    from mpitailor import recover
+
+    run = tmp_path / "run"
+    shutil.copytree(build("hf_w2_parity"), run)  # full at 2, partial at 4, 6, 8
+    for n in (2, 4, 6, 8):
+        (run / f"checkpoint-{n}" / f"global_step{n}").rename(
+            run / f"checkpoint-{n}" / "pytorch_model")
+        (run / f"checkpoint-{n}" / "latest").write_text("pytorch_model")
+    damaged = run / "checkpoint-6" / "pytorch_model" / "rank_0_model_states.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    result = recover(run, tmp_path / "out")
+    source = dict(result.layer_source)
+    assert source["layers.0"] == "checkpoint-2" and source["layers.1"] == "checkpoint-8", source
+    assert set(source.values()) == {"checkpoint-2", "checkpoint-8"}, source
+    assert (tmp_path / "out" / "latest").read_text() == "pytorch_model"
