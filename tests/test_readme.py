@@ -1,5 +1,5 @@
 """The README's HF Trainer script runs as written: on 2 CPU processes it trains with layer-wise
-saves, and run again after an interruption it recovers and resumes by itself."""
+saves, is killed (kill -9) in a save, and run again it recovers and resumes by itself."""
 from __future__ import annotations
 
 import json
@@ -21,33 +21,33 @@ def snippet() -> str:
     return m.group(1)
 
 
-def run(script: Path, cwd: Path, ranks: int = 2) -> None:
+def run(script: Path, cwd: Path, ranks: int = 2, env: dict | None = None) -> list[int]:
     port = free_port()
     logs = [cwd / f"rank{r}.log" for r in range(ranks)]
     procs = [subprocess.Popen([sys.executable, str(script)], cwd=cwd, stdout=log.open("w"),
-                              stderr=subprocess.STDOUT, env=worker_env(r, ranks, port))
+                              stderr=subprocess.STDOUT,
+                              env={**worker_env(r, ranks, port), **(env or {})})
              for r, log in enumerate(logs)]
     try:
-        codes = [p.wait(timeout=300) for p in procs]
+        return [p.wait(timeout=300) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0] * ranks, logs[codes.index(next(c for c in codes if c))].read_text()[-3000:]
 
 
 def test_the_readme_hf_trainer_example(tmp_path):
     code = snippet()
     assert "max_steps=8" in code and "resume_from_checkpoint=" in code
-    first = tmp_path / "first.py"  # the job that failed: it got to step 6 only
-    first.write_text(code.replace("max_steps=8", "max_steps=6"))
-    run(first, tmp_path)
-    saves = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
-    assert saves == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert (tmp_path / "run" / "checkpoint-6" / "global_step6" / "mpitailor_partial.json").exists()
-    script = tmp_path / "train.py"  # the requeued job: the README's script, as written
+    script = tmp_path / "train.py"
     script.write_text(code)
-    run(script, tmp_path)
+    # The job that failed: rank 0 killed (kill -9) while publishing its step-8 partial save.
+    codes = run(script, tmp_path, env={"MPITAILOR_FAILPOINT": "partial-publish/global_step8:0"})
+    assert codes[0] == -9, (tmp_path / "rank0.log").read_text()[-3000:]
+    assert not (tmp_path / "run" / "checkpoint-8" / "latest").exists()  # not a save
+    assert (tmp_path / "run" / "checkpoint-6" / "global_step6" / "mpitailor_partial.json").exists()
+    codes = run(script, tmp_path)  # the requeued job: the README's script, as written
+    assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     composite = list((tmp_path / "run" / ".mpitailor-resume").glob("recovered-checkpoint-6-*"))
     assert len(composite) == 1
     start = json.loads((composite[0] / "trainer_state.json").read_text())
