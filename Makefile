@@ -70,3 +70,10 @@ clean:
 .PHONY: gpu-check
 gpu-check: install
 	$(BIN)/python -m bench.gpu_check
+
+# Older DeepSpeed releases (issue 26; tens of minutes, not part of make test; run before each
+# release): for each, a venv in .compat/, ZeRO stages 1-3 trained, merged, resharded,
+# exported and resumed by that release. Table on stdout, JSON in bench/results/compat.json.
+.PHONY: test-compat
+test-compat: install
+	TORCH="$(TORCH)" $(BIN)/python tests/compat/run_compat.py
