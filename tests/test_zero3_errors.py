@@ -213,15 +213,17 @@ engine.save_checkpoint(sys.argv[1], tag="global_step0")
 def saved_at_step_0() -> Path:
     """A real one-rank DeepSpeed ZeRO-3 save made before the first optimizer step (what
     `accelerator.save_state` before training writes): its Adam state is empty. Built once
-    (~18 s of DeepSpeed start-up) and cached beside the other fixtures."""
+    (~20 s of DeepSpeed start-up) and cached beside the fixtures, outside their dir, whose
+    sweep (`make fixtures`) removes what is not a variant of ckpt_fixtures."""
     import subprocess
     import sys
 
     from ckpt_fixtures import CACHE
-    final = CACHE / "step0-zero3-v1"
+    final = CACHE.with_name(f"{CACHE.name}-step0") / "zero3-v1"
     if not (final / "DONE").exists():
         tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-c", STEP0, str(tmp)], check=True, timeout=300,
                        capture_output=True)
         (tmp / "DONE").write_text("ok\n")
@@ -244,3 +246,24 @@ def test_a_save_before_the_first_optimizer_step_says_so(saved_at_step_0, tmp_pat
     r = run_cli(["export", str(saved_at_step_0), "-o", str(out), "--format", "fp32"], {})
     assert r.returncode == 2 and "saved before the first optimizer step" in r.stderr, r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["s1_w2_fp32_one", "s2_w2_bf16_per_layer"])
+def test_stage12_weights_older_than_the_fp32_state_are_warned_of(ckpt_copy, caplog, name):
+    """Stage 1/2 model states hold the whole model's weights, which DeepSpeed keeps equal to
+    the fp32 master weights cast down (the untouched save: no warning). The step-5 file
+    copied into step 10 is older than the optimizer files: one warning naming it."""
+    from mpitailor.formats import read
+    root = ckpt_copy(name)
+    tag = root / "global_step10"
+    with caplog.at_level("WARNING", logger="mpitailor.formats.read"):
+        read_meta(tag)
+        assert caplog.records == []
+        victim = tag / "mp_rank_00_model_states.pt"
+        shutil.copy(root / "global_step5" / victim.name, victim)
+        read.read_meta(tag)
+        read.read_meta(tag)   # said once per file
+    [record] = caplog.records
+    msg = record.getMessage()
+    assert "\n" not in msg and msg.startswith(f"{victim}: its model weights (module, ")
+    assert "are not the fp32 master weights" in msg and "put back" in msg

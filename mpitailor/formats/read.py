@@ -5,6 +5,7 @@ so reading them needs torch (memory-mapped; big tensors are never touched).
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -17,8 +18,10 @@ from mpitailor.formats.fsview import LOCAL
 from mpitailor.formats.layout import compute_layout
 from mpitailor.formats.manifest import read_manifest
 from mpitailor.formats.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
-from mpitailor.formats.rawio import materialize
+from mpitailor.formats.rawio import materialize, read_slice
 from mpitailor.formats.safeload import load
+
+log = logging.getLogger(__name__)
 
 
 def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
@@ -63,6 +66,8 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
             t.numel() != n for t, n in zip(flat, sizes))):
         raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
                               f"param_shapes of {files.model_path(0)}; files from different runs?")
+    if files.flat and not files.partial:
+        _check_16bit_current(files, model, flat, layout)
     lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial, view)
     manifest_of = _partial_manifest(files, view) if files.partial else None
     return CheckpointMeta(
@@ -81,6 +86,40 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
         sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
                            .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )
+
+
+SAMPLED_PARAMS, SAMPLED_ELEMENTS = 32, 16
+_warned: set[Path] = set()  # say it once per file, however often the checkpoint is read
+
+
+def _check_16bit_current(files: CheckpointFiles, model: dict, flat: list, layout) -> None:
+    """Warn if a stage 1/2 model-states file's 16-bit weights are not rank 0's fp32 master
+    weights cast down. DeepSpeed copies the master weights into them after every step, so
+    in a save they are equal bit for bit (every stage 1/2 fixture: 0 of all parameters
+    differ); merges carry them as they are, so a model-states file older than the optimizer
+    files (copied in from another save, a rebuilt save) would carry stale weights. A sample:
+    the first elements of up to SAMPLED_PARAMS parameters rank 0 holds, a few small reads."""
+    path = files.model_path(0)
+    module = model.get("module") or {}
+    held = [s for s in layout.slots if layout.held(s, 0)[2] > 0 and isinstance(
+        module.get(s.name), torch.Tensor) and module[s.name].numel() == s.numel]
+    if path in _warned or not held:
+        return
+    with open(files.optim_path(0), "rb") as f:
+        for s in held[::max(1, len(held) // SAMPLED_PARAMS)]:
+            at, first, n = layout.held(s, 0)
+            k = min(n, SAMPLED_ELEMENTS)
+            bit16 = module[s.name].reshape(-1)[first: first + k]
+            master = read_slice(f.fileno(), flat[s.subgroup].reshape(-1), at, k).to(bit16.dtype)
+            if not torch.allclose(master, bit16, rtol=0, atol=0, equal_nan=True):
+                _warned.add(path)
+                log.warning("%s: its model weights (module, %s) are not the fp32 master "
+                            "weights of %s cast down (%s differs): this model-states file was "
+                            "not saved with those optimizer files (older, or files mixed) and "
+                            "a merge carries its weights as they are; put back the save's own "
+                            "model-states file", path, name_of(bit16.dtype),
+                            files.optim_path(0).name, s.name)
+                return
 
 
 def _rank_file(files: CheckpointFiles, rank: int) -> str:
