@@ -131,7 +131,8 @@ def test_hf_export_of_a_plain_deepspeed_save_needs_config_and_loads_with_it(tmp_
     assert "pass --config" in r.stderr
     model_dir = tmp_path / "model"
     tiny_config(spec_for("w2_bf16_per_layer", tmp_path)).save_pretrained(model_dir)
-    (model_dir / "special_tokens_map.json").write_text("{}")   # a side file of the dir
+    (tmp_path / "blob").write_text("{}")  # a Hub cache snapshot: side files are links
+    (model_dir / "special_tokens_map.json").symlink_to(tmp_path / "blob")
     (model_dir / "notes.txt").write_text("not an HF side file")
     r = run_cli(["export", str(save), "-o", str(out), "--config", str(model_dir)], {},
                 ranks=2)

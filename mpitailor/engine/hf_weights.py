@@ -239,12 +239,14 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
 def side_files(side_dir: Path | None, config: Path | None = None) -> dict[str, Path]:
     """Rank 0 only. name -> the config and tokenizer files an HF export carries: side_dir's,
     then `config`'s over them (`export --config`: a config.json, or a model dir whose side
-    files replace the source's of the same names). Links are never followed."""
+    files replace the source's of the same names). Links in a save dir are not followed;
+    the dir a user names is taken as it is (a Hub cache snapshot is made of links)."""
     found: dict[str, Path] = {}
-    for d in (side_dir, config if config is not None and config.is_dir() else None):
-        for name in HF_SIDE_FILES if d is not None else ():
-            if (d / name).is_file() and not (d / name).is_symlink():
-                found[name] = d / name
+    if side_dir is not None:
+        found.update((n, side_dir / n) for n in HF_SIDE_FILES
+                     if (side_dir / n).is_file() and not (side_dir / n).is_symlink())
+    if config is not None and config.is_dir():
+        found.update((n, config / n) for n in HF_SIDE_FILES if (config / n).is_file())
     if config is not None and not config.is_dir():
         found["config.json"] = config
     return found
