@@ -46,6 +46,7 @@ from mpitailor.formats.files import STAGE12_MODEL, model_file
 from mpitailor.formats.shard_protocol import ShardStates
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
+from mpitailor.publish.staging import make_dirs_under
 
 
 @dataclass
@@ -172,7 +173,7 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path, shards: Shar
         b = bufs[first[u]]
         if not program.is_partition(b):
             flats = {(b.kind, -1): torch.empty(b.nbytes // program.ELEMENT, dtype=torch.float32)}
-            (tag_dir / "zero" / b.param).mkdir(parents=True, exist_ok=True)
+            make_dirs_under(tag_dir, tag_dir / "zero" / b.param)
             out[u] = _lay_out_one(bufs, u, tag_dir / output_file(plan, b), flats,
                                   flats[b.kind, -1], None, universal=True)
     mine = [u for u in mine if program.is_partition(bufs[first[u]])]

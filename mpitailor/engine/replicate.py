@@ -17,6 +17,7 @@ from mpitailor.cluster.exchange import Request, exchange
 from mpitailor.cluster.nodes import Nodes
 from mpitailor.engine.storage import CrcWriter, close_all, create_sized, fsync_close
 from mpitailor.errors import MergeFailed
+from mpitailor.publish.staging import make_dirs_under
 
 
 def replicate(comm: Comm, nodes: Nodes, root: Path, files: dict[str, dict],
@@ -38,7 +39,7 @@ def replicate(comm: Comm, nodes: Nodes, root: Path, files: dict[str, dict],
     def create() -> None:
         for key, (name, rec) in enumerate(mine):
             path = root / name
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs_under(root, path.parent)
             fds[key] = create_sized(path, rec["bytes"])
 
     def read(what: tuple, off: int, n: int) -> bytes:

@@ -3,23 +3,25 @@ the ranks that write its metadata (rank 0, or every node's leader under node-loc
 
 Output is written into a hidden staging dir beside the target, fsynced, and published by
 one rename: readers see the old state or the whole new checkpoint, never a part of it. A
-lock file beside the target keeps two merges from writing the same output; a staging dir
-left by a killed merge is reclaimed by the next one that gets the lock.
+lock file beside the target keeps two merges from writing the same output. What a killed
+run left beside its output (publish/leftovers.py) is reclaimed by the next run that writes
+in the same directory, whatever its output.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
 from mpitailor.errors import MergeFailed, UserError
 from mpitailor.formats.filerecord import FileRecord
-from mpitailor.publish import interrupt
+from mpitailor.publish import interrupt, leftovers
+from mpitailor.publish.leftovers import DISCARD, LOCK, OLD, STAGING, path_of
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +34,19 @@ class Staging:
     def __init__(self, output: Path, replace: bool = False) -> None:
         self.output = output
         self.replace = replace
-        self.dir = output.parent / f".{output.name}.mpitailor-staging"
-        self.lock_path = output.parent / f".{output.name}.mpitailor-lock"
+        self.dir = path_of(output, STAGING)
+        self.lock_path = path_of(output, LOCK)
         self._lock_fd = -1
         self._unwatch = None
+        # The signal watcher removes the staging dir while the main thread may be publishing
+        # it: one of the two goes first, whole.
+        self._guard = threading.RLock()
+        self._published = False
 
     def acquire(self, tag: str | None) -> Path:
         """Take the lock and create the staging dir (with an empty `tag` dir in it, if
-        given); reclaim a stale one. Returns the staging dir."""
+        given); reclaim what killed runs left in the output's directory. Returns the
+        staging dir."""
         check_output_name(self.output)
         if os.path.islink(self.output):
             raise UserError(f"{self.output}: a symbolic link (to {os.readlink(self.output)}); "
@@ -50,7 +57,7 @@ class Staging:
                             f"another output path (mpitailor never overwrites)")
         _make_parent(self.output)
         try:
-            fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+            fd = leftovers.take_lock(self.lock_path)
         except OSError as e:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise UserError(f"{self.output}: cannot write in {self.output.parent} "
@@ -61,75 +68,84 @@ class Staging:
             raise UserError(f"{self.lock_path}: the lock path is a symbolic link; mpitailor "
                             f"never follows links there (remove it if nobody planted it "
                             f"on purpose)") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        if fd is None:
             raise UserError(f"{self.output}: another mpitailor merge is writing this output "
                             f"(lock {self.lock_path} is held); wait for it or pick "
-                            f"another output") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:  # locked a lock file another merge had just unlinked
-            os.close(fd)
-            raise UserError(f"{self.output}: another mpitailor merge just finished writing "
-                            f"this output; check it before merging again")
+                            f"another output")
         self._lock_fd = fd
         self._unwatch = interrupt.on_interrupt(self._interrupted)
-        if os.path.lexists(self.dir):
-            log.warning("reclaiming %s left by an interrupted merge", self.dir)
-            _remove(self.dir)
+        try:
+            done = leftovers.reclaim_own(self.output)
+            if os.path.lexists(self.output) and not self.replace:  # an old copy put back
+                raise UserError(f"{self.output}: output already exists; remove it or choose "
+                                f"another output path (mpitailor never overwrites)")
+        except BaseException:
+            self.release()
+            raise
+        done += leftovers.reclaim(self.output.parent, skip=self.output.name)
+        if done:
+            log.warning("reclaimed what interrupted runs left: %s", "; ".join(done))
         self.dir.mkdir()
         if tag is not None:
             (self.dir / tag).mkdir()
         return self.dir
 
     def publish(self) -> None:
-        """fsync the staged tree, then rename it to the output in one step."""
+        """fsync the staged tree, then rename it to the output in one step (not once a signal
+        has come: its clean-up removes the staging dir instead)."""
         fsync_tree(self.dir)
-        if self.replace:
-            _replace(self.dir, self.output)
-        elif os.path.lexists(self.output):
-            raise MergeFailed(f"{self.output}: appeared while merging (written by something "
-                              f"other than mpitailor?); nothing published")
-        else:
-            os.rename(self.dir, self.output)
+        with self._guard:
+            go = not interrupt.stopping()
+            if go:
+                if self.replace:
+                    _replace(self.dir, self.output)
+                elif os.path.lexists(self.output):
+                    raise MergeFailed(f"{self.output}: appeared while merging (written by "
+                                      f"something other than mpitailor?); nothing published")
+                else:
+                    os.rename(self.dir, self.output)
+                self._published = True
+        if not go:
+            interrupt.settle()
         fsync_dir(self.output.parent)
 
     def abandon(self) -> None:
         """Remove our staging dir (never one we do not hold the lock for)."""
-        if self._lock_fd >= 0 and os.path.lexists(self.dir):
-            _remove(self.dir)
+        with self._guard:
+            if self._lock_fd >= 0 and not self._published:
+                leftovers.discard(self.dir, path_of(self.output, DISCARD))
 
-    def _interrupted(self) -> None:
+    def _interrupted(self) -> str | None:
         """From the signal watcher, while the main thread may still be writing here."""
-        for _ in range(40):
-            try:
-                self.abandon()
-                break
-            except OSError:  # a file appeared while removing: go again
-                time.sleep(0.05)
-        self.release()
+        try:
+            self.abandon()
+        finally:
+            self.release()
+        return f"{self.output} was published before the signal" if self._published else None
 
     def release(self) -> None:
-        if self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
-        if self._lock_fd >= 0:
-            try:
-                os.unlink(self.lock_path)
-            except FileNotFoundError:
-                pass
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        with self._guard:
+            if self._unwatch is not None:
+                self._unwatch()
+                self._unwatch = None
+            if self._lock_fd >= 0:
+                leftovers.drop_lock(self.lock_path, self._lock_fd)
+                self._lock_fd = -1
+
+    def wait_released(self, timeout: float = 3.0) -> None:
+        """On a rank that writes into a staging dir another rank holds, from the signal
+        watcher: wait until the holder has removed it and let go of the lock (the launcher
+        kills the holder once this rank exits), at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        paths = (self.dir, path_of(self.output, DISCARD), self.lock_path)
+        while any(os.path.lexists(p) for p in paths) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def _replace(staged: Path, output: Path) -> None:
     """Publish staged as output over an existing one: the old output is moved aside first and
     removed only once the new one is in place (put back if the rename fails)."""
-    old = output.with_name(f".{output.name}.mpitailor-old")
+    old = path_of(output, OLD)
     if os.path.lexists(output):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(output, old)
@@ -145,20 +161,27 @@ def _replace(staged: Path, output: Path) -> None:
 @contextlib.contextmanager
 def holding(staging: Staging, mine: bool):
     """On the ranks that hold the staging dir (mine): abandon it if anything fails inside,
-    and release the lock at the end, published or not."""
+    and release the lock at the end, published or not. On every rank: once a signal has
+    come, never leave (interrupt.settle): a failure here is then the clean-up's doing, and
+    the watcher ends the process."""
+    unwatch = None if mine else interrupt.before_exit(staging.wait_released)
     try:
         yield staging
     except BaseException:
+        interrupt.settle()
         if mine:
             staging.abandon()
         raise
     finally:
+        interrupt.settle()
         if mine:
             staging.release()
+        else:
+            unwatch()
 
 
 NAME_MAX = 255  # bytes in one file name (Linux file systems)
-STAGING_EXTRA = len(".mpitailor-staging") + 1  # the staging dir: "." + name + this
+STAGING_EXTRA = len(STAGING) + 1  # the staging dir: "." + name + this (DISCARD: as long)
 
 
 def check_output_name(output: Path) -> None:
@@ -201,11 +224,17 @@ def check_writable_file(path: Path, what: str) -> None:
         raise UserError(f"{what} {path}: directory {parent} is not writable")
 
 
-def _remove(path: Path) -> None:
-    if path.is_symlink() or not path.is_dir():
-        path.unlink()
-    else:
-        shutil.rmtree(path)
+def make_dirs_under(root: Path, folder: Path) -> None:
+    """Create folder and its parents up to, not including, root (a staging dir): never
+    mkdir(parents=True), which would bring back a staging dir that a signal's clean-up
+    has just removed (then left behind when the process ends)."""
+    missing = []
+    for p in (folder, *folder.parents):
+        if p == root or os.path.isdir(p):
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        p.mkdir(exist_ok=True)
 
 
 def fsync_dir(path: Path) -> None:
