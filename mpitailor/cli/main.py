@@ -49,6 +49,19 @@ def cmd_stats_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clean(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpitailor.jobs.clean import clean
+    folder = Path(args.directory)
+    done = clean(folder)
+    for line in done:
+        print(f"mpitailor: {line}")
+    if not done:
+        print(f"mpitailor: nothing to clean in {folder}")
+    return 0
+
+
 def program_name() -> str:
     """`mpitailor` when run as the installed command, else `python -m mpitailor`."""
     called = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
@@ -142,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", default="stats.png", help="PNG to write")
     common(sp)
     sp.set_defaults(func=cmd_stats_plot, uses_mpi=False)
+
+    cl = sub.add_parser("clean", help="remove what killed runs left in a directory (staging "
+                                      "dirs, locks nobody holds)")
+    cl.add_argument("directory", help="the directory that holds the outputs (and its "
+                                      "subdirectories, one level down)")
+    common(cl)
+    cl.set_defaults(func=cmd_clean, uses_mpi=False)
 
     pa = sub.add_parser("paths", help="where the shipped recipes and Slurm scripts are")
     common(pa)
@@ -250,7 +270,7 @@ def check_path_lengths(args: argparse.Namespace) -> None:
 
 
 SUBCOMMANDS = ("merge", "recover", "export", "diff", "inspect", "stats", "paths",
-               "slurm-prologue")
+               "slurm-prologue", "clean")
 
 
 def main(argv: list[str] | None = None) -> int:
