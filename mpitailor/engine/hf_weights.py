@@ -31,7 +31,7 @@ from mpitailor.formats import CheckpointMeta, Slot
 from mpitailor.formats.consolidate import read_range
 from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.dtypes import DTYPES, from_safetensors, torch_dtype
-from mpitailor.formats.extras import weight_files
+from mpitailor.formats.extras import MODEL_FILE, weight_files
 from mpitailor.formats.shard import RankShard, open_all_shards
 from mpitailor.planning.hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -231,11 +231,6 @@ def _records(plan: WeightsPlan, gathered: list[list[tuple[str, int, int, int]]]
     return records
 
 
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-
-
 def side_files(side_dir: Path | None, config: Path | None = None) -> dict[str, Path]:
     """Rank 0 only. name -> the config and tokenizer files an HF export carries: side_dir's,
     then `config`'s over them (`export --config`: a config.json, or a model dir whose side
@@ -243,13 +238,16 @@ def side_files(side_dir: Path | None, config: Path | None = None) -> dict[str, P
     the dir a user names is taken as it is (a Hub cache snapshot is made of links)."""
     found: dict[str, Path] = {}
     if side_dir is not None:
-        found.update((n, side_dir / n) for n in HF_SIDE_FILES
-                     if (side_dir / n).is_file() and not (side_dir / n).is_symlink())
+        found.update((p.name, p) for p in _model_files(side_dir) if not p.is_symlink())
     if config is not None and config.is_dir():
-        found.update((n, config / n) for n in HF_SIDE_FILES if (config / n).is_file())
+        found.update((p.name, p) for p in _model_files(config))
     if config is not None and not config.is_dir():
         found["config.json"] = config
     return found
+
+
+def _model_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if MODEL_FILE.fullmatch(p.name) and p.is_file())
 
 
 def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: Path,

@@ -28,11 +28,16 @@ WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)([-.].*)?\.(safete
 # What a checkpoint is made of besides its tag dir: DeepSpeed's scripts; HF Trainer's state,
 # rng, scheduler and args; the model's config and tokenizer. Anything else in a save dir
 # (logs, core dumps, a user's notes) is not carried over, and the manifest says so.
-KNOWN_FILE = re.compile(
-    r"zero_to_fp32\.py|zero_to_torch\.py|trainer_state\.json|training_args\.bin|"
-    r"rng_state(_\d+)?\.pth|scheduler\.pt|(generation_|adapter_|preprocessor_)?config\.json|"
+# The model's own files among them (config, tokenizer): also what an HF export of the full
+# weights carries (engine/hf_weights.py); not a PEFT adapter's config, which would make
+# from_pretrained take the export for an adapter.
+MODEL_FILE = re.compile(
+    r"(generation_|preprocessor_)?config\.json|"
     r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|"
     r"vocab\.(json|txt)|merges\.txt|spiece\.model|chat_template\.(jinja|json)")
+KNOWN_FILE = re.compile(
+    r"zero_to_fp32\.py|zero_to_torch\.py|trainer_state\.json|training_args\.bin|"
+    r"rng_state(_\d+)?\.pth|scheduler\.pt|adapter_config\.json|" + MODEL_FILE.pattern)
 # What `accelerator.save_state` writes beside its DeepSpeed tag dir (`pytorch_model`): rng
 # states (with Accelerate's step counter) per process, the schedulers DeepSpeed does not
 # own, dataloader samplers and states, the GradScaler, `register_for_checkpointing` objects.
