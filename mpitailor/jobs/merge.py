@@ -13,7 +13,7 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, output_is_shared, survey
 from mpitailor.engine.execute import write_partitions
-from mpitailor.engine.hf_weights import base_weights, export_hf, write_hf_weights
+from mpitailor.engine.hf_weights import base_weights, export_hf, side_files, write_hf_weights
 from mpitailor.engine.replicate import replicate
 from mpitailor.engine.universal import export_universal
 from mpitailor.errors import CheckpointError, UserError
@@ -316,6 +316,16 @@ class MergeOptions:
             raise UserError(f"--ranks-per-node {self.ranks_per_node}: give a positive count")
 
 
+def _warn_without_config(base: CheckpointMeta) -> None:
+    """Rank 0 only. A safetensors export of a base without a config.json holds the weights,
+    but from_pretrained cannot load it as it is: said, not refused (the weights are what
+    some want)."""
+    if "config.json" not in side_files(extras_dir(base)):
+        log.warning("%s: no config.json beside the base checkpoint: OUT/hf/ holds the weights "
+                    "only, and from_pretrained needs a config; add the model's config.json "
+                    "there, or export with `export OUT --format hf --config CONFIG`", base.path)
+
+
 def check_shard_size(max_shard_size: int | None) -> None:
     if max_shard_size is not None and max_shard_size < 1:
         raise UserError(f"--max-shard-size {max_shard_size}: a safetensors file holds at least "
@@ -325,6 +335,8 @@ def check_shard_size(max_shard_size: int | None) -> None:
 def run_merge(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
     """Collective: check the options against the plan, then merge as they say."""
     opts.check(plan)
+    if "safetensors" in opts.export:
+        comm.root_step(_warn_without_config, plan.base_meta)
     export_dtype = (opts.export_dtype or plan.base_meta.dtype) \
         if "safetensors" in opts.export else None
     return write_merge(comm, plan, recipe.text, progress=opts.progress, verify=opts.verify,
