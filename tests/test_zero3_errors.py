@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -197,43 +196,11 @@ def test_recover_skips_a_save_with_a_rank_file_from_another_step(ckpt_copy, tmp_
     assert read_meta(out).global_steps == 5
 
 
-STEP0 = """
-import os, sys
-from dataclasses import replace
-from mpitailor.tinytrain import TrainSpec
-from mpitailor.tinytrain.launch import free_port, worker_env
-from mpitailor.tinytrain.worker import build_engine
-os.environ.update(worker_env(0, 1, free_port()))
-engine = build_engine(replace(TrainSpec(save_dir=sys.argv[1]), world_size=1))
-engine.save_checkpoint(sys.argv[1], tag="global_step0")
-"""
-
-
-@pytest.fixture(scope="session")
-def saved_at_step_0() -> Path:
+def test_a_save_before_the_first_optimizer_step_says_so(ckpt, tmp_path):
     """A real one-rank DeepSpeed ZeRO-3 save made before the first optimizer step (what
-    `accelerator.save_state` before training writes): its Adam state is empty. Built once
-    (~20 s of DeepSpeed start-up) and cached beside the fixtures, outside their dir, whose
-    sweep (`make fixtures`) removes what is not a variant of ckpt_fixtures."""
-    import subprocess
-    import sys
-
-    from ckpt_fixtures import CACHE
-    final = CACHE.with_name(f"{CACHE.name}-step0") / "zero3-v1"
-    if not (final / "DONE").exists():
-        tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-c", STEP0, str(tmp)], check=True, timeout=300,
-                       capture_output=True)
-        (tmp / "DONE").write_text("ok\n")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    return final
-
-
-def test_a_save_before_the_first_optimizer_step_says_so(saved_at_step_0, tmp_path):
+    `accelerator.save_state` before training writes): its Adam state is empty."""
     from merging import run_cli
+    saved_at_step_0 = ckpt("w1_step0", 0).parent  # the save dir
     optim = saved_at_step_0 / "global_step0" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     assert load(optim, mmap=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"] \
         == {}

@@ -96,6 +96,8 @@ def train(spec: TrainSpec, engine, first_step: int, on_save=None) -> list[float]
     """Train from `first_step`+1 to spec.steps; save at spec.save_at. Returns losses."""
     rank = engine.global_rank
     losses = []
+    if first_step == 0 and 0 in spec.save_at:  # before the first optimizer step: no Adam state
+        (on_save or _save_full)(engine, spec, 0)
     for step in range(first_step + 1, spec.steps + 1):
         ids, labels = task_batch(spec, step, rank)
         loss = engine(input_ids=ids, labels=labels).loss
