@@ -93,7 +93,7 @@ def model_states(engine, client_state: dict | None = None) -> dict:
 
 def _checkpoint_state(engine, module: dict) -> dict:
     """DeepSpeed's model-states dict for `module`, a ZeRO save with frozen parameters.
-    Newer releases build it in `_common_checkpoint_state`; 0.16.9 and older build the same
+    Newer releases build it in `_common_checkpoint_state`; 0.17.6 and older build the same
     dict inline in `_save_checkpoint` (with sparse_tensor_module_names, without the parallel
     metadata), copied here key for key so that a partial save matches that release's own."""
     if hasattr(engine, "_common_checkpoint_state"):
