@@ -48,14 +48,14 @@ _OUTER = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "SLURM_")
 RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_(model|optim)_states\.pt$")
 
 
-def start_cluster() -> tuple[dict, bool]:
+def start_cluster(nodes: int = NODES, extra: list[str] = ()) -> tuple[dict, bool]:
     """The cluster's environment (SLURM_CONF, MPITAILOR_NODE_LOCAL, MPITAILOR_CLUSTER_DIR) and
-    whether this call started it."""
-    r = subprocess.run(["bash", str(START), "--nodes", str(NODES)], capture_output=True,
+    whether this call started it; `extra`: more options of start-cluster.sh (--disk-mbps)."""
+    r = subprocess.run(["bash", str(START), "--nodes", str(nodes), *extra], capture_output=True,
                        text=True, timeout=600)
     if r.returncode != 0:
-        raise SystemExit(f"slurm/start-cluster.sh --nodes {NODES} exited {r.returncode}:\n"
-                         f"{r.stderr}")
+        raise SystemExit(f"slurm/start-cluster.sh --nodes {nodes} {' '.join(extra)} exited "
+                         f"{r.returncode}:\n{r.stderr}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
     env.update(re.findall(r"^export (\w+)=(.*)$", r.stdout, re.M))
     return env, "started slurmctld" in r.stderr

@@ -36,18 +36,39 @@
 # MPITAILOR_CLUSTER_NET (default 10.77.251): the /24 used inside the cluster's namespaces.
 # MPITAILOR_CLUSTER_PORT (default 6827): slurmctld's port (the one-node cluster has 6817).
 # MPITAILOR_SLURM_CPUS (default 8): CPUs each node advertises.
+#
+# Emulated node disks (--nodes N --disk-mbps M [--disk-size G], for bench/node_scaling.py):
+# each node's node-local dir is then its own ext4 file system on its own loop device
+# (a sparse image $DIR/nodes/nI/disk.img of G GiB, default 4; attached with direct I/O, so the
+# image's bytes are not cached a second time in the host's page cache), mounted at
+# $DIR/nodes/nI/local and from there bind-mounted into the node as before. The node's slurmd,
+# and so every task of its job steps, runs in a cgroup mpt-nI whose block-I/O throttle limits
+# reads and writes of that loop device to M MB/s (10^6 bytes) each: blkio.throttle.*_bps_device
+# on cgroup v1 (this host), io.max on cgroup v2. The file system is mounted `sync`: a cgroup v1
+# throttle sees only the I/O a task submits itself, and buffered writes are otherwise written
+# back later by the kernel's flusher threads, outside any node's cgroup (measured with dd at
+# 20 MB/s: a 200 MB buffered write took 0.57 s on a default mount, 10.0 s on the sync mount;
+# a read after POSIX_FADV_DONTNEED 10.0 s inside the cgroup, 0.4 s outside). The host's own
+# writes there (placing a checkpoint) are not throttled. Reads hit the device only when the
+# page cache does not hold the file (drop it first: POSIX_FADV_DONTNEED). stop-cluster.sh
+# unmounts, detaches and deletes the images and cgroups. Without --disk-mbps nothing changes.
 set -euo pipefail
 
-usage() { echo "usage: bash $0 [--nodes N]" >&2; exit 2; }
-NODES=1
+usage() { echo "usage: bash $0 [--nodes N [--disk-mbps M [--disk-size G]]]" >&2; exit 2; }
+NODES=1 DISK_MBPS=0 DISK_SIZE=4
 while (($#)); do
     case $1 in
         --nodes) (($# >= 2)) || usage; NODES=$2; shift 2 ;;
         --nodes=*) NODES=${1#*=}; shift ;;
+        --disk-mbps) (($# >= 2)) || usage; DISK_MBPS=$2; shift 2 ;;
+        --disk-mbps=*) DISK_MBPS=${1#*=}; shift ;;
+        --disk-size) (($# >= 2)) || usage; DISK_SIZE=$2; shift 2 ;;
+        --disk-size=*) DISK_SIZE=${1#*=}; shift ;;
         *) usage ;;
     esac
 done
-[[ $NODES =~ ^[1-9][0-9]?$ ]] || usage
+[[ $NODES =~ ^[1-9][0-9]?$ && $DISK_MBPS =~ ^[0-9]+$ && $DISK_SIZE =~ ^[1-9][0-9]*$ ]] || usage
+((DISK_MBPS == 0 || NODES > 1)) || { echo "--disk-mbps needs --nodes N with N >= 2" >&2; exit 2; }
 
 if ((NODES == 1)); then
     DIR=${MPITAILOR_SLURM_DIR:-/tmp/mpitailor-slurm}
@@ -244,8 +265,8 @@ EOF
         printf '%s\t%s\n' "$NET.1" "$HOST"
         for ((i = 1; i <= NODES; i++)); do printf '%s\tn%s\n' "$(node_addr "$i")" "$i"; done
     } >"$DIR/hosts.new"
-    printf 'NODES=%s\nNET=%s\nBRIDGE=%s\nNODE_LOCAL=%s\n' "$NODES" "$NET" "$BRIDGE" \
-        "$NODE_LOCAL" >"$DIR/cluster.env.new"
+    printf 'NODES=%s\nNET=%s\nBRIDGE=%s\nNODE_LOCAL=%s\nDISK_MBPS=%s\nDISK_SIZE=%s\n' "$NODES" \
+        "$NET" "$BRIDGE" "$NODE_LOCAL" "$DISK_MBPS" "$DISK_SIZE" >"$DIR/cluster.env.new"
     for f in "$CONF" "$DIR/hosts" "$DIR/cluster.env"; do
         cmp -s "$f.new" "$f" || changed=1
     done
@@ -315,17 +336,69 @@ start_private_munge() {
     log "started munged (pid $(cat "$DIR/munge/munged.pid"))"
 }
 
+# The block-I/O cgroup of node $1 (see the top): its dir, made if missing.
+node_cgroup() {
+    if [[ -d /sys/fs/cgroup/blkio ]]; then
+        echo "/sys/fs/cgroup/blkio/mpt-n$1"
+    elif grep -qw io /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+        echo "/sys/fs/cgroup/mpt-n$1"
+    else
+        return 1
+    fi
+}
+
+# Node $1's disk: a fresh loop device and ext4 of DISK_SIZE GiB mounted (sync) on its
+# node-local dir, its cgroup throttled to DISK_MBPS on that device. Refused in one line when
+# the host has no room for the images, no loop device or no block-I/O throttle.
+setup_disk() {
+    local i=$1 d=$DIR/nodes/n$1 loop majmin cg bps avail
+    cg=$(node_cgroup "$i") || unavailable "no blkio (cgroup v1) or io (cgroup v2) controller:" \
+        "cannot throttle the nodes' disks"
+    avail=$(df -B1G --output=avail "$DIR" | tail -1 | tr -d ' ')
+    ((avail >= DISK_SIZE * (NODES - i + 1) + 2)) || die "--disk-size $DISK_SIZE: $DIR has" \
+        "${avail} GiB free, the $((NODES - i + 1)) node disks left need $((DISK_SIZE * (NODES - i + 1))) GiB" \
+        "and 2 to spare; use a smaller --disk-size or free some space"
+    truncate -s "${DISK_SIZE}G" "$d/disk.img"
+    loop=$(losetup -f --show --direct-io=on "$d/disk.img" 2>"$DIR/losetup.err") \
+        || unavailable "no loop device for $d/disk.img: $(head -1 "$DIR/losetup.err")"
+    echo "$loop" >"$d/loop"
+    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$loop" \
+        || die "mkfs.ext4 $loop failed"
+    mount -o sync "$loop" "$d/local" || die "cannot mount $loop on $d/local"
+    majmin=$(lsblk -dno MAJ:MIN "$loop" | tr -d ' ')
+    bps=$((DISK_MBPS * 1000000))
+    mkdir -p "$cg"
+    if [[ -e $cg/blkio.throttle.read_bps_device ]]; then
+        echo "$majmin $bps" >"$cg/blkio.throttle.read_bps_device"
+        echo "$majmin $bps" >"$cg/blkio.throttle.write_bps_device"
+    else
+        grep -qw io /sys/fs/cgroup/cgroup.subtree_control || echo +io >/sys/fs/cgroup/cgroup.subtree_control
+        echo "$majmin rbps=$bps wbps=$bps" >"$cg/io.max"
+    fi
+    rm -f "$DIR/losetup.err"
+    log "disk of n$i: $loop (${DISK_SIZE} GiB ext4, sync) at $d/local, $DISK_MBPS MB/s read and write"
+}
+
+# What a cluster that was not stopped left of node $1's disk (stop-cluster.sh does the same).
+drop_disk() {
+    local d=$DIR/nodes/n$1
+    if mountpoint -q "$d/local"; then umount "$d/local" || die "cannot unmount $d/local"; fi
+    if [[ -s $d/loop ]]; then losetup -d "$(cat "$d/loop")" 2>/dev/null || true; fi
+    rm -f "$d/loop" "$d/disk.img"
+}
+
 # slurmd of node $1 inside its netns, in new UTS, IPC and mount namespaces: hostname nI, its
 # own /dev/shm, the node-local dir and the cluster's hosts file mounted there; its job steps
 # inherit all of them. Without the IPC namespace and /dev/shm, MPICH's UCX sees one host and
 # moves messages between nodes through shared memory instead of TCP over the bridge.
 start_slurmd() {
-    local n=n$1
+    local n=n$1 procs=/dev/null
+    if ((DISK_MBPS)); then procs=$(node_cgroup "$1")/cgroup.procs; fi
     nsenter --net="/var/run/netns/mpt-$n" unshare --uts --ipc --mount --propagation private \
-        sh -c 'hostname "$1" && mount -t tmpfs -o mode=1777 shm /dev/shm \
+        sh -c 'echo $$ >"$6" && hostname "$1" && mount -t tmpfs -o mode=1777 shm /dev/shm \
                && mount --bind "$2" "$3" && mount --bind "$4" /etc/hosts \
                && exec slurmd -f "$5" -N "$1"' \
-        sh "$n" "$DIR/nodes/$n/local" "$NODE_LOCAL" "$DIR/hosts" "$CONF" \
+        sh "$n" "$DIR/nodes/$n/local" "$NODE_LOCAL" "$DIR/hosts" "$CONF" "$procs" \
         || die "slurmd of $n did not start; see $DIR/nodes/$n/slurmd.log"
     log "started slurmd of $n"
 }
@@ -361,8 +434,12 @@ start_nodes() {
     setup_network
     mkdir -p "$NODE_LOCAL"
     for ((i = 1; i <= NODES; i++)); do
-        ((fresh)) && rm -rf "$DIR/nodes/n$i/local"  # a fresh cluster, fresh node-local disks
+        if ((fresh)); then  # a fresh cluster, fresh node-local disks
+            drop_disk "$i"
+            rm -rf "$DIR/nodes/n$i/local"
+        fi
         mkdir -p "$DIR/nodes/n$i/local" "$DIR/nodes/n$i/spool"
+        if ((fresh && DISK_MBPS)); then setup_disk "$i"; fi
     done
     start_private_munge
     if ! alive_pid "$DIR/slurmctld.pid" slurmctld >/dev/null; then
@@ -375,6 +452,7 @@ start_nodes() {
     done
     wait_nodes_ready
     log "ready: nodes n1..n$NODES ($NET.0/24), $CPUS CPUs each, node-local $NODE_LOCAL, srun works"
+    if ((DISK_MBPS)); then echo "export MPITAILOR_DISK_MBPS=$DISK_MBPS"; fi
     echo "export SLURM_CONF=$CONF"
     echo "export MPITAILOR_NODE_LOCAL=$NODE_LOCAL"
     echo "export MPITAILOR_CLUSTER_DIR=$DIR"

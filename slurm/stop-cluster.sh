@@ -12,7 +12,9 @@
 # node, and the cluster's own munged), it ends what is left in the nodes' network namespaces
 # (their pids, from `ip netns pids`), deletes the namespaces mpt-nI (their mounts go with the
 # last process in them), the veths mpt-vI and the bridge, unless the bridge names another
-# dir as its owner. The node-local dirs stay for inspection until the next fresh start.
+# dir as its owner. The node-local dirs stay for inspection until the next fresh start, except
+# the emulated disks of --disk-mbps: unmounted, their loop devices detached, their images and
+# cgroups deleted (images of several GiB must not fill the host's disk).
 set -euo pipefail
 
 usage() { echo "usage: bash $0 [--nodes N] [--keep-munge]" >&2; exit 2; }
@@ -120,6 +122,20 @@ stop_nodes() {
     if [[ -n $bridge ]] && ip link show "$bridge" >/dev/null 2>&1; then
         ip link del "$bridge" && log "deleted bridge $bridge"
     fi
+    for ((i = 1; i <= nodes; i++)); do drop_disk "$i"; done
+}
+
+# Node $1's emulated disk (start-cluster.sh --disk-mbps), after its processes have ended.
+drop_disk() {
+    local d=$DIR/nodes/n$1 cg
+    if mountpoint -q "$d/local"; then umount "$d/local" || log "cannot unmount $d/local"; fi
+    if [[ -s $d/loop ]]; then
+        losetup -d "$(cat "$d/loop")" 2>/dev/null && log "detached $(cat "$d/loop") of n$1"
+    fi
+    rm -f "$d/loop" "$d/disk.img"
+    for cg in "/sys/fs/cgroup/blkio/mpt-n$1" "/sys/fs/cgroup/mpt-n$1"; do
+        if [[ -d $cg ]]; then rmdir "$cg" 2>/dev/null || true; fi
+    done
 }
 
 if ((NODES > 1)); then
