@@ -132,13 +132,8 @@ def test_leftovers_of_kill_9_are_reclaimed_by_any_run_and_by_clean(run, tmp_path
     assert f"reclaimed what interrupted runs left: removed {tmp_path}/.dead1.mpitailor-" in err
     check_merge(tmp_path / "held", parity(root / "global_step10", root / "global_step5"),
                 base=root / "global_step10")
-    r = run_cli(["clean", str(tmp_path)], {})
-    assert (r.returncode, r.stdout) == (0, f"mpitailor: nothing to clean in {tmp_path}\n")
-
-
-def test_clean_refuses_a_file(tmp_path):
-    (tmp_path / "f").write_text("")
-    r = run_cli(["clean", str(tmp_path / "f")], {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gate", "held", "run"]
+    r = run_cli(["clean", str(tmp_path / "held" / "latest")], {})
     assert r.returncode == 2 and r.stderr.strip() == (
-        f"mpitailor: error: {tmp_path / 'f'}: not a directory; give the directory that holds "
-        f"the outputs (mpitailor clean DIR)"), r.stderr
+        f"mpitailor: error: {tmp_path / 'held' / 'latest'}: not a directory; give the "
+        f"directory that holds the outputs (mpitailor clean DIR)"), r.stderr
