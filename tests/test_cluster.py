@@ -275,6 +275,31 @@ def test_node_local_merge_in_place_writes_each_nodes_own_files(cluster, merged_i
     assert all(st["bytes_read_files"] > 0 for st in stats)
 
 
+def test_node_local_merge_on_nine_ranks_matches_one_process(cluster, merged_in_place):
+    """The merge in place again with 9 ranks on all 3 nodes (3 per node, more than the input's
+    4 partitions; n3 holds none), output rank r on node r // 2 as the input: the same files on
+    the same nodes, byte for byte what one process wrote; n3, a node of the job, gets only
+    `latest`, the manifest and the scripts. (bench/node_scaling.py runs 64 ranks on 4 nodes;
+    each rank here costs ~2 s of start-up on 2 cores.)"""
+    m, tag = merged_in_place, "global_step2"
+    name = m["name"] + "-r9"
+    try:
+        ok(cluster.srun(["-N", 3, "-n", 9, "--ntasks-per-node", 3,
+                         *merge_cmd(m["recipe"], "-o", f"{cluster.node_local}/{name}",
+                                    "--ranks-per-node", 2)], timeout=300), cluster)
+        n1, n2 = (cluster.node_dir(i) / name for i in (1, 2))
+        common = ["latest", MANIFEST, "zero_to_fp32.py", "zero_to_torch.py"]
+        assert tree(n1) == sorted([*common, *zero_files((0, 1), tag)])
+        assert tree(n2) == sorted([*common, *zero_files((2, 3), tag)])
+        n3 = cluster.node_dir(3) / name
+        assert tree(n3) == sorted(common)
+        for n in (n1, n2, n3):
+            same_files(m["shared"], n, tree(n))
+    finally:
+        for i in range(1, NODES + 1):
+            shutil.rmtree(cluster.node_dir(i) / name, ignore_errors=True)
+
+
 def test_node_local_reshard_to_three_nodes_resumes_like_a_shared_copy(
         cluster, node_local_run, merged_in_place):
     """4 ranks on 2 nodes -> 6 ranks on 3 nodes (n3 holds nothing: its bytes come over MPI),
