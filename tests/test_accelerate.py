@@ -6,38 +6,14 @@ second test, a recover of a cached fixture, a few seconds."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+from readme_scripts import readme_script, run_ranks
+
 from mpitailor.formats.safeload import load
-from mpitailor.tinytrain.launch import free_port, worker_env
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 KILL_AT_8 = "partial-publish/checkpoint-8/pytorch_model:0"  # rank 0, publishing step 8's save
-
-
-def snippet() -> str:
-    m = re.search(r"<!-- accelerate-example -->\n```python\n(.*?)```\n"
-                  r"<!-- /accelerate-example -->", README.read_text(), re.DOTALL)
-    assert m, "the README lost its Accelerate example"
-    return m.group(1)
-
-
-def run(script: Path, cwd: Path, env: dict, ranks: int = 2) -> list[int]:
-    port = free_port()
-    logs = [cwd / f"rank{r}.log" for r in range(ranks)]
-    procs = [subprocess.Popen([sys.executable, str(script)], cwd=cwd, stdout=log.open("w"),
-                              stderr=subprocess.STDOUT, env={**worker_env(r, ranks, port), **env})
-             for r, log in enumerate(logs)]
-    try:
-        return [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 def rng(path: Path) -> tuple:
@@ -49,8 +25,8 @@ def rng(path: Path) -> tuple:
 
 def test_the_readme_accelerate_loop_is_killed_recovers_and_resumes_with_its_rng(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(snippet())
-    codes = run(script, tmp_path, {"MPITAILOR_FAILPOINT": KILL_AT_8})
+    script.write_text(readme_script("accelerate-example"))
+    codes = run_ranks(script, tmp_path, {"MPITAILOR_FAILPOINT": KILL_AT_8})
     assert codes[0] == -9, (tmp_path / "rank0.log").read_text()[-3000:]
     saves = tmp_path / "run"
     assert not (saves / "checkpoint-8" / "latest").exists()  # the killed save is not one
@@ -60,7 +36,7 @@ def test_the_readme_accelerate_loop_is_killed_recovers_and_resumes_with_its_rng(
     # Drawn by the killed run just before it died: what the resumed run must draw again.
     killed = [rng(saves / "checkpoint-8" / f"random_states_{r}.pkl") for r in (0, 1)]
 
-    codes = run(script, tmp_path, {})  # the requeued job: the script as written
+    codes = run_ranks(script, tmp_path, {})  # the requeued job: the script as written
     assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     composite, = (saves / ".mpitailor-resume").glob("recovered-checkpoint-6-*")
     assert (composite / "latest").read_text() == "pytorch_model"

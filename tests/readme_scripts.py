@@ -1,0 +1,37 @@
+"""The README's training scripts, run as written on CPU processes (tests/test_readme.py,
+tests/test_accelerate.py)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from mpitailor.tinytrain.launch import free_port, worker_env
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_script(marker: str) -> str:
+    """The python block between `<!-- marker -->` and `<!-- /marker -->` in the README."""
+    m = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```\n<!-- /{marker} -->",
+                  README.read_text(), re.S)
+    assert m, f"the README lost its {marker}"
+    return m.group(1)
+
+
+def run_ranks(script: Path, cwd: Path, env: dict | None = None, ranks: int = 2) -> list[int]:
+    """Run the script as `ranks` processes of one torch.distributed world (what torchrun
+    would start); their exit codes. Logs in cwd/rank{r}.log."""
+    port = free_port()
+    logs = [cwd / f"rank{r}.log" for r in range(ranks)]
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=cwd, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT,
+                              env={**worker_env(r, ranks, port), **(env or {})})
+             for r, log in enumerate(logs)]
+    try:
+        return [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
