@@ -45,9 +45,6 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
                                           tie=True, frozen=FROZEN), None),
     "s1_w2_fp32_one": (dict(world_size=2, zero_stage=1), None),
     "hf_s2_w2_bf16": (dict(world_size=2, zero_stage=2, dtype="bf16"), HF_MODULE),
-    # Saved before the first optimizer step (accelerate's save_state before training): one
-    # rank, no Adam state.
-    "w1_step0": (dict(world_size=1, steps=0, save_at=(0,)), None),
     # Big enough (~12 MB of optimizer state per rank) that per-file metadata is noise.
     "w2_fp32_wide": (dict(world_size=2, hidden=256, intermediate=512, vocab=2048,
                           steps=6, save_at=(3, 6)), None),
@@ -83,6 +80,9 @@ STAGE12_VARIANTS = ["s2_w2_bf16_per_layer", "s2_w3_fp32_decay_tied_frozen", "s1_
                     "hf_s2_w2_bf16"]
 ZERO3_VARIANTS = [n for n in VARIANTS if n not in ("w2_fp32_wide", *STAGE12_VARIANTS)]
 VARIANTS.update(SAVING_VARIANTS)
+# Saved before the first optimizer step (accelerate's save_state before training): one rank,
+# no Adam state, one save. Not a merge source: only tests/test_zero3_errors.py uses it.
+VARIANTS["w1_step0"] = (dict(world_size=1, steps=0, save_at=(0,)), None)
 
 
 def spec_for(name: str, save_dir: Path) -> TrainSpec:
