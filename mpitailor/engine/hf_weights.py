@@ -31,7 +31,7 @@ from mpitailor.formats import CheckpointMeta, Slot
 from mpitailor.formats.consolidate import read_range
 from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.dtypes import DTYPES, from_safetensors, torch_dtype
-from mpitailor.formats.extras import MODEL_FILE, weight_files
+from mpitailor.formats.extras import MODEL_FILE, extras_dir, weight_files
 from mpitailor.formats.shard import RankShard, open_all_shards
 from mpitailor.planning.hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -244,6 +244,12 @@ def side_files(side_dir: Path | None, config: Path | None = None) -> dict[str, P
     if config is not None and not config.is_dir():
         found["config.json"] = config
     return found
+
+
+def has_config(base: CheckpointMeta) -> bool:
+    """Rank 0 only. Does an HF export of `base` find a config.json beside it
+    (`from_pretrained` needs one; a plain DeepSpeed save has none)?"""
+    return "config.json" in side_files(extras_dir(base))
 
 
 def _model_files(folder: Path) -> list[Path]:

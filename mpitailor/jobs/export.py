@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.engine.hf_weights import export_hf, side_files
+from mpitailor.engine.hf_weights import export_hf, has_config
 from mpitailor.errors import UserError
 from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.extras import extras_dir
@@ -128,7 +128,7 @@ def check_config(config: Path) -> None:
 def _require_config(source: Path, base: CheckpointMeta) -> None:
     """Rank 0 only. An HF export without a config.json does not load (`from_pretrained`
     needs one): a plain DeepSpeed save carries none, so one must be given."""
-    if "config.json" not in side_files(extras_dir(base)):
+    if not has_config(base):
         raise UserError(f"{source}: no config.json beside the checkpoint, and from_pretrained "
                         f"needs one; pass --config with the model's config.json or model dir")
 

@@ -13,7 +13,7 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, output_is_shared, survey
 from mpitailor.engine.execute import write_partitions
-from mpitailor.engine.hf_weights import base_weights, export_hf, side_files, write_hf_weights
+from mpitailor.engine.hf_weights import base_weights, export_hf, has_config, write_hf_weights
 from mpitailor.engine.replicate import replicate
 from mpitailor.engine.universal import export_universal
 from mpitailor.errors import CheckpointError, UserError
@@ -320,7 +320,7 @@ def _warn_without_config(base: CheckpointMeta) -> None:
     """Rank 0 only. A safetensors export of a base without a config.json holds the weights,
     but from_pretrained cannot load it as it is: said, not refused (the weights are what
     some want)."""
-    if "config.json" not in side_files(extras_dir(base)):
+    if not has_config(base):
         log.warning("%s: no config.json beside the base checkpoint: OUT/hf/ holds the weights "
                     "only, and from_pretrained needs a config; add the model's config.json "
                     "there, or export with `export OUT --format hf --config CONFIG`", base.path)
