@@ -52,9 +52,7 @@ class Staging:
             raise UserError(f"{self.output}: a symbolic link (to {os.readlink(self.output)}); "
                             f"mpitailor never writes through a link: name the directory to "
                             f"create")
-        if os.path.lexists(self.output) and not self.replace:
-            raise UserError(f"{self.output}: output already exists; remove it or choose "
-                            f"another output path (mpitailor never overwrites)")
+        self._refuse_existing()
         _make_parent(self.output)
         try:
             fd = leftovers.take_lock(self.lock_path)
@@ -76,9 +74,7 @@ class Staging:
         self._unwatch = interrupt.on_interrupt(self._interrupted)
         try:
             done = leftovers.reclaim_own(self.output)
-            if os.path.lexists(self.output) and not self.replace:  # an old copy put back
-                raise UserError(f"{self.output}: output already exists; remove it or choose "
-                                f"another output path (mpitailor never overwrites)")
+            self._refuse_existing()  # an old copy put back
         except BaseException:
             self.release()
             raise
@@ -89,6 +85,11 @@ class Staging:
         if tag is not None:
             (self.dir / tag).mkdir()
         return self.dir
+
+    def _refuse_existing(self) -> None:
+        if os.path.lexists(self.output) and not self.replace:
+            raise UserError(f"{self.output}: output already exists; remove it or choose "
+                            f"another output path (mpitailor never overwrites)")
 
     def publish(self) -> None:
         """fsync the staged tree, then rename it to the output in one step (not once a signal
