@@ -145,10 +145,13 @@ def one(case: str, env: dict, nodes: int, rpn: int, name: str, scratch: Path,
     ranks = json.loads(stats.read_text())["ranks"]
     files = check_identical(ref, env, nodes, out_name)
     written = [dir_bytes(node_dir(env, i) / out_name) for i in range(1, nodes + 1)]
-    read = [sum(x["bytes_read_files"] for x in ranks[i * rpn:(i + 1) * rpn])
-            for i in range(nodes)]
-    mpi_in = [sum(x["bytes_mpi_received"] for x in ranks[i * rpn:(i + 1) * rpn])
-              for i in range(nodes)]
+    # per node, by the node each rank's --stats record names (not by srun's layout)
+    of_node = [[x for x in ranks if x["node"] == f"n{i}"] for i in range(1, nodes + 1)]
+    if sum(map(len, of_node)) != len(ranks):
+        raise SystemExit(f"--stats names nodes {sorted({x['node'] for x in ranks})}, "
+                         f"not n1..n{nodes}")
+    read = [sum(x["bytes_read_files"] for x in mine) for mine in of_node]
+    mpi_in = [sum(x["bytes_mpi_received"] for x in mine) for mine in of_node]
     for i in range(1, MAX_NODES + 1):
         shutil.rmtree(node_dir(env, i) / out_name, ignore_errors=True)
     return {"case": case, "nodes": nodes, "ranks_per_node": rpn, "ranks": nodes * rpn,

@@ -223,12 +223,14 @@ def read_stats(path: Path) -> list[dict]:
     return json.loads(path.read_text())["ranks"]
 
 
-def assert_reads_on_own_node(ranks: list[dict], node_of_rank, holder_of) -> None:
-    """No rank read a source rank's files that its node does not hold."""
+def assert_reads_on_own_node(ranks: list[dict], holder_of) -> None:
+    """Each rank ran on the node srun's block layout puts it on (2 a node), as its --stats
+    record names it, and read no source rank's files that its node does not hold."""
     for r, st in enumerate(ranks):
+        assert st["node"] == f"n{r // 2 + 1}", (r, st["node"])
         for item in st["shards_read"]:
             source, src_rank = item.split(":")
-            assert holder_of(int(src_rank)) == node_of_rank(r), (r, item)
+            assert f"n{holder_of(int(src_rank)) + 1}" == st["node"], (r, item)
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +272,7 @@ def test_node_local_merge_in_place_writes_each_nodes_own_files(cluster, merged_i
     # In place: every rank read only its node's files, and nothing crossed a node.
     stats = m["stats"]
     assert [st["partitions"] for st in stats] == [[0], [1], [2], [3]]
-    assert_reads_on_own_node(stats, lambda r: r // 2, lambda src: src // 2)
+    assert_reads_on_own_node(stats, lambda src: src // 2)
     assert all(st["bytes_mpi_received"] == 0 == st["bytes_mpi_sent"] for st in stats)
     assert all(st["bytes_read_files"] > 0 for st in stats)
 
@@ -328,7 +330,7 @@ def test_node_local_reshard_to_three_nodes_resumes_like_a_shared_copy(
                                       *zero_files((2 * i - 2, 2 * i - 1), tag), *exported])
             same_files(work / "shared-w6", d, tree(d))
         stats = read_stats(work / "stats6.json")
-        assert_reads_on_own_node(stats, lambda r: r // 2, lambda src: src // 2)
+        assert_reads_on_own_node(stats, lambda src: src // 2)
         assert [st["shards_read"] for st in stats[4:]] == [[], []]  # n3 holds no source
         assert all(st["bytes_mpi_received"] > 0 for st in stats[4:])
         assert sum(st["bytes_mpi_sent"] for st in stats) == \

@@ -112,6 +112,7 @@ def test_each_rank_reads_little_more_than_it_writes(ckpt, tmp_path):
     """Byte counts, not timings: /proc/self/io read-call bytes of each rank's partition work
     stay under 1.2x the bytes it writes (one reader per byte, no whole-file loads)."""
     import json
+    import socket
     stats = tmp_path / "stats.json"
     r = run_cli([str(RECIPES / "parity.yml"), "--stats", str(stats)],
                 env(ckpt("w2_fp32_wide", 6), ckpt("w2_fp32_wide", 3), tmp_path / "merged"),
@@ -119,6 +120,7 @@ def test_each_rank_reads_little_more_than_it_writes(ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     ranks = json.loads(stats.read_text())["ranks"]
     assert [s["partitions"] for s in ranks] == [[0], [1]]
+    assert [s["node"] for s in ranks] == [socket.gethostname()] * 2
     for s in ranks:
         assert s["bytes_written"] > 0
         assert s["read_calls_bytes"] < 1.2 * s["bytes_written"], s

@@ -110,7 +110,9 @@ def write_merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bo
         comm.step(lambda: staging.acquire(tag) if comm.rank in leaders else None)
         records, mine = write_partitions(comm, plan, root / tag, verify, progress, universal,
                                          place, out_nodes)
-        stats = comm.allgather(mine)
+        # each rank's node by name: a benchmark or a user sums bytes per node from it
+        stats = [{**st, "node": place.nodes.names[place.nodes.of_rank[r]]}
+                 for r, st in enumerate(comm.allgather(mine))]
         by_rank = comm.allgather(records)
         files = {f"{tag}/{name}": rec for part in by_rank for name, rec in part.items()}
         # What lies beside the base's tag dir is read where it is: under node-local storage,
