@@ -1,4 +1,4 @@
-"""What this process has read, written and held: /proc/self/io and getrusage (Linux)."""
+"""What this process has read, written, held and spent: /proc/self/io and getrusage (Linux)."""
 from __future__ import annotations
 
 import resource
@@ -12,6 +12,7 @@ class IOSnapshot:
     read_bytes: int   # bytes the storage layer fetched (0 when served from page cache)
     write_bytes: int
     peak_rss: int     # bytes, process lifetime peak
+    cpu: float        # seconds of CPU, user and system
 
     def since(self, earlier: "IOSnapshot") -> dict:
         return {"read_calls_bytes": self.rchar - earlier.rchar,
@@ -19,7 +20,8 @@ class IOSnapshot:
                 "storage_read_bytes": self.read_bytes - earlier.read_bytes,
                 "storage_write_bytes": self.write_bytes - earlier.write_bytes,
                 "peak_rss_bytes": self.peak_rss, "peak_rss_growth_bytes":
-                    self.peak_rss - earlier.peak_rss}
+                    self.peak_rss - earlier.peak_rss,
+                "cpu_seconds": round(self.cpu - earlier.cpu, 4)}
 
 
 def snapshot() -> IOSnapshot:
@@ -31,6 +33,7 @@ def snapshot() -> IOSnapshot:
                 fields[k] = int(v)
     except OSError:
         pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    use = resource.getrusage(resource.RUSAGE_SELF)
     return IOSnapshot(fields.get("rchar", 0), fields.get("wchar", 0),
-                      fields.get("read_bytes", 0), fields.get("write_bytes", 0), rss)
+                      fields.get("read_bytes", 0), fields.get("write_bytes", 0),
+                      use.ru_maxrss * 1024, use.ru_utime + use.ru_stime)
