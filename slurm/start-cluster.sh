@@ -52,10 +52,18 @@
 # writes there (placing a checkpoint) are not throttled. Reads hit the device only when the
 # page cache does not hold the file (drop it first: POSIX_FADV_DONTNEED). stop-cluster.sh
 # unmounts, detaches and deletes the images and cgroups. Without --disk-mbps nothing changes.
+#
+# Emulated node CPUs (--nodes N --node-cpus C, C a decimal such as 0.5): each node's slurmd, and
+# so every task of its job steps, runs in a cgroup mpt-nI whose CPU bandwidth is capped at C
+# cores (cpu.cfs_quota_us on cgroup v1, cpu.max on cgroup v2). All emulated nodes share this
+# host's cores: uncapped, a 4-node run gets 4x the CPU of each node of a 1-node run only when
+# the host has cores to spare, and ranks of one node take CPU from the others. With C x N no
+# more than the host's cores, every node has C cores of its own whatever the others do, as
+# real nodes do, and a 1-node run gets what one node of a larger run gets.
 set -euo pipefail
 
-usage() { echo "usage: bash $0 [--nodes N [--disk-mbps M [--disk-size G]]]" >&2; exit 2; }
-NODES=1 DISK_MBPS=0 DISK_SIZE=4
+usage() { echo "usage: bash $0 [--nodes N [--disk-mbps M [--disk-size G]] [--node-cpus C]]" >&2; exit 2; }
+NODES=1 DISK_MBPS=0 DISK_SIZE=4 NODE_CPUS=0
 while (($#)); do
     case $1 in
         --nodes) (($# >= 2)) || usage; NODES=$2; shift 2 ;;
@@ -64,11 +72,18 @@ while (($#)); do
         --disk-mbps=*) DISK_MBPS=${1#*=}; shift ;;
         --disk-size) (($# >= 2)) || usage; DISK_SIZE=$2; shift 2 ;;
         --disk-size=*) DISK_SIZE=${1#*=}; shift ;;
+        --node-cpus) (($# >= 2)) || usage; NODE_CPUS=$2; shift 2 ;;
+        --node-cpus=*) NODE_CPUS=${1#*=}; shift ;;
         *) usage ;;
     esac
 done
 [[ $NODES =~ ^[1-9][0-9]?$ && $DISK_MBPS =~ ^[0-9]+$ && $DISK_SIZE =~ ^[1-9][0-9]*$ ]] || usage
 ((DISK_MBPS == 0 || NODES > 1)) || { echo "--disk-mbps needs --nodes N with N >= 2" >&2; exit 2; }
+[[ $NODE_CPUS =~ ^[0-9]+(\.[0-9]+)?$ ]] || usage
+# the cap in microseconds of CPU per 100 ms period (0: none)
+CPU_QUOTA=$(awk -v c="$NODE_CPUS" 'BEGIN { printf "%d", c * 100000 }')
+((CPU_QUOTA == 0 || NODES > 1)) || { echo "--node-cpus needs --nodes N with N >= 2" >&2; exit 2; }
+((CPU_QUOTA == 0 || CPU_QUOTA >= 1000)) || { echo "--node-cpus $NODE_CPUS: at least 0.01" >&2; exit 2; }
 
 if ((NODES == 1)); then
     DIR=${MPITAILOR_SLURM_DIR:-/tmp/mpitailor-slurm}
@@ -265,8 +280,9 @@ EOF
         printf '%s\t%s\n' "$NET.1" "$HOST"
         for ((i = 1; i <= NODES; i++)); do printf '%s\tn%s\n' "$(node_addr "$i")" "$i"; done
     } >"$DIR/hosts.new"
-    printf 'NODES=%s\nNET=%s\nBRIDGE=%s\nNODE_LOCAL=%s\nDISK_MBPS=%s\nDISK_SIZE=%s\n' "$NODES" \
-        "$NET" "$BRIDGE" "$NODE_LOCAL" "$DISK_MBPS" "$DISK_SIZE" >"$DIR/cluster.env.new"
+    printf 'NODES=%s\nNET=%s\nBRIDGE=%s\nNODE_LOCAL=%s\nDISK_MBPS=%s\nDISK_SIZE=%s\nCPU_QUOTA=%s\n' \
+        "$NODES" "$NET" "$BRIDGE" "$NODE_LOCAL" "$DISK_MBPS" "$DISK_SIZE" "$CPU_QUOTA" \
+        >"$DIR/cluster.env.new"
     for f in "$CONF" "$DIR/hosts" "$DIR/cluster.env"; do
         cmp -s "$f.new" "$f" || changed=1
     done
@@ -347,6 +363,27 @@ node_cgroup() {
     fi
 }
 
+# The CPU cgroup of node $1 (--node-cpus), capped at CPU_QUOTA per 100 ms: its dir. Refused in
+# one line when the host has no CPU controller.
+node_cpu_cgroup() {
+    local cg
+    if [[ -d /sys/fs/cgroup/cpu ]]; then
+        cg=/sys/fs/cgroup/cpu/mpt-n$1
+        mkdir -p "$cg"
+        echo 100000 >"$cg/cpu.cfs_period_us"
+        echo "$CPU_QUOTA" >"$cg/cpu.cfs_quota_us"
+    elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+        cg=/sys/fs/cgroup/mpt-n$1
+        grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control || echo +cpu >/sys/fs/cgroup/cgroup.subtree_control
+        mkdir -p "$cg"
+        echo "$CPU_QUOTA 100000" >"$cg/cpu.max"
+    else
+        unavailable "no cpu controller (cgroup v1 or v2): cannot cap the nodes' CPUs"
+    fi
+    log "CPU of n$1: capped at $NODE_CPUS cores ($cg)"
+    echo "$cg"
+}
+
 # Node $1's disk: a fresh loop device and ext4 of DISK_SIZE GiB mounted (sync) on its
 # node-local dir, its cgroup throttled to DISK_MBPS on that device. Refused in one line when
 # the host has no room for the images, no loop device or no block-I/O throttle.
@@ -392,10 +429,11 @@ drop_disk() {
 # inherit all of them. Without the IPC namespace and /dev/shm, MPICH's UCX sees one host and
 # moves messages between nodes through shared memory instead of TCP over the bridge.
 start_slurmd() {
-    local n=n$1 procs=/dev/null
+    local n=n$1 procs=""
     if ((DISK_MBPS)); then procs=$(node_cgroup "$1")/cgroup.procs; fi
+    if ((CPU_QUOTA)); then procs="$procs $(node_cpu_cgroup "$1")/cgroup.procs"; fi
     nsenter --net="/var/run/netns/mpt-$n" unshare --uts --ipc --mount --propagation private \
-        sh -c 'echo $$ >"$6" && hostname "$1" && mount -t tmpfs -o mode=1777 shm /dev/shm \
+        sh -c 'for f in $6; do echo $$ >"$f" || exit 1; done && hostname "$1" && mount -t tmpfs -o mode=1777 shm /dev/shm \
                && mount --bind "$2" "$3" && mount --bind "$4" /etc/hosts \
                && exec slurmd -f "$5" -N "$1"' \
         sh "$n" "$DIR/nodes/$n/local" "$NODE_LOCAL" "$DIR/hosts" "$CONF" "$procs" \
@@ -453,6 +491,7 @@ start_nodes() {
     wait_nodes_ready
     log "ready: nodes n1..n$NODES ($NET.0/24), $CPUS CPUs each, node-local $NODE_LOCAL, srun works"
     if ((DISK_MBPS)); then echo "export MPITAILOR_DISK_MBPS=$DISK_MBPS"; fi
+    if ((CPU_QUOTA)); then echo "export MPITAILOR_NODE_CPUS=$NODE_CPUS"; fi
     echo "export SLURM_CONF=$CONF"
     echo "export MPITAILOR_NODE_LOCAL=$NODE_LOCAL"
     echo "export MPITAILOR_CLUSTER_DIR=$DIR"

@@ -133,7 +133,7 @@ drop_disk() {
         losetup -d "$(cat "$d/loop")" 2>/dev/null && log "detached $(cat "$d/loop") of n$1"
     fi
     rm -f "$d/loop" "$d/disk.img"
-    for cg in "/sys/fs/cgroup/blkio/mpt-n$1" "/sys/fs/cgroup/mpt-n$1"; do
+    for cg in "/sys/fs/cgroup/blkio/mpt-n$1" "/sys/fs/cgroup/cpu/mpt-n$1" "/sys/fs/cgroup/mpt-n$1"; do
         if [[ -d $cg ]]; then rmdir "$cg" 2>/dev/null || true; fi
     done
 }
