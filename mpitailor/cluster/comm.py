@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,6 +20,8 @@ T = TypeVar("T")
 
 # Launchers say how many processes they started; MPI must agree (see check_not_singleton).
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+# A rank waiting for the others at a collective sleeps between polls, from 50 us up to 2 ms.
+_POLL_FIRST_S, _POLL_MAX_S = 50e-6, 2e-3
 
 
 class Comm:
@@ -96,6 +99,7 @@ class Comm:
         """An MPI call; an MPI error (mpi4py raises one where MPI returns it: a peer died,
         its node went down) becomes CommFailed: one line, not MPI's error stack."""
         try:
+            self._arrive()
             return call(*args, **kwargs)
         except Exception as e:
             if not _is_mpi_error(e):
@@ -103,6 +107,20 @@ class Comm:
             raise CommFailed(f"MPI communication failed on rank {self.rank} "
                              f"({_mpi_error_class(e)}): a rank of this job died or its node "
                              f"is unreachable; the merge stopped") from None
+
+    def _arrive(self) -> None:
+        """Wait, asleep, until every rank has reached this collective. MPI libraries wait
+        by spinning a core: where ranks share cores (more ranks than cores, a Slurm prologue
+        beside other work, emulated nodes on one host), the ranks that finished their part
+        first took the CPU from those still copying; with 16 ranks on half a core a merge
+        spent more CPU waiting than copying (bench/node_scaling.py). The cost where each
+        rank has a core: a non-blocking barrier and up to 2 ms per collective."""
+        if self.size == 1:
+            return
+        request, pause = self._comm.Ibarrier(), _POLL_FIRST_S
+        while not request.Test():
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
 
     def abort(self, code: int) -> None:
         """Kill every rank: for errors outside a guarded step, where peers could hang."""
