@@ -235,7 +235,7 @@ def goal_lines(rows: list[dict]) -> list[str]:
 def print_table(rows: list[dict]) -> None:
     print(f"{'case':<8}{'N':>2}{'R/N':>4}{'ranks':>6}{'s':>8}{'wall s':>8}{'MB MPI':>8}"
           f"{'MB read/node':>16}{'MB written/node':>16}{'device MB r+w/node':>20}"
-          f"{'CPU s/node':>12}{'busy':>6}")
+          f"{'CPU s/node':>16}{'busy':>6}")
     for r in rows:
         rd = "/".join(f"{b / 1e6:.0f}" for b in r["node_bytes_read"])
         wr = "/".join(f"{b / 1e6:.0f}" for b in r["node_bytes_written"])
@@ -244,7 +244,7 @@ def print_table(rows: list[dict]) -> None:
         cpu = "/".join(f"{c:.1f}" for c in r["node_cpu_seconds"])
         print(f"{r['case']:<8}{r['nodes']:>2}{r['ranks_per_node']:>4}{r['ranks']:>6}"
               f"{r['seconds']:>8.2f}{r['wall']:>8.2f}{r['bytes_mpi_sent'] / 1e6:>8.1f}"
-              f"{rd:>16}{wr:>16}{dv:>20}{cpu:>12}{r['busy_before']:>6.2f}")
+              f"{rd:>16}{wr:>16} {dv:>19} {cpu:>15}{r['busy_before']:>6.2f}")
 
 
 def parse_args() -> argparse.Namespace:
