@@ -1,47 +1,51 @@
 """A model of node-local merge time, calibrated on bench/node_scaling.py's runs, projected to 64 nodes.
 
     python -m bench.scale_model [--runs bench/results/node_scaling.json] [--ranks-per-node 8]
-        [--nvme-read 6.0] [--nvme-write 3.0] [--net 25] [--cores 64] [--rank-gbps 0.4]
+        [--nvme-read 6.0] [--nvme-write 3.0] [--net 25] [--cores 64]
 
 The time of a run inside mpitailor (--stats `seconds`) is
 
-    T = t0 + max over nodes (read_i + written_i) / D_case + max over nodes mpi_i / B
-          + c_ranks * ranks + c_rpn * ranks_per_node
+    T = t0 + max over nodes [ max(r_i / R, w_i / W) + (beta / ranks_per_node) min(r_i / R, w_i / W) ]
+          + max over nodes mpi_i / B + q * ranks_per_node / C
 
-where read_i, written_i and mpi_i are node i's bytes as the run itself reported them (the copy
-program's bytes_read_files of the node's ranks, the output files on its disk, bytes_mpi_received
-of its ranks: measured, not estimated), D the per-node disk bandwidth and B the per-node network
-bandwidth (read and write are throttled to the same figure here; fitted per case: merge and
-recover drive the disks differently), and c the CPU each rank costs inside (planning, MPI
-collectives, the survey of the nodes): on this host all ranks of all nodes share 2 cores, so it
-grows with the total rank count, and a node's ranks also share its MPI shared-memory setup. The
-srun wall time adds the start-up, s0 + s1 * ranks + s2 * ranks_per_node (Python and torch
-imports, CPU-bound on the shared cores; MPI initialisation within a node). Calibration: t0, D per case
-and the c by least squares on the `seconds` of every run; s0, s1, s2 on `wall - seconds` (5 and 3
-parameters from 12 runs: a fit, not a derivation). B is not calibrated: these in-place merges
-send no bulk bytes over MPI, and the bridge between the emulated nodes is memory. Validation:
-each run's modelled time against its measured one (the goal: within 20%).
+r_i: what node i's disk device read during the run (/sys/block: every read its tasks made,
+metadata and readahead included), w_i: the bytes of the output files on its disk (the
+throttled writes: the ranks write their files themselves on the `sync` mount, while ext4's
+journal, written by the kernel's jbd2 thread outside the node's cgroup, is not throttled; the
+device's written bytes are in the runs' JSON too), mpi_i: the bytes its ranks received over MPI
+(--stats); all measured by the run, not estimated. R and W: the node disk's read and write
+rates as node_scaling's dd probe measured them on n1 (not fitted): the throttle gives reads
+and writes a budget each, so the busier of the two sets the pace, and the other adds only
+where it cannot overlap; beta (fitted) is the share that does not, for one rank (a rank's
+copier overlaps one read with one write; several ranks keep both budgets busy). B: the
+network per node; not calibrated, as these in-place merges send no bulk bytes over MPI and the
+bridge between the emulated nodes is memory. q: the CPU seconds each rank spends inside beyond
+the copy (planning, reading the sources' metadata, collectives), fitted; each node's ranks
+share its C cores (--node-cpus: every emulated node has C cores of its own). The srun wall time
+adds the start-up, s0 + s * ranks_per_node / C (Python and torch imports, MPI initialisation:
+CPU on the node's own cores; s fitted in CPU seconds per rank). srun's own cost per node is not
+modelled: on this host every node's daemons share 2 cores, which says nothing of a real
+cluster's launch tree. Least squares: t0, beta, q on the 12 runs' `seconds`; s0, s on their
+`wall - seconds`. Validation: each run's modelled time against its measured one (the goal:
+within 20%).
 
 The 70B table: a ZeRO-3 checkpoint of 70e9 parameters at 12 B/parameter (fp32 master weights
 and two Adam moments: the 11.97 B/parameter of bench/merge_bench.py's inputs) = 840 GB per save,
-parity merge of 2 saves and recover of the newest, with each node's bytes scaled from the runs'
-measured bytes per byte of a save (read and written per node = that ratio x 840 GB / N), stated
-NVMe and network figures per node, a per-rank copy throughput (--rank-gbps, the warm CPU-bound
-merge rate measured by bench/merge_bench.py) as a floor, and start-up on nodes of --cores cores
-(the per-rank terms, paid here on 2 cores shared by all ranks, scaled to a node's ranks on
-its own cores; the per-node terms as measured). Against: zero_to_fp32's published 70B figure
-(DeepSpeed PR #6658: 159 GB peak memory, 20 min 45 s, one process; it consolidates fp32 weights,
-a smaller output than a full ZeRO-3 checkpoint) and LLMTailor's re-read cost (it loads each
-source checkpoint whole on one node and writes the merge: 2 x 840 GB read + 840 GB written at
-one node's NVMe speed; our arithmetic, not their measurement). Writes
-bench/results/scale_model.json and bench/results/scale_model.png (time vs nodes, measured and
-modelled).
+parity merge of 2 saves and recover of the newest, with each node's device bytes scaled from
+the runs' measured device bytes per byte of a save (read and written per node = that ratio x
+840 GB / N; the bench's small layers make that ratio pessimistic), stated NVMe and network
+figures per node, and the per-rank CPU terms on nodes of --cores cores (a rank a core, up to
+--cores ranks). Against: zero_to_fp32's published 70B figure (DeepSpeed PR #6658: 159 GB peak
+memory, 20 min 45 s, one process; it consolidates fp32 weights, a smaller output than a full
+ZeRO-3 checkpoint) and LLMTailor's re-read cost (it loads each source checkpoint whole on one
+node and writes the merge: 2 x 840 GB read + 840 GB written at one node's NVMe speed; our
+arithmetic, not their measurement). Writes bench/results/scale_model.json and
+bench/results/scale_model.png (time vs nodes, measured and modelled).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,32 +66,41 @@ def lstsq(columns: list[list[float]], ys: list[float]) -> list[float]:
     return list(np.linalg.lstsq(np.array(columns).T, np.array(ys), rcond=None)[0])
 
 
-def disk_bytes(row: dict) -> float:
-    """The busiest node's bytes through its disk (read + written): read and write share one
-    throttled figure here, so the disk term is max_i (read_i + written_i) / D."""
-    return max(r + w for r, w in zip(row["node_bytes_read"], row["node_bytes_written"]))
+def disk_terms(read: float, written: float, read_bps: float, write_bps: float
+               ) -> tuple[float, float]:
+    """(the busier budget's seconds, the other's)."""
+    a, b = read / read_bps, written / write_bps
+    return max(a, b), min(a, b)
 
 
-def calibrate(rows: list[dict]) -> dict:
-    """t0, one disk bandwidth per case, c_ranks, c_rpn (inside); s0, s1, s2 (start-up)."""
-    cases = sorted({r["case"] for r in rows})
+def busiest(row: dict, m: dict) -> tuple[float, float]:
+    """The disk terms of the node whose disk is busiest."""
+    return max(disk_terms(r, w, m["disk_read_MBps"] * 1e6, m["disk_write_MBps"] * 1e6)
+               for r, w in zip(row["node_device_read"], row["node_bytes_written"]))
+
+
+def calibrate(runs: dict) -> dict:
+    """t0, beta, q (inside); s0, s (start-up); R and W are the probe's."""
+    rows, probe, cpus = runs["rows"], runs["disk_probe"], runs["node_cpus"]
+    m = {"disk_read_MBps": probe["read_MBps"], "disk_write_MBps": probe["write_MBps"],
+         "node_cpus": cpus}
     ones = [1.0] * len(rows)
-    disk = [[disk_bytes(r) if r["case"] == c else 0.0 for r in rows] for c in cases]
-    ranks = [float(r["ranks"]) for r in rows]
-    rpn = [float(r["ranks_per_node"]) for r in rows]
-    t0, *inv_d, c_ranks, c_rpn = lstsq([ones, *disk, ranks, rpn], [r["seconds"] for r in rows])
-    s0, s1, s2 = lstsq([ones, ranks, rpn], [r["wall"] - r["seconds"] for r in rows])
-    return {"t0_s": t0, "disk_MBps": {c: 1e-6 / v for c, v in zip(cases, inv_d)},
-            "cpu_s_per_rank": c_ranks, "cpu_s_per_rank_per_node": c_rpn, "startup_s0": s0,
-            "startup_s_per_rank": s1, "startup_s_per_rank_per_node": s2}
+    disks = [busiest(r, m) for r in rows]
+    alone = [lo / r["ranks_per_node"] for r, (_, lo) in zip(rows, disks)]
+    per_core = [r["ranks_per_node"] / cpus for r in rows]
+    t0, beta, q = lstsq([ones, alone, per_core],
+                        [r["seconds"] - hi for r, (hi, _) in zip(rows, disks)])
+    s0, s = lstsq([ones, per_core], [r["wall"] - r["seconds"] for r in rows])
+    return {**m, "t0_s": t0, "disk_serial_beta": beta, "cpu_s_per_rank": q, "startup_s0": s0,
+            "startup_cpu_s_per_rank": s}
 
 
 def modelled(row: dict, m: dict) -> tuple[float, float]:
-    inside = (m["t0_s"] + disk_bytes(row) / (m["disk_MBps"][row["case"]] * 1e6)
-              + m["cpu_s_per_rank"] * row["ranks"]
-              + m["cpu_s_per_rank_per_node"] * row["ranks_per_node"])
-    startup = (m["startup_s0"] + m["startup_s_per_rank"] * row["ranks"]
-               + m["startup_s_per_rank_per_node"] * row["ranks_per_node"])
+    per_core = row["ranks_per_node"] / m["node_cpus"]
+    hi, lo = busiest(row, m)
+    inside = (m["t0_s"] + hi + m["disk_serial_beta"] * lo / row["ranks_per_node"]
+              + m["cpu_s_per_rank"] * per_core)
+    startup = m["startup_s0"] + m["startup_cpu_s_per_rank"] * per_core
     return inside, inside + startup
 
 
@@ -103,35 +116,33 @@ def validate(rows: list[dict], m: dict) -> list[dict]:
 
 
 def ratios(rows: list[dict], save_bytes: float) -> dict:
-    """Per case: bytes read and written over all nodes per byte of one save, from the runs."""
+    """Per case: device bytes read and file bytes written over all nodes per byte of one
+    save, and MPI bytes, from the runs (the largest of the case's runs)."""
     out = {}
     for case in sorted({r["case"] for r in rows}):
         mine = [r for r in rows if r["case"] == case]
-        out[case] = {"read": max(sum(r["node_bytes_read"]) for r in mine) / save_bytes,
+        out[case] = {"read": max(sum(r["node_device_read"]) for r in mine) / save_bytes,
                      "written": max(sum(r["node_bytes_written"]) for r in mine) / save_bytes,
                      "mpi": max(r["bytes_mpi_sent"] for r in mine) / save_bytes}
     return out
 
 
 def table_70b(m: dict, per_byte: dict, a: argparse.Namespace) -> list[dict]:
-    # The per-rank terms were paid on 2 cores shared by every rank of every node: on nodes
-    # of their own, a node's ranks share its `cores` cores instead.
-    share = 2 * math.ceil(a.ranks_per_node / a.cores)
-    startup = (m["startup_s0"] + m["startup_s_per_rank"] * share
-               + m["startup_s_per_rank_per_node"] * a.ranks_per_node)
-    cpu_ranks = (m["cpu_s_per_rank"] * share
-                 + m["cpu_s_per_rank_per_node"] * a.ranks_per_node)
+    # A rank a core (the per-rank CPU terms were paid on node_cpus cores per node here).
+    per_core = max(1.0, a.ranks_per_node / a.cores)
     rows = []
     for case, k in per_byte.items():
         for n in NODES_70B:
             read, written = k["read"] * SAVE_70B / n, k["written"] * SAVE_70B / n
-            disk = read / (a.nvme_read * 1e9) + written / (a.nvme_write * 1e9)
-            cpu = (read + written) / 2 / (a.ranks_per_node * a.rank_gbps * 1e9)
+            hi, lo = disk_terms(read, written, a.nvme_read * 1e9, a.nvme_write * 1e9)
+            disk = hi + m["disk_serial_beta"] * lo / a.ranks_per_node
             net = k["mpi"] * SAVE_70B / n / (a.net * 1e9)
-            inside = max(m["t0_s"], 0) + max(disk, cpu) + net + cpu_ranks
+            cpu = m["cpu_s_per_rank"] * per_core
+            startup = m["startup_s0"] + m["startup_cpu_s_per_rank"] * per_core
+            inside = max(m["t0_s"], 0) + disk + net + cpu
             rows.append({"case": case, "nodes": n, "ranks": n * a.ranks_per_node,
                          "gb_read_per_node": read / 1e9, "gb_written_per_node": written / 1e9,
-                         "disk_s": disk, "cpu_floor_s": cpu, "net_s": net,
+                         "disk_s": disk, "cpu_s": cpu, "net_s": net,
                          "startup_s": startup, "total_s": inside + startup})
     return rows
 
@@ -163,7 +174,7 @@ def plot(val: list[dict], table: list[dict], refs: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     merge = [t for t in table if t["case"] == "merge"]
     big.plot([t["nodes"] for t in merge], [t["total_s"] for t in merge], "o--",
-             label="mpitailor merge, modelled (start-up included)")
+             label="mpitailor merge, modelled\n(start-up: the ranks' imports; launch not modelled)")
     for (label, secs), style in zip(refs.items(), (":", "-.")):
         big.axhline(secs, linestyle=style, color="grey")
         big.text(8, secs * 1.08, label, fontsize=8)
@@ -187,8 +198,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--nvme-write", type=float, default=3.0, help="GB/s per node")
     ap.add_argument("--net", type=float, default=25.0, help="GB/s per node (200 Gb/s)")
     ap.add_argument("--cores", type=int, default=64, help="CPU cores per node")
-    ap.add_argument("--rank-gbps", type=float, default=0.4,
-                    help="GB/s one rank copies, CPU-bound (bench/merge_bench.py, warm)")
     return ap.parse_args()
 
 
@@ -197,14 +206,14 @@ def main() -> None:
     runs = json.loads(Path(a.runs).read_text())
     rows = runs["rows"]
     save_bytes = runs["input_bytes"] / 2  # two saves of the same size
-    m = calibrate(rows)
+    m = calibrate(runs)
     val = validate(rows, m)
-    disks = ", ".join(f"{c} {v:.1f}" for c, v in m["disk_MBps"].items())
     print(f"calibrated on {len(rows)} runs of {a.runs}: t0 {m['t0_s']:.2f} s; disk per node "
-          f"(MB/s, throttle {runs['disk_mbps']}): {disks}; CPU {m['cpu_s_per_rank']:.3f} s x "
-          f"ranks + {m['cpu_s_per_rank_per_node']:.3f} s x ranks/node; start-up "
-          f"{m['startup_s0']:.2f} s + {m['startup_s_per_rank']:.3f} s x ranks + "
-          f"{m['startup_s_per_rank_per_node']:.3f} s x ranks/node")
+          f"(probe, throttle {runs['disk_mbps']} MB/s) read {m['disk_read_MBps']:.1f}, write "
+          f"{m['disk_write_MBps']:.1f} MB/s, not overlapped (1 rank) beta "
+          f"{m['disk_serial_beta']:.2f}; CPU {m['cpu_s_per_rank']:.3f} s a rank on "
+          f"{m['node_cpus']:g} cores a node; start-up {m['startup_s0']:.2f} s + "
+          f"{m['startup_cpu_s_per_rank']:.3f} CPU s a rank")
     print(f"{'case':<8}{'N':>2}{'R/N':>4}{'s':>8}{'model':>8}{'err':>7}{'wall':>8}{'model':>8}"
           f"{'err':>7}")
     for v in val:
@@ -220,12 +229,14 @@ def main() -> None:
     per_byte = ratios(rows, save_bytes)
     table = table_70b(m, per_byte, a)
     print(f"\n70B ZeRO-3 ({SAVE_70B / 1e9:.0f} GB per save), {a.ranks_per_node} ranks/node, NVMe "
-          f"{a.nvme_read}/{a.nvme_write} GB/s read/write, network {a.net} GB/s per node:")
+          f"{a.nvme_read}/{a.nvme_write} GB/s read/write, network {a.net} GB/s per node "
+          f"(start s: each rank's imports on a core of its own; srun's launch and MPI wire-up "
+          f"across the nodes not modelled):")
     print(f"{'case':<8}{'nodes':>6}{'GB r/node':>10}{'GB w/node':>10}{'disk s':>8}{'cpu s':>7}"
           f"{'net s':>7}{'start s':>8}{'total s':>8}")
     for t in table:
         print(f"{t['case']:<8}{t['nodes']:>6}{t['gb_read_per_node']:>10.1f}"
-              f"{t['gb_written_per_node']:>10.1f}{t['disk_s']:>8.1f}{t['cpu_floor_s']:>7.1f}"
+              f"{t['gb_written_per_node']:>10.1f}{t['disk_s']:>8.1f}{t['cpu_s']:>7.1f}"
               f"{t['net_s']:>7.1f}{t['startup_s']:>8.1f}{t['total_s']:>8.1f}")
     lt = llmtailor_s(a)
     print(f"zero_to_fp32, published (one process, fp32 weights only): "
