@@ -114,10 +114,12 @@ class Comm:
         beside other work, emulated nodes on one host), the ranks that finished their part
         first took the CPU from those still copying; with 16 ranks on half a core a merge
         spent more CPU waiting than copying (bench/node_scaling.py). The cost where each
-        rank has a core: a non-blocking barrier and up to 2 ms per collective."""
-        if self.size == 1:
+        rank has a core: a non-blocking barrier and up to 2 ms per collective. A world
+        without a non-blocking barrier (training's torch.distributed one) waits in its call."""
+        ibarrier = getattr(self._comm, "Ibarrier", None)
+        if self.size == 1 or ibarrier is None:
             return
-        request, pause = self._comm.Ibarrier(), _POLL_FIRST_S
+        request, pause = ibarrier(), _POLL_FIRST_S
         while not request.Test():
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)
