@@ -25,7 +25,7 @@ fixtures: install
 	$(BIN)/python tests/ckpt_fixtures.py
 
 test: fixtures
-	timeout 2400 $(PYTEST) -n 2 tests
+	timeout 2400 $(PYTEST) -n 2 tests --durations=15
 	timeout 900 $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m mpi tests
 	timeout 900 $(MPIEXEC) -n 3 $(PYTEST) --with-mpi -m mpi tests
 	$(MAKE) test-slurm
@@ -37,7 +37,7 @@ test: fixtures
 test-slurm: install
 	rc=0; bash slurm/start-cluster.sh >/dev/null || rc=$$?; \
 	if [ $$rc -eq 0 ] || [ $$rc -eq 3 ]; then \
-		rc=0; MPITAILOR_SLURM_TESTS=1 timeout 900 $(PYTEST) tests/test_slurm.py || rc=$$?; \
+		rc=0; MPITAILOR_SLURM_TESTS=1 timeout 900 $(PYTEST) tests/test_slurm.py --durations=5 || rc=$$?; \
 	fi; \
 	bash slurm/stop-cluster.sh; exit $$rc
 
@@ -48,7 +48,7 @@ test-slurm: install
 test-cluster: install
 	rc=0; bash slurm/start-cluster.sh --nodes 3 >/dev/null || rc=$$?; \
 	if [ $$rc -eq 0 ] || [ $$rc -eq 3 ]; then \
-		rc=0; MPITAILOR_CLUSTER_TESTS=1 timeout 600 $(PYTEST) tests/test_cluster.py || rc=$$?; \
+		rc=0; MPITAILOR_CLUSTER_TESTS=1 timeout 600 $(PYTEST) tests/test_cluster.py --durations=10 || rc=$$?; \
 	fi; \
 	bash slurm/stop-cluster.sh --nodes 3; exit $$rc
 
