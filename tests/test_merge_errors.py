@@ -121,6 +121,10 @@ def test_each_rank_reads_little_more_than_it_writes(ckpt, tmp_path):
     ranks = json.loads(stats.read_text())["ranks"]
     assert [s["partitions"] for s in ranks] == [[0], [1]]
     assert [s["node"] for s in ranks] == [socket.gethostname()] * 2
+    # every byte of the partition files counted once, by the rank that wrote it
+    tag = next((tmp_path / "merged").glob("global_step*"))
+    assert sum(s["bytes_written"] for s in ranks) == \
+        sum(f.stat().st_size for f in tag.glob("*_states.pt"))
     for s in ranks:
         assert s["bytes_written"] > 0
         assert s["read_calls_bytes"] < 1.2 * s["bytes_written"], s

@@ -124,10 +124,13 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
             joined.setdefault(b, []).extend(pieces)
     records = comm.step(_finish, laid, bufs, joined, tag_dir)
     t_finish = lap()
+    # the files this rank is home for, less their flat buffers (the copiers' `written`)
+    flat = {lay.name: sum(bufs[b].nbytes for b in lay.flat_records) for lay in laid.values()}
+    own = sum(r["bytes"] - flat.get(name, 0) for name, r in records.items())
     stats = {"seconds": {"lay_out": t_lay_out, "copy": t_copy, "finish": t_finish},
              "partitions": sorted({b.unit for t in work[comm.rank]
                                    if program.is_partition(b := bufs[t.buffer])}),
-             "homes": mine, "bytes_written": written + sum(r["bytes"] for r in records.values()),
+             "homes": mine, "bytes_written": written + own,
              "bytes_copied_unchanged": unchanged,
              # what crossed a node boundary, and what this rank read from its node's files
              "bytes_mpi_sent": moved.bytes_sent, "bytes_mpi_received": moved.bytes_received,
