@@ -2,6 +2,7 @@
 
     python -m bench.scale_model [--runs bench/results/node_scaling.json] [--ranks-per-node 8]
         [--nvme-read 6.0] [--nvme-write 3.0] [--net 25] [--cores 64]
+        [--check bench/results/node_scaling_2mbps.json ...]
 
 The time of a run inside mpitailor (--stats `seconds`) is
 
@@ -27,7 +28,8 @@ CPU on the node's own cores; s fitted in CPU seconds per rank). srun's own cost 
 modelled: on this host every node's daemons share 2 cores, which says nothing of a real
 cluster's launch tree. Least squares: t0, beta, q on the 12 runs' `seconds`; s0, s on their
 `wall - seconds`. Validation: each run's modelled time against its measured one (the goal:
-within 20%).
+within 20%); --check: runs it was not calibrated on (another throttle: that file's probe rates,
+the calibrated beta, q and start-up), predicted.
 
 The 70B table: a ZeRO-3 checkpoint of 70e9 parameters at 12 B/parameter (fp32 master weights
 and two Adam moments: the 11.97 B/parameter of bench/merge_bench.py's inputs) = 840 GB per save,
@@ -198,6 +200,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--nvme-write", type=float, default=3.0, help="GB/s per node")
     ap.add_argument("--net", type=float, default=25.0, help="GB/s per node (200 Gb/s)")
     ap.add_argument("--cores", type=int, default=64, help="CPU cores per node")
+    ap.add_argument("--check", nargs="*", default=[],
+                    help="node_scaling JSONs to predict with the calibration (not fitted on)")
     return ap.parse_args()
 
 
@@ -226,6 +230,17 @@ def main() -> None:
                f"(goal within {GOAL:.0%}: {'met' if worst <= GOAL else 'NOT met'} inside, "
                f"{'met' if worst_wall <= GOAL else 'NOT met'} wall)")
     print(verdict)
+    checks = []
+    for path in a.check:
+        other = json.loads(Path(path).read_text())
+        rates = {"disk_read_MBps": other["disk_probe"]["read_MBps"],
+                 "disk_write_MBps": other["disk_probe"]["write_MBps"]}
+        for v in validate(other["rows"], {**m, **rates}):
+            checks.append({**v, "runs": path})
+            print(f"predicted {v['case']} {v['nodes']}x{v['ranks_per_node']} at "
+                  f"{other['disk_mbps']} MB/s: {v['model_seconds']:.2f} s vs {v['seconds']:.2f} s "
+                  f"measured ({v['err_seconds']:+.0%}), wall {v['model_wall']:.2f} vs "
+                  f"{v['wall']:.2f} ({v['err_wall']:+.0%})")
     per_byte = ratios(rows, save_bytes)
     table = table_70b(m, per_byte, a)
     print(f"\n70B ZeRO-3 ({SAVE_70B / 1e9:.0f} GB per save), {a.ranks_per_node} ranks/node, NVMe "
@@ -248,8 +263,10 @@ def main() -> None:
          RESULTS / "scale_model.png")
     (RESULTS / "scale_model.json").write_text(json.dumps({
         "command": "python -m bench.scale_model " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "runs"),
+            f"--{k.replace('_', '-')} {v if k != 'check' else ' '.join(v)}"
+            for k, v in vars(a).items() if k != "runs"),
         "runs": a.runs, "calibration": m, "validation": val, "verdict": verdict,
+        "predicted": checks,
         "bytes_per_save_byte": per_byte, "table_70b": table,
         "zero_to_fp32_70b_published_s": ZERO_TO_FP32_70B_S, "llmtailor_reread_s": lt},
         indent=2))
