@@ -12,7 +12,6 @@ import torch
 
 from mpitailor.engine import storage
 from mpitailor.engine.storage import (
-    RangeReader,
     fsync_close,
     kernel_copy,
     pread_into,
@@ -46,10 +45,9 @@ class Copier:
     def copy(self, src: int, off: int, n: int, dst: int, dst_off: int, crc: int,
              path: str) -> int:
         """Copy n bytes; return the CRC-32 continued over them."""
-        done, ranged = 0, RangeReader(src, off, n)
+        done = 0
         while done < n:
             view = self._free_buffer()
-            ranged.before_read(off + done)
             got = pread_into(src, view[:min(self.chunk, n - done)], off + done, path, n - done)
             crc = crc32(view[:got], crc)
             self._write(dst, view[:got], dst_off + done)

@@ -23,7 +23,6 @@ CHUNK = 512 << 10  # bytes per read/write, the copy engine's whole buffer: small
 # chunks made a 1-rank merge 1.5-3x slower on the development machine: three passes
 # through RAM). Read as storage.CHUNK when a Copier is made, so a test can shrink it.
 KERNEL_CHUNK = 64 << 20  # bytes per copy_file_range call: large, yet writeback starts early
-PREFETCH = 8 << 20  # bytes of a range asked of the disk ahead of the reads (see RangeReader)
 _NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
@@ -39,30 +38,6 @@ def pread_into(fd: int, view: memoryview, offset: int, path: str, left: int) -> 
         raise CheckpointError(f"{path}: ends {left} bytes early at offset {offset}; the file "
                               f"is truncated")
     return got
-
-
-class RangeReader:
-    """Reads of one byte range [off, off + n) of a source, in order: the kernel is told to
-    fetch exactly that range, PREFETCH bytes ahead of the reads, and nothing past its end.
-
-    Why: a merge reads a source in ranges with gaps between them (a parity merge takes every
-    other layer of each source). The kernel's own readahead runs up to read_ahead_kb (8 MiB
-    on the development machine's disk) past each range into bytes no one reads: a cold
-    parity merge of the bench's 4-layer Llama read 1.9x what it copied from the disk. Random
-    access (POSIX_FADV_RANDOM) stops that; POSIX_FADV_WILLNEED of the range's next bytes
-    keeps the disk busy while the copier checksums and writes (the readahead did that)."""
-
-    def __init__(self, fd: int, off: int, n: int) -> None:
-        self.fd, self.end, self.ahead = fd, off + n, off
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-
-    def before_read(self, offset: int) -> None:
-        """About to read at offset: keep PREFETCH bytes of the range asked for ahead of it
-        (asked in halves, so that a read never waits for a whole window)."""
-        if self.ahead - offset < PREFETCH // 2 and self.ahead < self.end:
-            start = max(self.ahead, offset)
-            self.ahead = min(self.end, offset + PREFETCH)
-            os.posix_fadvise(self.fd, start, self.ahead - start, os.POSIX_FADV_WILLNEED)
 
 
 def pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
@@ -95,7 +70,6 @@ def kernel_copy(src: int, off: int, n: int, dst: int, dst_off: int, path: str) -
     """Copy n bytes inside the kernel (copy_file_range: no pass through this process, a
     reflink where the file system shares extents); return how many it copied, fewer than n
     only where the file systems cannot (the caller copies the rest through its buffers)."""
-    os.posix_fadvise(src, 0, 0, os.POSIX_FADV_NORMAL)  # a RangeReader may have set RANDOM
     done = 0
     while done < n:
         try:
