@@ -52,6 +52,25 @@ def test_every_failed_rank_is_reported_not_only_the_first():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_an_error_every_rank_had_alike_is_said_once_for_all():
+    """Every rank failed with one message: no list of every rank in it, and it says it is
+    raised on a world of this size (the CLI's rank 0 then prints it alone)."""
+    comm = Comm.world()
+    with pytest.raises(UserError) as caught:
+        comm.step(lambda: (_ for _ in ()).throw(UserError("recipe.yml: unknown key")))
+    assert str(caught.value) == "recipe.yml: unknown key"
+    assert caught.value.raised_on == comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_failed_ranks_learn_whether_they_failed_alike():
+    comm = Comm.world()
+    assert comm.same_everywhere("mpitailor: error: x", 60) is True
+    assert comm.same_everywhere(f"mpitailor: error: rank {comm.rank}", 60) is False
+    comm.barrier()  # the world's collectives go on after it, undisturbed
+
+
+@pytest.mark.mpi(min_size=2)
 def test_root_step_broadcasts_result_or_error():
     comm = Comm.world()
     assert comm.root_step(lambda: {"plan": comm.rank}) == {"plan": 0}

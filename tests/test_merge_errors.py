@@ -1,5 +1,6 @@
-"""Bad input to the real CLI under mpiexec: a clear error on every rank, a non-zero exit, no
-hang, nothing published, sources byte-identical."""
+"""Bad input to the real CLI under mpiexec: one clear error line for the job (every rank
+failed alike: rank 0 says it once, unprefixed), a non-zero exit, no hang, nothing published,
+sources byte-identical."""
 from __future__ import annotations
 
 import pytest
@@ -7,11 +8,21 @@ from conftest import tree_digest
 from merging import RECIPES, run_cli
 
 
-def expect_clean_failure(r, out, *, sources, before, message: str, ranks: int = 2):
-    assert r.returncode == 2, r.stderr
-    errors = [line for line in r.stderr.splitlines() if "mpitailor: error:" in line]
-    assert len(errors) == ranks, r.stderr          # every rank says it, once
-    assert all(message in e for e in errors), errors
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "mpitailor: error:" in line]
+
+
+def expect_one_error(r, message: str, code: int = 2) -> str:
+    """Every rank failed alike: the job says so in one line, rank 0's, with no rank prefix."""
+    assert r.returncode == code, r.stderr
+    errors = error_lines(r.stderr)
+    assert len(errors) == 1 and errors[0].startswith("mpitailor: error: "), r.stderr
+    assert message in errors[0], errors
+    return errors[0]
+
+
+def expect_clean_failure(r, out, *, sources, before, message: str):
+    expect_one_error(r, message)
     assert not out.exists()
     assert not list(out.parent.glob(f".{out.name}*")), "staging or lock left behind"
     for root, digest in zip(sources, before):
@@ -62,6 +73,7 @@ def test_damaged_rank_file_only_rank_1_reads(two_runs, tmp_path, damage):
     r = run_cli([str(RECIPES / "parity.yml")],
                 env(w2 / "global_step10", w2 / "global_step5", out), ranks=2)
     expect_clean_failure(r, out, sources=[w2], before=before, message=message)
+    assert "(on rank 1)" in r.stderr, r.stderr  # the one line names the rank that saw it
 
 
 RECIPE_ERRORS = {

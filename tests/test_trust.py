@@ -96,7 +96,7 @@ def test_safe_globals_builds_named_classes_and_refuses_unknown_ones(ckpt, tmp_pa
     assert unsafe_globals(merged) == CLIENT_GLOBALS
     r = run_cli(["recover", str(root), "-o", str(tmp_path / "x"), "--safe-globals",
                  "argparse.NoSuchClass"], {}, ranks=2)
-    assert r.returncode == 2 and r.stderr.count("cannot import it") == 2, r.stderr
+    assert r.returncode == 2 and r.stderr.count("cannot import it") == 1, r.stderr  # once
 
 
 def truncate(path) -> None:
@@ -173,7 +173,7 @@ def test_corrupted_partial_save_is_refused_by_a_merge(tmp_path):
                       "output: ${OUT}\n")
     r = run_cli([str(recipe)], env, ranks=2)
     assert r.returncode == 2 and "fails the CRC-32" in r.stderr, r.stderr
-    assert r.stderr.count("mpitailor: error:") == 2 and not out.exists()
+    assert r.stderr.count("mpitailor: error:") == 1 and not out.exists()
     assert tree_digest(root) == before
 
 
@@ -193,7 +193,7 @@ def test_model_parallel_layouts_are_refused(ckpt_copy, tmp_path, how):
     assert r.returncode == 2 and "tensor/pipeline-parallel" in r.stderr, r.stderr
     r = run_cli([str(RECIPES / "parity.yml")], {"NEW": str(tag), "OLD": str(
         root / "global_step5"), "OUT": str(out)}, ranks=2)
-    assert r.returncode == 2 and r.stderr.count("tensor/pipeline-parallel") == 2, r.stderr
+    assert r.returncode == 2 and r.stderr.count("tensor/pipeline-parallel") == 1, r.stderr
 
 
 def test_bin_weights_and_foreign_files_of_the_base_are_left_out(ckpt_copy, tmp_path):

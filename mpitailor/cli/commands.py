@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
@@ -19,7 +20,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
-    from mpitailor.jobs.recover import plan_recover, recover_recipe
+    from mpitailor.jobs.merge import plan_recipe
+    from mpitailor.jobs.recover import recover_chain, recover_recipe, recovered
 
     comm = args.comm
     save_dir = Path(args.save_dir).resolve()
@@ -42,8 +44,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
         return 0
     if out is None:  # a dry run needs no output: plan for a default one
         out = save_dir.parent / f"{save_dir.name}-recovered"
-    return run_planned(comm, *plan_recover(comm, save_dir, out, patterns, args.world_size,
-                                           "--layer-pattern"), args)
+    recipe, chain = recover_chain(comm, save_dir, out, patterns, "--layer-pattern",
+                                  args.world_size)
+    recipe, plan = plan_recipe(comm, recipe)
+    return run_planned(comm, recipe, plan, args, lambda: recovered(plan, chain))
 
 
 
@@ -54,8 +58,10 @@ def merge_options(args: argparse.Namespace):
                         args.verify, not args.no_progress, getattr(args, "ranks_per_node", None))
 
 
-def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace) -> int:
-    """Collective: dry-run report or merge + summary, as the command line says."""
+def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace,
+                more: Callable[[], str] | None = None) -> int:
+    """Collective: dry-run report or merge + summary, as the command line says; `more`,
+    a second line of summary (rank 0)."""
     from mpitailor.engine.universal import plan_limits
     from mpitailor.jobs.merge import run_merge
     from mpitailor.planning.plan_report import format_plan
@@ -84,6 +90,8 @@ def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace) -> int:
               f"source(s) into {result.output}: {gb:.3f} GB written by {result.ranks} rank(s) "
               f"in {result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s)",
               flush=True)
+        if more is not None:
+            print(f"mpitailor: {more()}", flush=True)
     return 0
 
 

@@ -1,7 +1,8 @@
-"""Logging setup: one owner, a rank prefix, INFO from rank 0 only."""
+"""Logging setup: one owner, a rank prefix, INFO from rank 0 only; and the error line."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -17,3 +18,32 @@ def setup_logging(rank: int, size: int, verbosity: int = 0) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+
+
+# How long a failed rank waits for the others to fail too before it speaks for itself alone.
+AGREE_S = 5.0
+
+
+def report_error(error: Exception, comm, verbosity: int) -> bool:
+    """Write `mpitailor: error: ...` once for the job: by rank 0 alone, unprefixed, when every
+    rank failed with the same message (an error of a guarded collective, which every rank
+    raises alike, or the same bad input found by every rank); else by each rank, with its
+    `[rank r]` prefix. Returns False when this rank failed alone (the others did not come
+    within AGREE_S: they are busy or stuck elsewhere), after writing its line: the caller
+    must end the process at once, as MPI_Finalize would wait for them forever."""
+    size = comm.size if comm is not None else 1
+    text = f"mpitailor: error: {error}"
+    if size == 1 or getattr(error, "raised_on", None) == size:
+        same, alone = True, False  # known without asking: no wait on a cleanup elsewhere
+    else:
+        same = comm.same_everywhere(f"{error.exit_code} {text}", AGREE_S)
+        alone = same is None
+    if verbosity > 0:
+        logging.getLogger(__name__).exception("failed")
+    if same and comm is not None and comm.rank != 0:
+        return True  # rank 0 says it for every rank
+    prefix = "" if same else f"[rank {comm.rank}] "
+    # One write per line: lines of several ranks interleave under a launcher otherwise.
+    sys.stderr.flush()
+    os.write(2, f"{prefix}{text}\n".encode())
+    return not alone

@@ -22,6 +22,8 @@ T = TypeVar("T")
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 # A rank waiting for the others at a collective sleeps between polls, from 50 us up to 2 ms.
 _POLL_FIRST_S, _POLL_MAX_S = 50e-6, 2e-3
+# The communicator of `same_everywhere` (see there), one per process.
+_ERRORS_COMM = None
 
 
 class Comm:
@@ -31,16 +33,22 @@ class Comm:
         self._comm = mpi_comm
         self.rank = mpi_comm.Get_rank() if mpi_comm is not None else 0
         self.size = mpi_comm.Get_size() if mpi_comm is not None else 1
+        self._errors = None  # set by world(): the communicator of same_everywhere
 
     @classmethod
     def world(cls) -> "Comm":
-        """COMM_WORLD (initialising MPI), checked against what the launcher said."""
+        """Collective: COMM_WORLD (initialising MPI), checked against what the launcher
+        said."""
+        global _ERRORS_COMM
         try:
             from mpi4py import MPI
         except ImportError:
             comm = cls(None)
         else:
             comm = cls(MPI.COMM_WORLD)
+            if _ERRORS_COMM is None and comm.size > 1:
+                _ERRORS_COMM = MPI.COMM_WORLD.Dup()
+            comm._errors = _ERRORS_COMM
         check_not_singleton(comm.size, os.environ)
         return comm
 
@@ -124,6 +132,34 @@ class Comm:
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)
 
+    def same_everywhere(self, text: str, timeout_s: float) -> bool | None:
+        """Bounded, call on every rank that failed: did every rank fail with this same text?
+        None when not every rank came within timeout_s (one rank's own failure, the others
+        busy or waiting elsewhere): then nothing is known and nothing is left to wait for.
+        Ranks that arrive late may still learn the answer; a rank that gave up never
+        waits again. It runs on a communicator of its own, so it never meets a collective
+        that another rank is still in (MPI matches collectives by their order)."""
+        if self._errors is None or self.size == 1:
+            return True if self.size == 1 else None
+        import hashlib
+
+        from mpi4py import MPI
+        mine = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        every = bytearray(8 * self.size)
+        try:
+            request = self._errors.Iallgather([mine, MPI.BYTE], [every, MPI.BYTE])
+            deadline, pause = time.monotonic() + timeout_s, _POLL_FIRST_S
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    return None  # the request stays posted: the process ends without it
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+        except Exception as e:  # noqa: BLE001 - MPI broken: say nothing is known
+            if not _is_mpi_error(e):
+                raise
+            return None
+        return all(every[i:i + 8] == mine for i in range(0, len(every), 8))
+
     def abort(self, code: int) -> None:
         """Kill every rank: for errors outside a guarded step, where peers could hang."""
         if self._comm is not None and self.size > 1:
@@ -178,7 +214,8 @@ def _describe(e: Exception) -> tuple[str, str, int]:
 def _raise_all(failures: list) -> None:
     """Raise, on this rank, the error of every failed rank (as DCP's `_DistWrapper` keeps
     every rank's failure): ranks that failed alike share one clause, the first failed rank's
-    kind of error sets the exit code, and `.failures` keeps {rank: message}."""
+    kind of error sets the exit code, `.failures` keeps {rank: message}, and `.raised_on`
+    the size of the world whose every rank raises it."""
     failed = [(r, f) for r, f in enumerate(failures) if f is not None]
     if not failed:
         return
@@ -187,12 +224,16 @@ def _raise_all(failures: list) -> None:
     for rank, (_, message, _) in failed:
         alike.setdefault(message, []).append(rank)
     if len(failures) > 1:
-        message = "; ".join(f"{m} (on rank {','.join(map(str, ranks))})"
+        # which ranks failed, unless every rank failed alike (a list of every rank says no
+        # more than "every rank", and grows with the job)
+        message = "; ".join(m if len(ranks) == len(failures) else
+                            f"{m} (on rank {','.join(map(str, ranks))})"
                             for m, ranks in alike.items())
     else:
         message = failed[0][1][1]
     error = _BY_EXIT_CODE.get(code, MergeFailed)(message)
     error.failures = {rank: f[1] for rank, f in failed}
+    error.raised_on = len(failures)  # every rank of a world this size raises this same error
     raise error
 
 

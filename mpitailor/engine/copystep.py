@@ -15,6 +15,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.exchange import Exchanged, Request, exchange
 from mpitailor.cluster.nodes import Placement, shard_paths
 from mpitailor.engine.copyio import Copier, copy_unchanged, sync_close
+from mpitailor.engine.progress import Progress
 from mpitailor.engine.storage import CrcWriter, pread_exact
 from mpitailor.formats.crc import crc32_combine, crc32_zeros
 from mpitailor.formats.files import optim_file
@@ -145,16 +146,14 @@ class Copy:
             self.outs[name] = os.open(self.tag_dir / name, os.O_WRONLY)
         return self.outs[name]
 
-    def run(self, moved: Exchanged, progress: bool) -> tuple[dict, tuple[int, int]]:
+    def run(self, moved: Exchanged, bar: Progress | None) -> tuple[dict, tuple[int, int]]:
         """The local pieces: ({buffer: [(lo, hi, crc)]}, (bytes written, of which whole
-        source records copied unchanged))."""
-        from tqdm import tqdm
+        source records copied unchanged)). bar: told of every range copied."""
+        bar = bar or _SILENT
         crcs: dict[int, list[tuple[int, int, int]]] = {}
         written = unchanged = 0
         copier, outs, shards = self.copier, self.outs, self.shards
         unit = None
-        bar = tqdm(total=sum(t.hi - t.lo for t in self.tasks), unit="B", unit_scale=True,
-                   desc="rank 0 copies", disable=not progress or None, leave=False)
         for i, (t, b, ps) in enumerate(self.plans):
             if b.unit != unit:  # the previous unit's files are done: sync and close them
                 sync_close(copier, outs)
@@ -204,6 +203,19 @@ class Copy:
             os.close(fd)
         self.outs.clear()
         self.opened.release()
+
+
+class _Silent:
+    """No progress shown (every rank but 0, --no-progress)."""
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_SILENT = _Silent()
 
 
 def raise_error(error: Exception | None) -> None:

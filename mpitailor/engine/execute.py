@@ -38,6 +38,7 @@ from mpitailor.engine.partition_states import (
     resharded_model_states,
     resharded_optim,
 )
+from mpitailor.engine.progress import Progress
 from mpitailor.engine.storage import pwrite_all
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import opaque, ptzip
@@ -70,7 +71,7 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
     `universal`, every parameter's files of the Universal export under tag_dir/zero/).
     Returns ({file name: manifest record} of the files this rank finished, its stats).
     verify: first check every source record read against its CRC (reads them whole).
-    progress: a progress bar of rank 0's bytes.
+    progress: rank 0 shows the copy's progress (engine/progress.py).
     place: which node holds which source file (nodes.survey); a rank reads only files its
     node holds, and bytes held elsewhere come over MPI (exchange.py).
     out_nodes: output partition -> the node whose disk it goes to (node-local output;
@@ -114,7 +115,7 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
     try:
         moved = copy.fetch_remote(comm)
         comm.step(raise_error, moved.error)
-        crcs, (written, unchanged) = comm.step(copy.run, moved, progress and comm.rank == 0)
+        crcs, (written, unchanged) = comm.step(copy.run, moved, _progress(progress, comm, work))
     finally:
         copy.close()
     t_copy = lap()
@@ -138,6 +139,15 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
              "shards_read": sorted(f"{s}:{r}" for s, r in shards.used),
              **snapshot().since(before)}
     return records, stats
+
+
+def _progress(wanted: bool, comm: Comm, work) -> Progress | None:
+    """Rank 0's progress of the copy: its share of every rank's bytes (`work`, the same
+    split on every rank)."""
+    if not wanted or comm.rank != 0:
+        return None
+    share = [sum(t.hi - t.lo for t in tasks) for tasks in work]
+    return Progress(share[0], sum(share), comm.size)
 
 
 def _rank0_states(comm: Comm, plan: MergePlan,

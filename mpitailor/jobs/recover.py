@@ -11,7 +11,7 @@ from mpitailor.jobs.recovery import plan_recovery
 from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.recipe import Recipe
-from mpitailor.planning.recovery import recovery_recipe
+from mpitailor.planning.recovery import Chain, recovery_recipe
 
 
 def recover_recipe(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike | None,
@@ -19,13 +19,22 @@ def recover_recipe(comm: Comm, save_dir: str | os.PathLike, output: str | os.Pat
                    where: str = "layer_patterns", world_size: int | None = None) -> Recipe:
     """Collective: the recipe `recover` merges (the saves checked, the chain chosen);
     `where` names the patterns' origin in errors."""
+    return recover_chain(comm, save_dir, output, layer_patterns, where, world_size)[0]
+
+
+def recover_chain(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike | None,
+                  layer_patterns: Mapping[str, str] | None = None,
+                  where: str = "layer_patterns",
+                  world_size: int | None = None) -> tuple[Recipe, Chain]:
+    """Collective: recover_recipe's recipe, and the chain of saves it was made from (what
+    the command line reports: the saves used and those skipped)."""
     if layer_patterns:
         check_patterns(dict(layer_patterns), where=where)
     save_dir = Path(save_dir).resolve()
     chain = plan_recovery(comm, save_dir)
     return comm.root_step(recovery_recipe, save_dir, chain,
                           None if output is None else Path(output).resolve(),
-                          dict(layer_patterns) if layer_patterns else None, world_size)
+                          dict(layer_patterns) if layer_patterns else None, world_size), chain
 
 
 def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike,
@@ -35,3 +44,13 @@ def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathL
     """Collective: the recipe and plan of `recover`."""
     return plan_recipe(comm, recover_recipe(comm, save_dir, output, layer_patterns, where,
                                             world_size))
+
+
+def recovered(plan: MergePlan, chain: Chain) -> str:
+    """What a recovery produced, in words: the step and world size of the checkpoint, the
+    saves it took layers from, and the saves it left out and why."""
+    line = (f"recovered step {plan.base_meta.global_steps} for world size "
+            f"{plan.out_world_size} from {', '.join(name for name, _ in plan.sources)}")
+    if chain.skipped:
+        line += "; skipped " + ", ".join(f"{name} ({why})" for name, why in chain.skipped)
+    return line
