@@ -10,7 +10,9 @@ Points: "read" (sources opened, nothing copied), "write" (an optimizer file writ
 model-states file not), "export" (a parameter's Universal files written, the rest not),
 "commit" (rank 0, staged tree complete, not yet published), "partial-write" (a partial
 save's rank files about to be written), "partial-publish" (every rank's files written, the
-manifest not). RANK is the MPI rank, or the training rank (RANK) in a training process.
+manifest not), "full-save" (a training loop's full save begun and not finished: the plain loop's before
+DeepSpeed's files, Accelerate's in its empty checkpoint dir, HF's before the optimizer and
+trainer state; detail: the checkpoint-N or tag name). RANK is the MPI rank, or the training rank (RANK) in a training process.
 Unset, it costs one environment lookup per point.
 """
 from __future__ import annotations

@@ -31,6 +31,10 @@
 # 0's files and `latest`) does the rest. A requeued job must come back on the nodes that
 # hold the saves (sbatch --nodelist).
 #
+# MPITAILOR_WORLD_SIZE   ranks of the training that resumes (default: $SLURM_NTASKS in a job,
+#                        else the saves' own): the composite is written for that many, so a
+#                        job requeued on another number of GPUs resumes as it is; it is
+#                        named recovered-step<N>-w<W> then
 # MPITAILOR_NODES        nodes of the job (default: $SLURM_JOB_NUM_NODES in a job, else 1);
 #                        1 plans and checks on this host alone, as on one node
 # MPITAILOR_PYTHON       python with mpitailor installed (default: python)
@@ -56,6 +60,12 @@ else
     RANKS=${MPITAILOR_MERGE_RANKS:-2}
 fi
 LAUNCH=${MPITAILOR_LAUNCH:-srun --mpi=pmi2 -n $RANKS}
+WORLD=${MPITAILOR_WORLD_SIZE:-}
+if [[ -z $WORLD && -n ${SLURM_JOB_ID:-} ]]; then
+    WORLD=${SLURM_NTASKS:-}
+fi
+[[ -z $WORLD || $WORLD =~ ^[1-9][0-9]*$ ]] \
+    || { echo "resume-prologue: MPITAILOR_WORLD_SIZE=$WORLD is not a number of ranks" >&2; exit 2; }
 
 log() { printf '%s resume-prologue: %s\n' "$(date '+%F %T')" "$*" >&2; }
 fail() { log "error: $2"; exit "$1"; }
@@ -74,6 +84,7 @@ announce() {
 # fail the resume).
 is_recovery_of() {
     [[ -f $1/mpitailor_manifest.json && -f $1/latest ]] || return 1
+    # ... written for the world size this job resumes at (without one: the saves' own).
     # The save id from the save's own record (a partial save's manifest, or the record beside
     # a full save's files; in an HF checkpoint-N/, in the tag dir its `latest` names), as
     # read_meta finds it, but reading no rank files: on a node that holds only its own
@@ -87,8 +98,9 @@ tag = save = Path(sys.argv[2])
 if not (save / PARTIAL_MANIFEST).is_file() and (save / "latest").is_file():
     tag = save / read_latest(save / "latest")
 lineage = read_save_record(tag, (tag / PARTIAL_MANIFEST).is_file())[0]
-sys.exit(base["path"] != sys.argv[2]
-         or base.get("save_id") != (lineage.save_id if lineage else None))' "$1" "$2" \
+world = int(sys.argv[3]) if sys.argv[3] else m["source_world_size"]
+sys.exit(base["path"] != sys.argv[2] or m["world_size"] != world
+         or base.get("save_id") != (lineage.save_id if lineage else None))' "$1" "$2" "$WORLD" \
         || return 1
     ((NODES == 1)) && return 0
     srun --mpi=none -N "$NODES" -n "$NODES" --ntasks-per-node=1 \
@@ -118,7 +130,7 @@ nothing() {
     announce ""
     exit 0
 }
-compgen -G "$SAVE_DIR/[!.]*/" >/dev/null || nothing  # first start: no save dir, or empty
+compgen -G "$SAVE_DIR/[!.]*" >/dev/null || nothing  # first start: no save dir, or empty
 err=$(mktemp)
 trap 'rm -f "$err"' EXIT
 rc=0
@@ -134,20 +146,22 @@ else
 fi
 cat "$err" >&2  # what recover skipped, and why, belongs in the job's log
 # Exit 3: no save ever finished (a first start, or a first save killed half-way). Any other
-# failure is an error: saves exist, and training from scratch would lose them.
+# failure is an error: saves exist, and training from scratch would lose them; or SAVE_DIR
+# is no save dir (a tag dir, a dir of several runs' save dirs), which recover says in one line.
 ((rc == 3)) && nothing
 ((rc == 0)) || fail 1 "cannot plan the recovery of $SAVE_DIR (recover exited $rc; see the mpitailor error above)"
 base=$(sed -n 's/^base: //p' <<<"$recipe")
 base_path=$(sed -n "s/^  $base: //p" <<<"$recipe")
 step=${base##*[!0-9]}
 [[ -n $step && -n $base_path ]] || fail 1 "no step in the recovery plan's base '$base'"
-OUT=$OUT_PARENT/recovered-step$step
-log "newest save is $base (step $step)"
+NAME=recovered-step$step${WORLD:+-w$WORLD}
+OUT=$OUT_PARENT/$NAME
+log "newest save is $base (step $step)${WORLD:+; recovering for world size $WORLD}"
 # A recovery of another save of this step (a timeline abandoned by a rollback) stays as it
 # is: this one takes the next free name.
 n=1
 while exists "$OUT" && ! is_recovery_of "$OUT" "$base_path"; do
-    OUT=$OUT_PARENT/recovered-step$step.$n
+    OUT=$OUT_PARENT/$NAME.$n
     n=$((n + 1))
 done
 
@@ -161,7 +175,8 @@ log "recovering into $OUT: $LAUNCH $PY -m mpitailor recover ..."
 start=$SECONDS
 rc=0
 # The merge's own output (summary line, errors of every rank) goes to the log stream.
-$LAUNCH "$PY" -m mpitailor recover "$SAVE_DIR" -o "$OUT" --no-progress >&2 || rc=$?
+$LAUNCH "$PY" -m mpitailor recover "$SAVE_DIR" -o "$OUT" --no-progress \
+    ${WORLD:+--world-size "$WORLD"} >&2 || rc=$?
 if ((rc != 0)); then
     # A prologue running beside this one may have published the same recovery first.
     is_recovery_of "$OUT" "$base_path" \
@@ -170,5 +185,5 @@ if ((rc != 0)); then
 fi
 is_recovery_of "$OUT" "$base_path" \
     || fail 1 "recover exited 0 but $OUT is not a complete recovery of $base_path"
-log "recovered $OUT (tag $(cat "$OUT/latest")) in $((SECONDS - start)) s"
+log "recovered $OUT (tag $(cat "$OUT/latest")${WORLD:+, world size $WORLD}) in $((SECONDS - start)) s"
 announce "$OUT"

@@ -35,3 +35,24 @@ def run_ranks(script: Path, cwd: Path, env: dict | None = None, ranks: int = 2) 
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def copy_run(killed: Path, dst: Path) -> Path:
+    """A private copy of a killed run's working dir (script and saves): each resume of the
+    same killed state starts from its own."""
+    import shutil
+    shutil.copytree(killed, dst, symlinks=True, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("rank*.log"))
+    return dst
+
+
+def assert_same_checkpoint(composite: Path, offline: Path) -> None:
+    """The in-job composite is the offline `recover` of the same saves at the same world size:
+    every file byte for byte (so the resumed model's weights and both Adam moments are the
+    offline composite's), but the manifest, which names its own output."""
+    def files(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+                if p.is_file() and p.name != "mpitailor_manifest.json"}
+    mine, theirs = files(composite), files(offline)
+    assert sorted(mine) == sorted(theirs)
+    assert [n for n in mine if mine[n] != theirs[n]] == []

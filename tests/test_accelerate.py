@@ -1,16 +1,23 @@
 """The README's Accelerate loop runs as written: on 2 CPU processes it saves layer-wise, is
 killed, and run again it recovers and resumes with `accelerator.load_state`, rng included.
 
-Cost: two runs of the script, 50-65 s on the 2-core machine (most of it start-up); the
-second test, a recover of a cached fixture, a few seconds."""
+Then run again on 1 and on 3 processes (a job requeued on another number of GPUs): it
+resumes from a composite written for its own size. And killed in its first save, it starts
+afresh instead of failing at every restart.
+
+Cost: six runs of the script, ~25 s each on the 2-core machine (most of it start-up); the
+other tests, a recover of a cached fixture, a few seconds."""
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 
-from readme_scripts import readme_script, run_ranks
+import pytest
+from readme_scripts import assert_same_checkpoint, copy_run, readme_script, run_ranks
 
+from mpitailor import recover
+from mpitailor.formats.read import read_meta
 from mpitailor.formats.safeload import load
 
 KILL_AT_8 = "partial-publish/checkpoint-8/pytorch_model:0"  # rank 0, publishing step 8's save
@@ -23,20 +30,28 @@ def rng(path: Path) -> tuple:
             s["torch_manual_seed"].tolist(), s["step"])
 
 
-def test_the_readme_accelerate_loop_is_killed_recovers_and_resumes_with_its_rng(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(readme_script("accelerate-example"))
-    codes = run_ranks(script, tmp_path, {"MPITAILOR_FAILPOINT": KILL_AT_8})
-    assert codes[0] == -9, (tmp_path / "rank0.log").read_text()[-3000:]
-    saves = tmp_path / "run"
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The job that failed: rank 0 killed (kill -9) while publishing its step-8 save."""
+    root = tmp_path_factory.mktemp("accelerate-killed")
+    (root / "train.py").write_text(readme_script("accelerate-example"))
+    codes = run_ranks(root / "train.py", root, {"MPITAILOR_FAILPOINT": KILL_AT_8})
+    assert codes[0] == -9, (root / "rank0.log").read_text()[-3000:]
+    saves = root / "run"
     assert not (saves / "checkpoint-8" / "latest").exists()  # the killed save is not one
     assert (saves / "checkpoint-2" / "pytorch_model" / "mpitailor_save.json").exists()  # full
     for n in (4, 6):
         assert (saves / f"checkpoint-{n}" / "pytorch_model" / "mpitailor_partial.json").exists()
-    # Drawn by the killed run just before it died: what the resumed run must draw again.
-    killed = [rng(saves / "checkpoint-8" / f"random_states_{r}.pkl") for r in (0, 1)]
+    return root
 
-    codes = run_ranks(script, tmp_path, {})  # the requeued job: the script as written
+
+def test_the_readme_accelerate_loop_is_killed_recovers_and_resumes_with_its_rng(killed,
+                                                                              tmp_path):
+    saves = copy_run(killed, tmp_path) / "run"
+    # Drawn by the killed run just before it died: what the resumed run must draw again.
+    killed_rng = [rng(saves / "checkpoint-8" / f"random_states_{r}.pkl") for r in (0, 1)]
+
+    codes = run_ranks(tmp_path / "train.py", tmp_path, {})  # the requeued job, as written
     assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     composite, = (saves / ".mpitailor-resume").glob("recovered-checkpoint-6-*")
     assert (composite / "latest").read_text() == "pytorch_model"
@@ -45,11 +60,50 @@ def test_the_readme_accelerate_loop_is_killed_recovers_and_resumes_with_its_rng(
     for r in (0, 1):  # the newest save's rng states, carried as bytes
         name = f"random_states_{r}.pkl"
         assert (composite / name).read_bytes() == (saves / "checkpoint-6" / name).read_bytes()
+    # A partial base carries DeepSpeed's recovery script as a full one does.
+    assert (composite / "zero_to_fp32.py").read_bytes() == \
+        (saves / "checkpoint-2" / "zero_to_fp32.py").read_bytes()
     # The resumed run's first save starts a new timeline (full), and load_state gave it the
     # step-6 rng states: steps 7 and 8 drew what the killed run drew.
     assert list((saves / "checkpoint-8" / "pytorch_model").glob("*optim_states.pt"))
-    assert [rng(saves / "checkpoint-8" / f"random_states_{r}.pkl") for r in (0, 1)] == killed
-    assert killed[0] != killed[1]  # each rank its own stream: the check sees the right file
+    assert [rng(saves / "checkpoint-8" / f"random_states_{r}.pkl") for r in (0, 1)] == \
+        killed_rng
+    assert killed_rng[0] != killed_rng[1]  # each rank its own stream: the right file is seen
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_readme_accelerate_loop_resumes_at_another_size(killed, tmp_path, world):
+    """Requeued on 1 or 3 processes: the composite is written for that size, equals the
+    offline `recover --world-size N` of the same saves, and the run resumes from step 6."""
+    saves = copy_run(killed, tmp_path) / "run"
+    offline = tmp_path / "offline"
+    recover(saves, offline, world_size=world)
+    codes = run_ranks(tmp_path / "train.py", tmp_path, ranks=world)
+    log = (tmp_path / "rank0.log").read_text()
+    assert codes == [0] * world, log[-3000:]
+    composite, = (saves / ".mpitailor-resume").glob(f"recovered-checkpoint-6-*-w{world}")
+    assert f"resuming from {composite} (step 6, world size {world}, resharded from world " \
+           f"size 2)" in log, log[-3000:]
+    assert_same_checkpoint(composite, offline)
+    assert read_meta(composite).world_size == world
+    new = read_meta(saves / "checkpoint-8" / "pytorch_model")  # the resumed run's full save
+    assert (new.world_size, new.global_steps) == (world, 8)
+
+
+def test_the_readme_accelerate_loop_killed_in_its_first_save_starts_afresh(tmp_path):
+    (tmp_path / "train.py").write_text(readme_script("accelerate-example"))
+    codes = run_ranks(tmp_path / "train.py", tmp_path,
+                      {"MPITAILOR_FAILPOINT": "full-save/checkpoint-2:0"})
+    assert codes[0] == -9, (tmp_path / "rank0.log").read_text()[-3000:]
+    saves = tmp_path / "run"
+    assert (saves / "checkpoint-2").is_dir() and not (saves / "checkpoint-2" / "latest").exists()
+    codes = run_ranks(tmp_path / "train.py", tmp_path)
+    log = (tmp_path / "rank0.log").read_text()
+    assert codes == [0, 0], log[-3000:]
+    warnings = [line for line in log.splitlines() if line.startswith("mpitailor: WARNING")]
+    assert len(warnings) == 1 and "training starts from scratch" in warnings[0], log[-3000:]
+    assert (saves / "checkpoint-2" / "latest").exists()
+    assert read_meta(saves / "checkpoint-8" / "pytorch_model").global_steps == 8
 
 
 class Payload:

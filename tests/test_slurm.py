@@ -188,3 +188,56 @@ def test_prologue_without_checkpoints_has_nothing_to_resume(env, tmp_path):
     assert r.stdout == "MPITAILOR_RESUME_FROM=\n"
     assert "nothing to resume from" in r.stderr
     assert (tmp_path / "resume-from").read_text() == "\n"
+
+
+def test_a_job_back_on_another_number_of_tasks_resumes_at_that_size(env, tmp_path):
+    """A 2-task job killed after its first partial save; the same script submitted again
+    with --ntasks=3: the prologue recovers for 3 ranks (no hand-run --world-size) and the
+    3-rank training resumes from it, not from scratch."""
+    save, first, second = tmp_path / "save", tmp_path / "first.out", tmp_path / "second.out"
+    job_env = {**env, "MPITAILOR_SAVE_DIR": str(save), "MPITAILOR_TRAIN_ARGS": "--step-sleep 1.5"}
+    sub = run(["sbatch", "--parsable", f"--output={first}", SLURM / "train.sbatch"], job_env,
+              timeout=30, cwd=REPO)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        wait_for("partial checkpoint", lambda: list(save.glob("*/mpitailor_partial.json")), 150)
+    finally:
+        run(["scancel", job], env, timeout=30)
+    wait_for("end of the first job", lambda: job_state(job, env) not in ("RUNNING", "PENDING",
+                                                                         "COMPLETING"), 60)
+    job_env["MPITAILOR_TRAIN_ARGS"] = ""
+    sub = run(["sbatch", "--parsable", "--ntasks=3", f"--output={second}",
+               SLURM / "train.sbatch"], job_env, timeout=30, cwd=REPO)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        state = wait_for("end of the job", lambda: (s := job_state(job, env)) in
+                         ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and s,
+                         240, interval=1)
+        assert state == "COMPLETED"
+        text = second.read_text()
+        recovered = Path((tmp_path / "resume-from").read_text().strip())
+        assert re.fullmatch(r"recovered-step\d+-w3", recovered.name), recovered
+        assert "recovering for world size 3" in text and "world size 3) in" in text
+        manifest = json.loads((recovered / "mpitailor_manifest.json").read_text())
+        assert (manifest["source_world_size"], manifest["world_size"]) == (2, 3)
+        step = int((recovered / "latest").read_text().strip().removeprefix("global_step"))
+        result, = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        assert result["first_step"] == step and result["global_steps"] == 12
+        assert len(list((recovered / f"global_step{step}").glob("*optim_states.pt"))) == 3
+    except (AssertionError, TimeoutError) as e:
+        pytest.fail(f"{e}\n{diagnose(job, second, env)}")
+    finally:
+        run(["scancel", job], env, timeout=30)
+
+
+def test_prologue_given_a_tag_dir_refuses_and_names_the_save_dir(env, tmp_path):
+    """Never an empty MPITAILOR_RESUME_FROM= and exit 0 (a job that would then train from
+    scratch next to its saves): the one line names the save dir to give instead."""
+    save = ckpt_fixtures.build("w2_parity")
+    r = prologue(save / "global_step8", tmp_path, env)
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert f"a checkpoint's tag dir, not a save dir; give the dir that holds the saves: " \
+           f"{save}" in r.stderr
+    assert not (tmp_path / "resume-from").exists()

@@ -215,7 +215,9 @@ def test_the_in_job_resume_says_what_it_recovered(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="mpitailor.training.resume"):
         out = recover_for_resume(root)
     lines = [r.getMessage() for r in caplog.records if r.name == "mpitailor.training.resume"]
-    assert lines == [f"resuming from {out}, recovered from the full save global_step2 and the "
-                     f"partial saves global_step4, global_step6, global_step8 (newest copy of "
-                     f"every layer)"], lines
-    assert read_meta(out).global_steps == 8
+    # A plain process is a world of one: the W=2 saves come back resharded for it.
+    assert lines == [f"resuming from {out} (step 8, world size 1, resharded from world size 2), "
+                     f"recovered from the full save global_step2 and the partial saves "
+                     f"global_step4, global_step6, global_step8 (newest copy of every layer)"], \
+        lines
+    assert (read_meta(out).global_steps, read_meta(out).world_size) == (8, 1)

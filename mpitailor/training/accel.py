@@ -30,6 +30,7 @@ import torch.distributed as dist
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.utils import MODEL_NAME, DeepSpeedSchedulerWrapper
 
+from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.training.checkpointer import LayerwiseCheckpointer
 from mpitailor.training.partial_save import save_leader
@@ -74,6 +75,7 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
         lineage = self.next_lineage(decision)
         self._fresh_dir(out)
         if decision.full:
+            failpoints.hit("full-save", out.name)
             self.accelerator.save_state(str(out))
         else:
             self._save_accelerate_files(out)
@@ -104,4 +106,6 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
                                save_on_each_node=each_node)
         for i, obj in enumerate(acc._custom_objects):
             save_custom_state(obj, str(out), i, save_on_each_node=each_node)
+        if self.engine.global_rank == 0:  # as DeepSpeed's save_checkpoint does in a full one
+            self.engine._copy_recovery_script(str(out))
         acc.wait_for_everyone()

@@ -29,12 +29,15 @@ import torch
 import transformers
 from accelerate.utils import DeepSpeedSchedulerWrapper
 
+from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.formats.files import PARTIAL_MANIFEST
 from mpitailor.planning.layers import LayerClassifier, layer_index
+from mpitailor.publish.leftovers import DISCARD, path_of, remove
 from mpitailor.training.checkpointer import LayerwiseCheckpointer
+from mpitailor.training.partial_save import save_leader
 from mpitailor.training.policies import Policy
-from mpitailor.training.resume import recover_for_resume
+from mpitailor.training.resume import RESUME_DIR, recover_for_resume, reshard_for_resume
 
 
 class LayerwiseTrainer(transformers.Trainer):
@@ -89,16 +92,18 @@ class LayerwiseTrainer(transformers.Trainer):
         return optimizer
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """As Trainer.train; resume_from_checkpoint=True or the path of a (partial)
-        checkpoint-N first assembles the composite to resume from (collective)."""
+        """As Trainer.train; resume_from_checkpoint=True, the run's output dir or the path of
+        a checkpoint-N first assembles the checkpoint to resume from, for this job's world
+        size (collective); with no finished save yet, training starts from scratch."""
         if resume_from_checkpoint:
-            resume_from_checkpoint = str(self._resume_point(resume_from_checkpoint))
+            point = self._resume_point(resume_from_checkpoint)
+            resume_from_checkpoint = None if point is None else str(point)
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self._layerwise is not None:
             self._layerwise.wait()  # the last asynchronous save is published (or raises)
         return result
 
-    def _resume_point(self, wanted: str | bool) -> Path:
+    def _resume_point(self, wanted: str | bool) -> Path | None:
         if wanted is True:
             return recover_for_resume(self.args.output_dir)
         path = Path(wanted)
@@ -107,7 +112,8 @@ class LayerwiseTrainer(transformers.Trainer):
             return recover_for_resume(path.parent, until_step=step)
         if any(path.glob("checkpoint-*")):  # the run's output dir
             return recover_for_resume(path)
-        return path  # a full checkpoint: HF resumes from it as it is
+        # a full checkpoint (or a composite): as it is, or resharded for this world size
+        return reshard_for_resume(path, Path(self.args.output_dir) / RESUME_DIR)
 
     def _save_checkpoint(self, model, trial) -> None:
         if self.deepspeed is None:
@@ -123,12 +129,32 @@ class LayerwiseTrainer(transformers.Trainer):
         decision = self._layerwise.decide()
         lineage = self._layerwise.next_lineage(decision)
         out = run_dir / f"checkpoint-{self.state.global_step}"
+        self._fresh_dir(out)
         if decision.full:
             super()._save_checkpoint(model, trial)
         else:
             self._save_partial(out, decision.layers, lineage)
         self._layerwise.record(decision, lineage, out / f"global_step{self.state.global_step}",
                                blocked=time.perf_counter() - t0, waited=waited)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Late in a full save (Trainer._save_checkpoint): ZeRO-3's DeepSpeed files, `latest`
+        # included, may be whole by now (save_model writes them), HF's trainer state is not.
+        failpoints.hit("full-save", Path(output_dir).name)
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    def _fresh_dir(self, out: Path) -> None:
+        """Collective: what an earlier save of the same step left in out (a killed save's
+        files and staging dirs, or an abandoned timeline's save after a resume from an older
+        step) is removed by every save leader before this save writes there: its files must
+        not mix with this save's."""
+        if save_leader(self.deepspeed) and os.path.lexists(out):
+            gone = path_of(out, DISCARD)
+            if os.path.lexists(gone):
+                remove(gone)
+            os.rename(out, gone)
+            remove(gone)
+        self.accelerator.wait_for_everyone()
 
     def _save_partial(self, out: Path, layers, lineage) -> None:
         """A partial checkpoint-N; on failure, nothing of it is left (it had no `latest`)."""
@@ -145,6 +171,12 @@ class LayerwiseTrainer(transformers.Trainer):
         if self.args.should_save:
             out.mkdir(parents=True, exist_ok=True)
             self.model.config.save_pretrained(out)
+            # What a full checkpoint-N holds besides the weights, so that a composite whose
+            # base is this save carries it too: the generation config (as save_pretrained
+            # writes it) and DeepSpeed's recovery scripts (as save_checkpoint copies them).
+            if self.model.can_generate() and getattr(self.model, "generation_config", None):
+                self.model.generation_config.save_pretrained(out)
+            self.deepspeed._copy_recovery_script(str(out))
             self.state.save_to_json(str(out / "trainer_state.json"))
             torch.save(self.args, out / "training_args.bin")
             if self.lr_scheduler is not None and not isinstance(

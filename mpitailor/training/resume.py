@@ -3,60 +3,145 @@
 Collective over the training ranks (torch.distributed): they check the saves and write the
 composite checkpoint together, as `mpiexec python -m mpitailor recover` would, into a hidden
 dir under the save dir (`.mpitailor-resume/`), where later recoveries do not mistake it for
-a save. A composite of the same newest save is reused.
+a save. The composite is written for the world size of the job that resumes (a job requeued
+on another number of GPUs resumes as it is); a composite of the same newest save at the same
+world size is reused.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
+from mpitailor.errors import NothingToRecover
 from mpitailor.formats.manifest import MANIFEST
+from mpitailor.jobs.clean import clean
 from mpitailor.jobs.merge import plan_recipe, write_merge
-from mpitailor.jobs.recovery import plan_recovery
-from mpitailor.planning.recovery import recovery_recipe
+from mpitailor.jobs.recovery import find_saves, plan_recovery
+from mpitailor.formats.read import read_meta
+from mpitailor.planning.recipe import recipe_from
+from mpitailor.planning.recovery import Chain, recovery_recipe
+from mpitailor.publish.leftovers import DISCARD, path_of, remove
 from mpitailor.training.distcomm import training_comm
+from mpitailor.training.notice import make_visible
 
 log = logging.getLogger(__name__)
 RESUME_DIR = ".mpitailor-resume"
 
 
-def recover_for_resume(save_dir: str | Path, until_step: int | None = None,
-                       output_root: str | Path | None = None) -> Path:
-    """Collective: the checkpoint to resume from: the newest full save itself when no
-    partial save follows it, else a composite of its timeline (saves after `until_step` left
-    out). Raises NothingToRecover when no save ever finished."""
+def recover_for_resume(save_dir: str | os.PathLike, until_step: int | None = None,
+                       output_root: str | os.PathLike | None = None) -> Path | None:
+    """Collective: the checkpoint to resume from, for this job's world size: the newest full
+    save itself when no partial save follows it and the world size is the same, else a
+    composite of its timeline (saves after `until_step` left out), resharded when the job
+    came back at another size. None when no save ever finished (a first start, or a job
+    killed during its first save): training starts from scratch; what such a save left
+    behind is removed, with one warning."""
     comm = training_comm()
+    make_visible()  # what it resumes from, and the saves it skips, reach the job's log
     save_dir = Path(save_dir).resolve()
-    chain = plan_recovery(comm, save_dir, until_step=until_step)
-    if not chain.partials:
-        _say(comm, f"resuming from the full save {chain.full.name} (step {chain.full.step}) "
-                   f"itself: no partial save follows it")
+    if not comm.root_step(save_dir.exists):
+        _say(comm, logging.INFO, f"no save dir {save_dir} yet: training starts from scratch")
+        return None
+    try:
+        chain = plan_recovery(comm, save_dir, until_step=until_step)
+    except NothingToRecover as e:
+        left = comm.root_step(_unfinished, save_dir)
+        comm.root_step(_reclaim, save_dir, left)
+        _say(comm, logging.WARNING,
+             f"{e}; training starts from scratch" + (
+                 f" (removed what an interrupted save left: {', '.join(left)})" if left else ""))
+        return None
+    world = comm.size
+    came_from = _origin(chain)
+    if not chain.partials and chain.full.meta.world_size == world:
+        _say(comm, logging.INFO, f"resuming from the full save {chain.full.path} itself "
+                                 f"(step {chain.full.step}, world size {world}): no partial "
+                                 f"save follows it")
         return chain.full.path
-    base = chain.partials[-1]
+    base = chain.partials[-1] if chain.partials else chain.full
     out_root = Path(output_root) if output_root is not None else save_dir / RESUME_DIR
-    out = out_root / f"recovered-{base.name}-{base.lineage.save_id[:12] if base.lineage else 'x'}"
-    used = f"the full save {chain.full.name} and the partial saves " \
-           f"{', '.join(p.name for p in chain.partials)} (newest copy of every layer)"
-    if comm.root_step(_is_recovery_of, out, base.path):
-        _say(comm, f"resuming from {out}, recovered before from {used}")
+    save_id = base.lineage.save_id[:12] if base.lineage else "x"
+    out = out_root / f"recovered-{base.name}-{save_id}-w{world}"
+    resharded = "" if chain.full.meta.world_size == world else \
+        f", resharded from world size {chain.full.meta.world_size}"
+    where = f"resuming from {out} (step {base.step}, world size {world}{resharded})"
+    if comm.root_step(_is_recovery_of, out, base.path, world):
+        _say(comm, logging.INFO, f"{where}, recovered before from {came_from}")
         return out
-    recipe = comm.root_step(recovery_recipe, save_dir, chain, out)
+    recipe = comm.root_step(recovery_recipe, save_dir, chain, out, None,
+                            None if chain.full.meta.world_size == world else world)
     _, plan = plan_recipe(comm, recipe)
     write_merge(comm, plan, recipe.text, progress=False)
-    _say(comm, f"resuming from {out}, recovered from {used}")
+    _say(comm, logging.INFO, f"{where}, recovered from {came_from}")
     return out
 
 
-def _say(comm, line: str) -> None:
+def reshard_for_resume(checkpoint: str | os.PathLike, output_root: str | os.PathLike) -> Path:
+    """Collective: a checkpoint (a full save, or a composite) to resume from as it is when it
+    was written for this job's world size; else resharded for it into output_root (reused
+    when already there)."""
+    comm = training_comm()
+    make_visible()
+    path = Path(checkpoint).resolve()
+    meta = comm.root_step(read_meta, path)
+    world = comm.size
+    if meta.world_size == world:
+        return path
+    out = Path(output_root).resolve() / f"resharded-{path.name}-w{world}"
+    where = (f"resuming from {out} (step {meta.global_steps}, world size {world}), {path} "
+             f"resharded from world size {meta.world_size}")
+    if comm.root_step(_is_recovery_of, out, path, world):
+        _say(comm, logging.INFO, f"{where} before")
+        return out
+    recipe = comm.root_step(recipe_from, {"sources": {"saved": str(path)},
+                                          "layers": {"rest": "saved"}, "output": str(out)},
+                            origin=f"resume from {path}", world_size=world)
+    _, plan = plan_recipe(comm, recipe)
+    write_merge(comm, plan, recipe.text, progress=False)
+    _say(comm, logging.INFO, where)
+    return out
+
+
+def _origin(chain: Chain) -> str:
+    if not chain.partials:
+        return f"the full save {chain.full.name} alone (no partial save follows it)"
+    return (f"the full save {chain.full.name} and the partial saves "
+            f"{', '.join(p.name for p in chain.partials)} (newest copy of every layer)")
+
+
+def _say(comm, level: int, line: str) -> None:
     if comm.rank == 0:
-        log.info("%s", line)
+        log.log(level, "%s", line)
 
 
-def _is_recovery_of(out: Path, base: Path) -> bool:
-    """A published composite (manifest last) whose base is that very save."""
+def _is_recovery_of(out: Path, base: Path, world: int) -> bool:
+    """A published composite (manifest last) of that very save, for that world size."""
     try:
         manifest = json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError):
+        return (manifest["sources"][manifest["base"]]["path"] == str(base)
+                and manifest["world_size"] == world)
+    except (OSError, ValueError, KeyError, TypeError):
         return False
-    return manifest["sources"][manifest["base"]]["path"] == str(base)
+
+
+def _unfinished(save_dir: Path) -> list[str]:
+    """Rank 0: the saves (none finished: recovery found nothing) an interrupted run left."""
+    return [s.name for s in find_saves(save_dir)]
+
+
+def _reclaim(save_dir: Path, names: list[str]) -> None:
+    """Rank 0 (one remover: two would race inside the same trees): the staging dirs and
+    stale locks of killed writers (publish/leftovers.py), then the unfinished saves, each
+    moved aside first (a removal killed half-way leaves a `.NAME.mpitailor-discard` that
+    `clean` takes). Under node-local storage the other nodes' parts stay: the next save of the
+    same name starts from an empty dir (the HF and Accelerate templates make it so)."""
+    clean(save_dir)
+    for name in names:
+        gone = path_of(save_dir / name, DISCARD)
+        try:
+            os.rename(save_dir / name, gone)
+        except FileNotFoundError:
+            continue
+        remove(gone)
