@@ -1,6 +1,6 @@
 """Full DeepSpeed saves against selective layer-wise saves, on one engine, side by side.
 
-    python -m bench.save_bench [--layers 32] [--hidden 256] [--reps 3] [--world-size 2]
+    python -m bench.save_bench [--layers 32] [--hidden 256] [--reps 3] [--world-size 2] [--stats]
 
 A 32-layer random-init Llama trained one step with DeepSpeed ZeRO-3 on CPU; then, repeated,
 a full `save_checkpoint` (as DeepSpeed leaves it, and fsynced like mpitailor's saves), parity
@@ -9,6 +9,11 @@ partial saves (one cycle: 2 saves) and filter partial saves
 synchronous and asynchronous (`-async`: seconds are the time training is blocked; the
 background write is reported apart). Reports mean bytes and seconds per save and the ratios
 against the fsynced full save. Writes bench/out/save_bench.json.
+
+`--stats` measures instead what `stats=` costs: LayerwiseCheckpointer's partial saves (parity,
+adaptive; synchronous and asynchronous) with and without a stats log, side by side on the same
+engine: seconds training is blocked per save and the ratio against the same case without stats.
+Writes bench/out/save_bench_stats.json.
 """
 from __future__ import annotations
 
@@ -30,14 +35,18 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--stats", action="store_true", help="the cost of stats= (see above)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="mpitailor-savebench-", dir=OUT.parent) as tmp:
         spec = TrainSpec(save_dir=tmp, world_size=args.world_size, layers=args.layers,
                          hidden=args.hidden, intermediate=2 * args.hidden, vocab=args.vocab,
                          grouping="per_layer", steps=1, save_at=(),
-                         extra={"reps": args.reps})
+                         extra={"reps": args.reps, "stats": args.stats})
         result = launch(spec, module="bench.save_worker", timeout=3600)
     rows = result["rows"]
+    if args.stats:
+        stats_table(args, rows)
+        return
     summary = {}
     for case in ("full", "full+fsync", "parity", "filter", "parity-async", "filter-async"):
         mine = [r for r in rows if r["case"] == case]
@@ -65,6 +74,27 @@ def main() -> None:
     (OUT / "save_bench.json").write_text(json.dumps(
         {"args": vars(args), "summary": summary, "rows": rows}, indent=2))
     print(f"wrote {OUT / 'save_bench.json'}")
+
+
+def stats_table(args, rows: list[dict]) -> None:
+    """Blocked seconds per partial save with stats= beside the same case without it."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    mean = {c: statistics.mean(r["seconds"] for r in rows if r["case"] == c) for c in cases}
+    print(f"{args.layers}-layer Llama, hidden {args.hidden}, world size {args.world_size}, "
+          f"{2 * args.reps} partial saves per case (mean seconds training is blocked)")
+    print(f"{'case':<16}{'no stats s':>12}{'stats s':>10}{'stats/no stats':>16}")
+    summary = {}
+    for c in cases:
+        if c.endswith("+stats"):
+            continue
+        with_stats = mean[f"{c}+stats"]
+        summary[c] = {"seconds": mean[c], "seconds_stats": with_stats,
+                      "ratio": with_stats / mean[c]}
+        print(f"{c:<16}{mean[c]:>12.3f}{with_stats:>10.3f}{with_stats / mean[c]:>15.2f}x")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "save_bench_stats.json").write_text(json.dumps(
+        {"args": vars(args), "summary": summary, "rows": rows}, indent=2))
+    print(f"wrote {OUT / 'save_bench_stats.json'}")
 
 
 if __name__ == "__main__":

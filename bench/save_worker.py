@@ -3,7 +3,8 @@
 Trains one step, then times, side by side and repeated, a full `engine.save_checkpoint` and
 `save_layers` under the parity and filter policies on the same engine, synchronous and
 asynchronous (the time training is blocked: the slices copied to host buffers; the background
-write is timed apart, joined before the next save). Rank 0 writes JSON.
+write is timed apart, joined before the next save). With extra["stats"], LayerwiseCheckpointer's
+partial saves with and without `stats=` instead (`stats_cases`). Rank 0 writes JSON.
 """
 from __future__ import annotations
 
@@ -37,12 +38,55 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def stats_cases(engine, save_dir: Path, reps: int) -> list[dict]:
+    """What `stats=` costs: LayerwiseCheckpointer's partial saves with and without a stats
+    log, side by side on the same engine (parity and adaptive, synchronous and asynchronous).
+    Each checkpointer makes its (untimed) full save first; "seconds" is what save() blocks
+    training, after the previous save was waited for (untimed), so waits are not counted."""
+    from mpitailor.training.checkpointer import LayerwiseCheckpointer
+    from mpitailor.training.policies import Adaptive
+
+    policies = {"parity": Parity(), "adaptive": Adaptive(top_fraction=0.5, max_staleness=2)}
+    rows = []
+    for name, policy in policies.items():
+        for asynchronous in (False, True):
+            for stats in (False, True):
+                case = f"{name}{'-async' if asynchronous else ''}{'+stats' if stats else ''}"
+                out = save_dir / case
+                ckpt = LayerwiseCheckpointer(engine, out, policy, asynchronous=asynchronous,
+                                             stats=out / "stats.h5" if stats else None)
+                ckpt.save(tag="full")
+                for i in range(2 * reps):  # a parity cycle per repetition
+                    ckpt.wait()
+                    dist.barrier()
+                    t = time.perf_counter()
+                    ckpt.save(tag=f"partial-{i}")
+                    seconds = time.perf_counter() - t
+                    ckpt.wait()
+                    dist.barrier()
+                    if engine.global_rank == 0:
+                        rows.append({"case": case, "rep": i // 2, "save_index": i + 1,
+                                     "seconds": seconds, "background": None,
+                                     "bytes": du(out / f"partial-{i}")})
+                        shutil.rmtree(out / f"partial-{i}")
+                    dist.barrier()
+                if engine.global_rank == 0:
+                    shutil.rmtree(out)
+                dist.barrier()
+    return rows
+
+
 def main(spec_path: str, result_path: str) -> None:
     spec = TrainSpec.from_json(Path(spec_path).read_text())
     reps = int(spec.extra.get("reps", 3))
     engine = build_engine(spec)
     train(spec, engine, 0)
     keys = model_layer_keys(engine)
+    if spec.extra.get("stats"):
+        rows = stats_cases(engine, Path(spec.save_dir), reps)
+        if engine.global_rank == 0:
+            Path(result_path).write_text(json.dumps({"rows": rows, "layers": len(keys)}))
+        shutdown()
     policies = {"parity": Parity(), "filter": Filter(always=(0, 1, -2, -1), every=4)}
     cycle = {"parity": [1, 2], "filter": [1, 2, 3, 4]}  # the partial saves of one cycle
     writer = BackgroundWriter(reserve=all_slices_elements(engine))  # as the checkpointer does

@@ -14,6 +14,7 @@ from ckpt_fixtures import ASYNC_TWINS, VARIANTS, build, spec_for
 from conftest import tree_digest
 from merging import run_cli
 from safetensors import safe_open
+from stats_check import check_norms, read_log
 
 from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
 from mpitailor.formats.safeload import load
@@ -76,23 +77,35 @@ def test_asynchronous_save_timings_and_stats_log(tmp_path):
     assert [t["full"] for t in timings] == [True, False, False, False]
     partial = timings[1:]
     assert all(t["blocked"] > 0 and t["background"] > 0 for t in partial)
-    assert all(t["host_bytes"] > 0 for t in partial)
-    import h5py
-    with h5py.File(tmp_path / "s.h5") as f:
-        assert f["blocked_s"].shape == (4,) and all(x > 0 for x in f["blocked_s"][:])
-        assert all(x > 0 for x in f["background_s"][1:])
+    # Host buffers: none after construction (and the full save); from the first partial save
+    # on, the largest partial save parity makes (rank 0's slices, as its files hold them).
+    root = tmp_path / "run"
+    need = []
+    for step in LAYERWISE_STEPS[:2]:  # a parity cycle
+        with safe_open(root / f"global_step{step}" / "rank_0_layers.safetensors", "pt") as f:
+            need.append(sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()))
+    assert [t["host_bytes"] for t in timings] == [0] + [max(need)] * 3
+    log = read_log(tmp_path / "s.h5")
+    assert log["blocked_s"].shape == (4,) and all(x > 0 for x in log["blocked_s"])
+    assert all(x > 0 for x in log["background_s"][1:])
+    assert np.array_equal(log["saved"], log["chosen"])  # every save was published
+    # The saved copy behind the update norms is taken from the host buffers, in the writer.
+    assert check_norms(root, log, (2, 4, 6, 8)) == 3 * 5  # held by 4, 6, 8
 
 
 def test_kill_9_during_the_background_write_leaves_the_previous_saves(tmp_path):
     """Rank 0 dies while the writer of the step-6 save runs (its rank files written, the
     manifest not): nothing of step 6 is visible, and recover takes the saves before it."""
     root = tmp_path / "run"
-    spec = replace(spec_for("w2_parity_async", root), stats=None,
+    spec = replace(spec_for("w2_parity_async", root), stats=str(tmp_path / "s.h5"),
                    extra={"env": {"MPITAILOR_FAILPOINT": "partial-publish/global_step6:0"}})
     with pytest.raises(TrainFailed, match="rank 0 exited -9"):
         launch(spec)
     assert not (root / "global_step6").exists()
     assert not (root / "global_step8").exists()
+    log = read_log(tmp_path / "s.h5")  # step 6 was attempted, and is not recorded as saved
+    assert list(log["step"]) == [2, 4, 6]
+    assert log["saved"][1].any() and log["chosen"][2].any() and not log["saved"][2].any()
     # Recovering the crashed run equals recovering a copy of the saves made before step 6.
     before = tmp_path / "before"
     before.mkdir()
@@ -111,7 +124,7 @@ def test_kill_9_during_the_background_write_leaves_the_previous_saves(tmp_path):
 
 def test_a_full_disk_in_the_writer_raises_on_every_rank_and_publishes_nothing(tmp_path):
     root = tmp_path / "run"
-    spec = replace(spec_for("w2_parity_async", root), stats=None,
+    spec = replace(spec_for("w2_parity_async", root), stats=str(tmp_path / "s.h5"),
                    extra={"env": {"MPITAILOR_FAILPOINT": "partial-write/global_step4:1:enospc"}})
     with pytest.raises(TrainFailed) as failed:
         launch(spec)
@@ -125,6 +138,15 @@ def test_a_full_disk_in_the_writer_raises_on_every_rank_and_publishes_nothing(tm
     assert not (root / "global_step4").exists()
     assert not list(root.glob(".global_step4*"))  # staging removed, lock released
     assert (root / "global_step2").is_dir()  # the full save before it stands
+    # The stats log: step 4 says what the policy chose and that nothing was saved; the save
+    # that raised (step 6) wrote no row.
+    log = read_log(tmp_path / "s.h5")
+    assert list(log["step"]) == [2, 4]
+    assert log["saved"][0].all() and log["chosen"][0].all()
+    assert {k for k, c in zip(log["layers"], log["chosen"][1]) if c} == \
+        {"layers.1", "layers.3", "embed", "norm", "lm_head"}
+    assert not log["saved"][1].any()
+    assert math.isfinite(log["blocked_s"][1]) and math.isnan(log["background_s"][1])
 
 
 def test_host_buffers_over_the_limit_are_refused_on_every_rank(tmp_path):

@@ -62,3 +62,17 @@ def test_registry():
         make_policy("lru")
     with pytest.raises(UserError, match="policy parity:"):
         make_policy("parity", nope=1)
+
+
+def test_the_partial_saves_a_policy_can_make():
+    """What sizes the host buffers of asynchronous saves: every layer set a partial save of
+    the policy can hold."""
+    odd, even = Parity().decide(1, KEYS).layers, Parity().decide(2, KEYS).layers
+    assert sorted(map(sorted, Parity().partial_layer_sets(KEYS))) == sorted([sorted(odd),
+                                                                              sorted(even)])
+    sets = Filter(every=4).partial_layer_sets(KEYS)
+    assert frozenset(KEYS) in sets and len(sets) == 2  # `always` alone, and every layer
+    staggered = Filter(always=(0, -1), every=3, stagger=True).partial_layer_sets(KEYS)
+    assert {frozenset(Filter(always=(0, -1), every=3, stagger=True).decide(i, KEYS).layers)
+            for i in range(1, 4)} == set(staggered)
+    assert Adaptive(threshold=0.1).partial_layer_sets(KEYS) == [frozenset(KEYS)]

@@ -7,7 +7,8 @@
             ckpt.save()        # full or partial, as the policy says; collective
 
 With `asynchronous=True`, a partial save blocks training only while the chosen layers'
-slices are copied to host buffers (allocated once, reused; `max_host_bytes` bounds them);
+slices are copied to host buffers (allocated at the first partial save for the largest one
+the policy can make, reused; `max_host_bytes` bounds them);
 a background writer writes, fsyncs and publishes it while training goes on. One save is in
 flight at a time: the next `save()` waits for it, and `wait()` (call it when training ends)
 waits for the last one. A save that failed in the background raises PartialSaveFailed at
@@ -23,26 +24,31 @@ Collective: every method is called on every rank.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
+from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.publish.staging import fsync_dir, write_synced
 from mpitailor.training.distcomm import training_comm
-from mpitailor.training.partial_save import all_slices_elements, save_leader, take
+from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
 from mpitailor.training.policies import Decision, Policy
-from mpitailor.training.snapshot import write
+from mpitailor.training.snapshot import PartialSaveFailed, write
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
 from mpitailor.training.writer import BackgroundWriter
+
+log = logging.getLogger(__name__)
 
 
 class LayerwiseCheckpointer:
@@ -62,20 +68,32 @@ class LayerwiseCheckpointer:
         policy.validate(self.keys)
         self.tracker = UpdateTracker(engine, classify) if (policy.needs_stats or stats) else None
         self.classify = classify
+        self.stats = stats is not None  # every rank: the log wants every norm, every save
         self.log = StatsLog(stats, self.keys) if stats and engine.global_rank == 0 else None
-        self.save_index = 0
+        self.save_index = 0  # of the policy: published saves (a failed one does not count)
         self.staleness = {k: 0 for k in self.keys}
         self.last: dict | None = None
-        self.lineage: Lineage | None = None  # of the last save (rank 0's is what counts)
-        self.writer = BackgroundWriter(max_host_bytes, all_slices_elements(engine)) \
-            if asynchronous else None
+        self.lineage: Lineage | None = None  # of the last published save (rank 0's counts)
+        # Host buffers are sized at the first partial save (_size_host_buffers), not here:
+        # a run that never saves a partial one holds none.
+        self.writer = BackgroundWriter(max_host_bytes) if asynchronous else None
+        self.pending: Published | None = None  # the asynchronous save the writer holds
+        self._host_sized = False
         self.timings: list[dict] = []  # per save: seconds blocked, waited, in the background
 
     def decide(self) -> Decision:
-        """Collective (measures updates when tracking): what the next save writes."""
-        self.last = self.tracker.measure() if self.tracker else None
+        """Collective: what the next save writes. Updates are measured only where needed: for
+        the policy's choice (Adaptive's partial saves) and for the stats log (every save);
+        rank 0 logs the attempt, with nothing saved yet."""
+        full = self.policy.is_full(self.save_index)
+        measure = self.tracker is not None and (self.stats or not full)
+        self.last = self.tracker.measure(weights=self.stats) if measure else None
         rel = {k: v["relative_update"] for k, v in self.last.items()} if self.last else None
-        return self.policy.decide(self.save_index, self.keys, rel, self.staleness)
+        decision = self.policy.decide(self.save_index, self.keys, rel, self.staleness)
+        if self.log:
+            self.log.attempt(self.engine.global_steps, decision.full, decision.layers,
+                             self.last)
+        return decision
 
     def next_lineage(self, decision: Decision) -> Lineage:
         """Collective: the lineage of the save about to be written (a full save starts a
@@ -89,24 +107,37 @@ class LayerwiseCheckpointer:
     def record(self, decision: Decision, lineage: Lineage | None = None,
                tag_dir: str | os.PathLike | None = None, blocked: float = math.nan,
                waited: float = 0.0) -> None:
-        """After a save: staleness, snapshots and the stats log. For a full save, rank 0
-        also writes its lineage record into the tag dir (DeepSpeed's files are complete).
+        """After the part of a save that blocks training. A full or synchronous save is
+        published by now: the policy's state (save count, staleness), the lineage, the
+        update statistics' saved copy and the log's `saved` follow it at once. An
+        asynchronous one is in the writer's hands: they follow when `wait` finds it
+        published, and never when it failed. For a full save, rank 0 also writes its lineage
+        record into the tag dir (DeepSpeed's files are complete).
         blocked: seconds training stood still for it; waited: of those, for the save before."""
-        if lineage is not None:
-            if decision.full and self.engine.global_rank == 0:
-                write_save_record(Path(tag_dir), lineage, self.engine.global_steps,
-                                  self.classify.patterns)
-            self.lineage = lineage
-        for k in self.keys:
-            self.staleness[k] = 0 if k in decision.layers else self.staleness[k] + 1
-        if self.tracker:
-            self.tracker.mark_saved(decision.layers)
-        if self.log:
-            self.log.append(self.engine.global_steps, decision.full, set(decision.layers),
-                            self.last, blocked=blocked, waited=waited)
-        self.timings.append({"step": self.engine.global_steps, "full": decision.full,
+        step = self.engine.global_steps
+        if lineage is not None and decision.full and self.engine.global_rank == 0:
+            write_save_record(Path(tag_dir), lineage, step, self.classify.patterns)
+        self.timings.append({"step": step, "full": decision.full,
                              "blocked": blocked, "waited": waited, "background": math.nan,
                              "host_bytes": self.writer.host.nbytes if self.writer else 0})
+        done = Published(decision, lineage, step)
+        if not decision.full and self.writer is not None and self.writer.busy:
+            self.pending = done
+            if self.log:
+                self.log.update(step, blocked_s=blocked, waited_s=waited)
+            return
+        if self.tracker:
+            self.tracker.mark_saved(decision.layers)
+        self._published(done, blocked_s=blocked, waited_s=waited)
+
+    def _published(self, done: Published, **timings: float) -> None:
+        """A save is published: the policy's state, the lineage and the log follow it."""
+        if done.lineage is not None:
+            self.lineage = done.lineage
+        for k in self.keys:
+            self.staleness[k] = 0 if k in done.decision.layers else self.staleness[k] + 1
+        if self.log:
+            self.log.update(done.step, saved=done.decision.layers, **timings)
         self.save_index += 1
 
     def save(self, tag: str | None = None, client_state: dict | None = None) -> Decision:
@@ -118,6 +149,7 @@ class LayerwiseCheckpointer:
         lineage = self.next_lineage(decision)
         if decision.full:
             self._drop_partial(tag)
+            failpoints.hit("full-save", tag)
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state or {})
         else:
             self.save_partial(tag, decision.layers, lineage, client_state)
@@ -136,9 +168,34 @@ class LayerwiseCheckpointer:
                        lineage, on_published=on_published), training_comm())
             return
         self.wait()
+        self._size_host_buffers()
+        tracker = self.tracker
         self.writer.start(take(self.engine, save_dir, tag, layers, client_state,
                                self.classify, lineage, host=self.writer.host,
-                               on_published=on_published))
+                               on_published=on_published),
+                          after=(lambda snap: tracker.mark_saved_from(snap.slices))
+                          if tracker else None)
+
+    def _size_host_buffers(self) -> None:
+        """At the first partial save: host buffers for the largest partial save the policy
+        can make (within max_host_bytes), so that no later save grows them (a grown buffer's
+        fresh pages fault under the copy that blocks training)."""
+        if self._host_sized:
+            return
+        self._host_sized = True
+        per_key = slice_elements_by_layer(self.engine, self.classify)
+        sizes = {layers: sum(per_key.get(k, 0) for k in layers)
+                 for layers in self.policy.partial_layer_sets(self.keys)}
+        largest = max(sizes, key=sizes.get)
+        host = self.writer.host
+        host.reserve(sizes[largest])
+        if self.engine.global_rank == 0:
+            capped = host.nbytes < 4 * sizes[largest]
+            log.info("asynchronous saves: %.1f MiB of host buffers allocated on rank 0 at the "
+                     "first partial save, for the largest partial save policy %s can make (fp32 "
+                     "weights and both Adam moments of %d of %d layer keys)%s",
+                     host.nbytes / 2**20, self.policy.name, len(largest), len(self.keys),
+                     ", cut to max_host_bytes" if capped else "")
 
     def wait(self) -> float:
         """Collective: wait for the save in flight (asynchronous saves); seconds waited.
@@ -146,11 +203,18 @@ class LayerwiseCheckpointer:
         if self.writer is None or not self.writer.busy:
             return 0.0
         row = len(self.timings) - 1
-        snap = self.writer.join()
+        done, self.pending = self.pending, None
+        try:
+            snap = self.writer.join()
+        except PartialSaveFailed:
+            if done is not None and self.log:  # never published: its row stays unsaved
+                self.log.update(done.step, saved=frozenset())
+            raise
+        background = snap.seconds["background"]
         if row >= 0:
-            self.timings[row]["background"] = snap.seconds["background"]
-            if self.log:
-                self.log.set(row, "background_s", snap.seconds["background"])
+            self.timings[row]["background"] = background
+        if done is not None:
+            self._published(done, background_s=background)
         return snap.seconds["waited"]
 
     def _drop_partial(self, tag: str) -> None:
@@ -161,6 +225,15 @@ class LayerwiseCheckpointer:
             shutil.rmtree(stale)
         if dist.is_initialized():
             dist.barrier()
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What follows a save once it is published."""
+
+    decision: Decision
+    lineage: Lineage | None
+    step: int
 
 
 def agreed_save_id() -> str:

@@ -150,6 +150,18 @@ def all_slices_elements(engine) -> int:
     return len(KINDS) * sum(layout.span(slot, engine.global_rank)[1] for slot in layout.slots)
 
 
+def slice_elements_by_layer(engine, classify: Callable[[str], str]) -> dict[str, int]:
+    """Layer key -> elements of this rank's slices of it (fp32 master and both moments, as
+    `layer_slices` takes them): what a partial save holding it copies into host buffers."""
+    layout = compute_layout(engine._get_zero_param_shapes(), engine.dp_world_size,
+                            flat=flat_engine(engine))
+    out: dict[str, int] = {}
+    for slot in layout.slots:
+        key = classify(slot.name)
+        out[key] = out.get(key, 0) + len(KINDS) * layout.span(slot, engine.global_rank)[1]
+    return out
+
+
 def optimizer_meta(engine) -> dict:
     """The optimizer states file of DeepSpeed minus its flat buffers and moments."""
     osd = without_flat_buffers(engine.optimizer.state_dict())

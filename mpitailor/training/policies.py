@@ -45,6 +45,15 @@ class Policy:
                staleness: dict[str, int]) -> set[str]:
         raise NotImplementedError
 
+    def partial_layer_sets(self, keys: list[str]) -> list[frozenset[str]]:
+        """Every set of layers a partial save can hold (the largest sizes the host buffers
+        of asynchronous saves). By default any layer may be chosen: all of them."""
+        return [frozenset(keys)]
+
+    def _cycle(self, keys: list[str], period: int) -> list[frozenset[str]]:
+        """The partial saves of a policy whose choice repeats every `period` saves."""
+        return list({frozenset(self.choose(i, keys, {}, {})) for i in range(1, period + 1)})
+
     @property
     def name(self) -> str:
         return type(self).__name__.lower()
@@ -56,6 +65,9 @@ class Parity(Policy):
 
     def choose(self, save_index, keys, rel_update, staleness):
         return {k for k in keys if (i := layer_index(k)) is None or i % 2 == save_index % 2}
+
+    def partial_layer_sets(self, keys):
+        return self._cycle(keys, 2)
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,9 @@ class Filter(Policy):
 
         return {k for k in keys if ((i := layer_index(k)) is None and self.aux_always)
                 or (i is not None and (i in always or due(i)))}
+
+    def partial_layer_sets(self, keys):
+        return self._cycle(keys, max(self.every, 1))
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,10 @@ def torch_bytes(obj) -> bytes:
 
 class HostBuffers:
     """One host buffer per dtype for an asynchronous save's slices, reused by every save;
-    never above `limit` bytes, when set. `reserve` allocates and touches it before training
-    (a fresh page costs a fault on first touch: a save that grew the buffer would stall on
-    them); a save that needs more grows it."""
+    never above `limit` bytes, when set. `reserve` allocates and touches it (the checkpointer
+    does, at its first partial save, for the largest save its policy can make: a fresh page
+    costs a fault on first touch, so a save that grew the buffer would stall on them); a save
+    that needs more still grows it."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = limit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from mpitailor.training.distcomm import writer_comm
 from mpitailor.training.snapshot import HostBuffers, PartialSaveFailed, Snapshot, write
@@ -17,12 +18,14 @@ from mpitailor.training.snapshot import HostBuffers, PartialSaveFailed, Snapshot
 class BackgroundWriter:
     def __init__(self, max_host_bytes: int | None = None, reserve: int = 0) -> None:
         """Collective (creates the writer's process group). reserve: fp32 elements of host
-        buffer to allocate now (the largest save's), within max_host_bytes."""
+        buffer to allocate now, within max_host_bytes (LayerwiseCheckpointer reserves none
+        here: it sizes them at its first partial save, to the largest its policy can make)."""
         self.comm = writer_comm()
         self.host = HostBuffers(max_host_bytes)
         if reserve:
             self.host.reserve(reserve)
         self._thread: threading.Thread | None = None
+        self._after_error: BaseException | None = None
         self._snap: Snapshot | None = None
         self._error: BaseException | None = None
 
@@ -30,22 +33,31 @@ class BackgroundWriter:
     def busy(self) -> bool:
         return self._thread is not None
 
-    def start(self, snap: Snapshot) -> None:
-        """Write `snap` in the background (join the previous save first)."""
+    def start(self, snap: Snapshot,
+              after: Callable[[Snapshot], None] | None = None) -> None:
+        """Write `snap` in the background (join the previous save first). after: run in the
+        background too, once the save is published (the update statistics' saved copy); an
+        error of it is raised at the join as it is (the save itself stands)."""
         if self._thread is not None:
             raise RuntimeError("a save is already in flight: join it first")
-        self._snap, self._error = snap, None
+        self._snap, self._error, self._after_error = snap, None, None
         # Not a daemon: a training script that ends normally waits for its last save.
-        self._thread = threading.Thread(target=self._run, args=(snap,),
+        self._thread = threading.Thread(target=self._run, args=(snap, after),
                                         name="mpitailor-writer")
         self._thread.start()
 
-    def _run(self, snap: Snapshot) -> None:
+    def _run(self, snap: Snapshot, after) -> None:
         t0 = time.perf_counter()
         try:
             write(snap, self.comm)
         except BaseException as e:  # noqa: BLE001 - raised at the next join, on every rank
             self._error = e
+        else:
+            try:
+                if after is not None:
+                    after(snap)
+            except BaseException as e:  # noqa: BLE001 - raised at the next join
+                self._after_error = e
         finally:
             snap.seconds["background"] = time.perf_counter() - t0
 
@@ -56,12 +68,14 @@ class BackgroundWriter:
             return None
         t0 = time.perf_counter()
         self._thread.join()
-        snap, error = self._snap, self._error
-        self._thread, self._snap, self._error = None, None, None
+        snap, error, after_error = self._snap, self._error, self._after_error
+        self._thread, self._snap, self._error, self._after_error = None, None, None, None
         snap.seconds["waited"] = time.perf_counter() - t0
         if isinstance(error, PartialSaveFailed):
             raise error
         if error is not None:
             raise PartialSaveFailed(f"partial checkpoint {snap.final} not saved: "
                                     f"{type(error).__name__}: {error}") from error
+        if after_error is not None:
+            raise after_error
         return snap
