@@ -221,3 +221,20 @@ def test_the_in_job_resume_says_what_it_recovered(tmp_path, caplog):
                      f"global_step4, global_step6, global_step8 (newest copy of every layer)"], \
         lines
     assert (read_meta(out).global_steps, read_meta(out).world_size) == (8, 1)
+
+
+def test_the_in_job_resume_reuses_its_composite_per_world_size(tmp_path):
+    """Run twice at the same size, the resume reuses the composite it wrote (HF saves: the
+    manifest names the tag dir, the save its checkpoint-N); a full save given at another
+    size is resharded once, then reused."""
+    from mpitailor.training.resume import recover_for_resume, reshard_for_resume
+    root = tmp_path / "run"
+    shutil.copytree(build("hf_w2_parity"), root)
+    first = recover_for_resume(root)
+    written = (first / "mpitailor_manifest.json").stat().st_mtime_ns
+    assert recover_for_resume(root) == first
+    assert (first / "mpitailor_manifest.json").stat().st_mtime_ns == written
+    full = root / "checkpoint-2"
+    resharded = reshard_for_resume(full, tmp_path / "resume")
+    assert resharded != full and read_meta(resharded).world_size == 1
+    assert reshard_for_resume(full, tmp_path / "resume") == resharded

@@ -1,7 +1,8 @@
 """Command line: `python -m mpitailor RECIPE.yml` merges; subcommands do the rest.
 
-Exit codes: 0 ok, 1 runtime failure, 2 bad input. Errors are one line on every rank;
-tracebacks only with -v.
+Exit codes: 0 ok, 1 runtime failure, 2 bad input, 141 stdout's reader left (`| head`).
+An error is one line: once, from rank 0, when every rank failed alike; else one per rank,
+prefixed `[rank r]` (cli/log.py report_error). Tracebacks only with -v.
 """
 from __future__ import annotations
 
@@ -59,6 +60,21 @@ def cmd_clean(args: argparse.Namespace) -> int:
         print(f"mpitailor: {line}")
     if not done:
         print(f"mpitailor: nothing to clean in {folder}")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from mpitailor.jobs.prune import prune
+    rep = prune(args.comm, args.save_dir, args.keep_last, args.composites, args.dry_run)
+    if args.comm.rank == 0:
+        for line in rep.lines:
+            print(f"mpitailor: {line}")
+        gone = rep.plan.removals
+        saves = sum(v.kind == "save" for v in gone)
+        print(f"mpitailor: {'would remove' if rep.dry_run else 'removed'} {saves} save(s), "
+              f"{sum(v.kind == 'composite' for v in gone)} composite(s) and "
+              f"{sum(v.kind == 'tombstone' for v in gone)} tombstone(s); the newest save is "
+              f"{rep.plan.newest}", flush=True)
     return 0
 
 
@@ -163,6 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
     common(cl)
     cl.set_defaults(func=cmd_clean, uses_mpi=False)
 
+    pr = sub.add_parser("prune", help="delete the saves and composites the newest composite "
+                                      "of a save dir no longer needs (retention)")
+    pr.add_argument("save_dir", help="dir of full and partial checkpoints (global_stepN/, "
+                                     "checkpoint-N/)")
+    pr.add_argument("--keep-last", type=int, required=True, metavar="K",
+                    help="keep the K newest saves of the recovered timeline whatever they hold "
+                         "(0: only what recovery needs)")
+    pr.add_argument("--composites", metavar="DIR",
+                    help="also remove the older recovered-* composites in DIR (the Slurm "
+                         "prologue's OUT_PARENT); SAVE_DIR/.mpitailor-resume/ always")
+    pr.add_argument("--dry-run", action="store_true",
+                    help="say what would be removed and why; delete nothing")
+    common(pr)
+    pr.set_defaults(func=cmd_prune, uses_mpi=True)
+
     pa = sub.add_parser("paths", help="where the shipped recipes and Slurm scripts are")
     common(pa)
     pa.set_defaults(func=cmd_paths, uses_mpi=False)
@@ -249,7 +280,7 @@ def _shard_size(text: str) -> int:
 
 
 PATH_ARGS = ("recipe", "output", "save_dir", "source", "checkpoint", "a", "b", "stats_file",
-             "stats")
+             "stats", "composites")
 PATH_MAX = 4096  # bytes in a path (Linux), the terminating NUL included
 
 
@@ -270,7 +301,23 @@ def check_path_lengths(args: argparse.Namespace) -> None:
 
 
 SUBCOMMANDS = ("merge", "recover", "export", "diff", "inspect", "stats", "paths",
-               "slurm-prologue", "clean")
+               "slurm-prologue", "clean", "prune")
+
+
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for `cat big | head -1`'s cat
+
+
+def quiet_broken_pipe() -> int:
+    """stdout's reader left (`... | head -1`): end without a traceback, as CPython's docs
+    advise (stdout onto /dev/null, so that the interpreter's last flush fails no more).
+    The status is that of a Unix tool ended by SIGPIPE: a pipeline with `pipefail` treats
+    it as any other, and it is neither success (the output was cut short) nor 1 (a
+    failure, or `diff`'s "different"). Only rank 0 writes stdout, after the collectives:
+    the other ranks end as usual."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,16 +345,22 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "safe_globals", None):
             from mpitailor.formats.safeload import trust
             trust([n.strip() for n in args.safe_globals.split(",") if n.strip()])
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        return quiet_broken_pipe()
     except MpitailorError as e:
-        prefix = f"[rank {comm.rank}] " if comm is not None and comm.size > 1 else ""
-        if verbosity > 0:
-            log.exception("failed")
-        # One write per line: lines of several ranks interleave under a launcher otherwise.
-        sys.stderr.flush()
-        os.write(2, f"{prefix}mpitailor: error: {e}\n".encode())
+        from mpitailor.cli.log import report_error
         from mpitailor.cluster.comm import CommFailed
-        if isinstance(e, CommFailed):  # MPI_Finalize would wait for the dead peer forever
+        if isinstance(e, CommFailed):  # this rank's own line; the others may be dead
+            if verbosity > 0:
+                log.exception("failed")
+            prefix = f"[rank {comm.rank}] " if comm is not None and comm.size > 1 else ""
+            sys.stderr.flush()
+            os.write(2, f"{prefix}mpitailor: error: {e}\n".encode())
+        if isinstance(e, CommFailed) or not report_error(e, comm, verbosity):
+            # MPI_Finalize would wait forever for a dead peer, or one busy elsewhere
             sys.stdout.flush()
             os._exit(e.exit_code)
         return e.exit_code

@@ -1,5 +1,5 @@
-"""`python -m mpitailor clean DIR`: remove what killed runs left in DIR (staging dirs, locks)
-and in its subdirectories one level down (a save dir's HF `checkpoint-N/` stages its partial
+"""`python -m mpitailor clean DIR`: remove what killed runs left in DIR (staging dirs, locks,
+the dirs a killed `prune` had renamed away) and in its subdirectories one level down (a save dir's HF `checkpoint-N/` stages its partial
 saves there). Never follows a symbolic link; never touches what a live run holds.
 
 Serial: no MPI.

@@ -39,6 +39,7 @@ from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.partial_shard import check_partial_rank
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.shard import open_shard
+from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.recovery import Chain, Save
 from mpitailor.planning.recovery import choose as choose_saves
 
@@ -51,21 +52,82 @@ def find_saves(save_dir: Path, view=LOCAL) -> list[Save]:
     save dir as the job's nodes see it together (node-local storage; fsview.py)."""
     if not view.is_dir(save_dir):
         raise UserError(f"{save_dir}: no such save dir")
-    found = []
+    check_save_dir(save_dir, view)
+    found, nested = [], []
     for name in sorted(view.names(save_dir)):
         child = save_dir / name
         if name.startswith(".") or not view.is_dir(child) or child.is_symlink():
             continue  # staging dirs of interrupted saves, files
         if view.exists(child / MANIFEST):
             continue  # an earlier composite written here is not a save of this run
+        if _holds_saves(child, view):
+            nested.append(name)
+            continue
         try:
             meta = read_meta(child, view)  # reads the save's lineage record too
         except (CheckpointError, OSError) as e:
             if name.startswith(SAVE_NAMES) or view.exists(child / PARTIAL_MANIFEST):
-                found.append(Save(name, child, None, _lineage(child, view), str(e)))
+                found.append(Save(name, child, None, _lineage(child, view),
+                                  _unfinished(child, view) or str(e)))
+            continue
+        if _hf_unfinished(child, view):
+            found.append(Save(name, child, None, meta.lineage, f"{child}: an incomplete HF "
+                              f"Trainer save (no {HF_LAST}, which the Trainer writes last): a "
+                              f"save killed while it was written"))
             continue
         found.append(Save(name, child, meta, meta.lineage))
+    if nested:
+        raise UserError(f"{save_dir}: holds the save dirs {', '.join(nested)} (each with saves "
+                        f"of its own), not one run's saves; give one of them, e.g. "
+                        f"{save_dir / nested[0]}")
     return sorted(found, key=lambda s: (s.step, s.name))
+
+
+# An HF Trainer save writes its training args first and its trainer state last: a
+# checkpoint-N with the one and not the other was killed while it was written (DeepSpeed's
+# own files, `latest` included, may be complete by then; resuming from it would fail).
+HF_FIRST, HF_LAST = "training_args.bin", "trainer_state.json"
+
+def _hf_unfinished(child: Path, view) -> bool:
+    return view.exists(child / HF_FIRST) and not view.exists(child / HF_LAST)
+
+
+TAG_FILES = ("zero_pp_rank_", "bf16_zero_pp_rank_", "mp_rank_", "rank_0_model_states.pt",
+             PARTIAL_MANIFEST)
+
+
+def check_save_dir(save_dir: Path, view=LOCAL) -> None:
+    """UserError for a checkpoint's tag dir given where the dir of a run's saves is expected
+    (it would read as a save dir with no saves in it)."""
+    if any(n.startswith(TAG_FILES) for n in view.names(save_dir)):
+        raise UserError(f"{save_dir}: a checkpoint's tag dir, not a save dir; give the dir "
+                        f"that holds the saves: {save_dir.parent}")
+
+
+def _holds_saves(child: Path, view) -> bool:
+    """A run's save dir inside the save dir (HF's checkpoint-N/ holds one tag dir, which is
+    a save of this run, not a run of its own)."""
+    subdirs = [n for n in view.names(child) if view.is_dir(child / n)]
+    tags = [n for n in subdirs if n.startswith(SAVE_NAMES)]
+    return (bool(tags) and not child.name.startswith(SAVE_NAMES)) or \
+        any(n.startswith("checkpoint-") for n in tags) or \
+        sum(n.startswith("global_step") for n in tags) > 1
+
+
+def _unfinished(child: Path, view) -> str | None:
+    """Why a save dir holding none of a save's files is skipped: a save that never finished."""
+    names = view.names(child)
+    inner = [child / n for n in names if view.is_dir(child / n)]
+    if any(n == "latest" or n.startswith(FINISHED) for n in names) or any(
+            m.startswith(FINISHED) for d in inner for m in view.names(d)):
+        return None
+    return (f"{child}: an incomplete save (neither DeepSpeed's model states nor "
+            f"mpitailor's {PARTIAL_MANIFEST}, written last, in it): a save killed while it "
+            f"was written, or being written now")
+
+
+# What a save that finished holds (a partial save's rank files come before its manifest).
+FINISHED = ("zero_pp_rank_", "bf16_zero_pp_rank_", "mp_rank_", PARTIAL_MANIFEST)
 
 
 def _lineage(child: Path, view) -> Lineage | None:
@@ -141,8 +203,9 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
              view) -> Exception:
     """No usable full save: an error if any save ever finished, else nothing to recover."""
     finished = view.exists(save_dir / "latest") or any(
-        s.partial or view.exists(s.path / "latest") or view.exists(s.path / PARTIAL_MANIFEST)
-        or view.exists(s.path / SAVE_RECORD) for s in saves)
+        not _hf_unfinished(s.path, view) and (
+            s.partial or view.exists(s.path / "latest") or view.exists(s.path / PARTIAL_MANIFEST)
+            or view.exists(s.path / SAVE_RECORD)) for s in saves)
     reasons = "; ".join(f"{n}: {why}" for n, why in skipped.items())
     if finished:
         return UserError(f"{save_dir}: no usable full checkpoint to start from ("
@@ -154,7 +217,8 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
 
 def choose(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain:
     """The timeline to recover (planning/recovery.py), or why there is none."""
-    chain = choose_saves(save_dir, saves, _latest(save_dir, view))
+    chain = choose_saves(save_dir, saves, _latest(save_dir, view),
+                         read_tombstones(save_dir, view))
     if chain is None:
         raise _nothing(save_dir, saves, {s.name: s.problem for s in saves
                                          if s.problem is not None}, view)
@@ -165,6 +229,20 @@ def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> 
     """Collective: find, check and choose; partial saves the chain uses are checked against
     their CRC-32s (a damaged one is skipped and the chain chosen again). until_step: leave
     out saves after this step (resume from an older point)."""
+    chain = survey_saves(comm, save_dir, until_step)[1]
+    if comm.rank == 0:
+        for name, why in chain.skipped:
+            log.warning("recover: skipping %s: %s", name, why)
+    return chain
+
+
+def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
+                 crc: bool = True) -> tuple[list[Save], Chain, Placement]:
+    """Collective: plan_recovery's work, returning every save found (checked: `problem`
+    says why one is not usable), the chain chosen and where the files lie (prune needs all
+    three). crc=False leaves out the CRC-32 pass over the chain's partial saves (the
+    training side's retention after each save: they were just written and checked by
+    size)."""
     place = survey(comm, [save_dir], depth=3)
     found = comm.step_on(_finder(place, save_dir), find_saves, save_dir, place.fs())
     if until_step is not None:
@@ -172,6 +250,8 @@ def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> 
     saves = check_saves(comm, found, place=place)
     while True:
         chain = comm.root_step(choose, save_dir, saves, place.fs())
+        if not crc:
+            break
         names = {s.name for s in chain.partials}
         checked = check_saves(comm, [s for s in saves if s.name in names], crc_of=names,
                               place=place)
@@ -179,10 +259,7 @@ def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> 
         if not bad:
             break
         saves = [bad.get(s.name, s) for s in saves]
-    if comm.rank == 0:
-        for name, why in chain.skipped:
-            log.warning("recover: skipping %s: %s", name, why)
-    return chain
+    return saves, chain, place
 
 
 RANK0_FILES = (model_file(0), STAGE12_MODEL, partial_files(0)["model"])

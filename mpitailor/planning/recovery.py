@@ -41,17 +41,30 @@ class Save:
 
 
 @dataclass(frozen=True, slots=True)
+class Pruned:
+    """A save `mpitailor prune` deleted, as its tombstone remembers it: enough for `follow`
+    to step across it to the saves built on it."""
+
+    name: str
+    step: int
+    lineage: Lineage
+
+
+@dataclass(frozen=True, slots=True)
 class Chain:
     """What recovery uses: a full save, the partial saves after it, and what it left out."""
 
     full: Save
     partials: tuple[Save, ...]
     skipped: tuple[tuple[str, str], ...]   # (save name, why)
+    pruned: tuple[str, ...] = ()           # saves of the timeline deleted by prune
 
 
-def choose(save_dir: Path, saves: list[Save], latest_tag: str | None) -> Chain | None:
+def choose(save_dir: Path, saves: list[Save], latest_tag: str | None,
+           pruned: tuple[Pruned, ...] = ()) -> Chain | None:
     """The timeline to recover: a usable full save and the partial saves built on it (None:
-    no usable full save). latest_tag: what the save dir's `latest` names, if anything."""
+    no usable full save). latest_tag: what the save dir's `latest` names, if anything;
+    pruned: the tombstones of deleted saves (`follow` steps across them)."""
     by_name = {s.name: s for s in saves}
     fulls = [s for s in saves if s.problem is None and not s.partial]
     skipped: dict[str, str] = {s.name: s.problem for s in saves if s.problem is not None}
@@ -62,8 +75,9 @@ def choose(save_dir: Path, saves: list[Save], latest_tag: str | None) -> Chain |
         start = fulls[-1]
     if start is None:
         return None
-    path = follow(start, saves) if start.lineage is not None else \
+    walk = follow(start, saves, pruned) if start.lineage is not None else \
         [s for s in saves if s.partial and s.step > start.step and s.lineage is None]
+    path = [s for s in walk if isinstance(s, Save)]
     on_path = {s.name for s in path}
     for s in saves:
         if s is start or s.name in on_path or s.name in skipped or s.step < start.step:
@@ -81,14 +95,19 @@ def choose(save_dir: Path, saves: list[Save], latest_tag: str | None) -> Chain |
         if s.problem is not None:
             skipped[s.name] = s.problem
     return Chain(start, partials, tuple(sorted(skipped.items(),
-                                               key=lambda kv: (by_name[kv[0]].step, kv[0]))))
+                                               key=lambda kv: (by_name[kv[0]].step, kv[0]))),
+                 tuple(s.name for s in walk if isinstance(s, Pruned)))
 
 
-def follow(start: Save, saves: list[Save]) -> list[Save]:
+def follow(start: Save, saves: list[Save],
+           pruned: tuple[Pruned, ...] = ()) -> list[Save | Pruned]:
     """The partial saves built on `start`, one on another, through unusable ones too (their
-    successors still hold good layers); at a fork, the newest branch."""
-    children: dict[str, list[Save]] = {}
-    for s in saves:
+    successors still hold good layers), and across the saves prune deleted (their
+    tombstones, `Pruned`, in the path); at a fork, the newest branch. A missing save that
+    left no tombstone ends the path: what follows it is another timeline."""
+    present = {s.lineage.save_id for s in saves if s.lineage is not None}
+    children: dict[str, list[Save | Pruned]] = {}
+    for s in [*saves, *(p for p in pruned if p.lineage.save_id not in present)]:
         if s.lineage is not None and s.lineage.parent is not None:
             children.setdefault(s.lineage.parent, []).append(s)
     path, node = [], start
@@ -134,5 +153,7 @@ def recovery_recipe(save_dir: Path, chain: Chain, output: Path | None = None,
               f"(step {full.step}), {len(partials)} partial checkpoint(s) of its timeline "
               f"after it; taken from: {', '.join(recipe['sources'])}.\n")
     header += "".join(f"# skipped {n}: {why}\n" for n, why in chain.skipped)
+    if chain.pruned:
+        header += f"# stepped across, deleted by mpitailor prune: {', '.join(chain.pruned)}\n"
     return recipe_from(recipe, origin=f"recover {save_dir}", header=header,
                        world_size=world_size)

@@ -2,7 +2,8 @@
 
 A run stages its output in `.NAME.mpitailor-staging` (moved to `.NAME.mpitailor-discard`
 while being removed) under the lock `.NAME.mpitailor-lock`; publishing over an existing
-output (partial saves) moves the old one to `.NAME.mpitailor-old` for a moment. SIGKILL, or
+output (partial saves) moves the old one to `.NAME.mpitailor-old` for a moment; `prune`
+renames what it deletes to `.NAME.mpitailor-pruning` first, under the same lock. SIGKILL, or
 a launcher that kills a rank before its clean-up ends, leaves these behind. They belong to
 a dead run exactly when nobody holds their lock: `flock` is released by the kernel when its
 holder dies, so a lock we can take is a stale one, and while we hold it nobody else can
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 
 STAGING, DISCARD, OLD, LOCK = (".mpitailor-staging", ".mpitailor-discard", ".mpitailor-old",
                                ".mpitailor-lock")
-SUFFIXES = (STAGING, DISCARD, OLD, LOCK)
+PRUNING = ".mpitailor-pruning"  # a save or composite `prune` renamed away, being removed
+SUFFIXES = (STAGING, DISCARD, OLD, LOCK, PRUNING)
 
 
 def path_of(output: Path, suffix: str) -> Path:
@@ -46,6 +48,22 @@ def take_lock(lock_path: Path) -> int | None:
             return fd
         os.close(fd)  # its holder unlinked the file we opened as it let go: open it again
     return None
+
+
+def is_held(lock_path: Path) -> bool:
+    """Whether a live process holds the lock at lock_path (none there: no). Creates and
+    removes nothing (a dry run looks with it)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing lets go of the lock, if we took it
+    return False
 
 
 def drop_lock(lock_path: Path, fd: int) -> None:

@@ -46,13 +46,15 @@ def main(spec_path: str, result_path: str) -> None:
         save_strategy="steps", per_device_train_batch_size=spec.micro_batch,
         learning_rate=spec.lr, weight_decay=0.01, warmup_steps=2, logging_steps=1,
         bf16=spec.dtype == "bf16", deepspeed=ds, report_to=[], seed=spec.seed,
-        dataloader_num_workers=0, save_only_model=False, use_cpu=False)
+        dataloader_num_workers=0, save_only_model=False, use_cpu=False,
+        save_total_limit=(spec.policy or {}).get("keep_last"))
     model = build_model(spec)
     data = TokenData(spec, spec.steps * spec.micro_batch * spec.world_size * 2)
     if spec.policy is not None and spec.hf_trainer == "layerwise":
         from mpitailor.training.hf import LayerwiseTrainer
         from mpitailor.training.policies import make_policy
         options = dict(spec.policy)
+        options.pop("keep_last", None)  # LayerwiseTrainer takes it as save_total_limit
         trainer = LayerwiseTrainer(policy=make_policy(options.pop("name"), **options),
                                    stats=spec.stats, layer_patterns=spec.layer_patterns,
                                    per_layer_groups=spec.per_layer_groups,

@@ -136,11 +136,12 @@ def run(spec: TrainSpec, result_path: str) -> None:
         from mpitailor.training.checkpointer import LayerwiseCheckpointer
         from mpitailor.training.policies import make_policy
         options = dict(spec.policy)
+        keep_last = options.pop("keep_last", None)  # the checkpointer's, not the policy's
         ckpt = LayerwiseCheckpointer(engine, spec.save_dir, make_policy(options.pop("name"),
                                                                         **options),
                                      stats=spec.stats, layer_patterns=spec.layer_patterns,
                                      asynchronous=spec.async_save,
-                                     max_host_bytes=spec.max_host_bytes)
+                                     max_host_bytes=spec.max_host_bytes, keep_last=keep_last)
         on_save = lambda engine, spec, step: ckpt.save(  # noqa: E731
             tag=f"global_step{step}", client_state=client_state(spec, step))
     losses = train(spec, engine, first, on_save)

@@ -43,7 +43,8 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
     def __init__(self, accelerator, save_dir: str | os.PathLike, policy: Policy,
                  stats: str | os.PathLike | None = None,
                  layer_patterns: Mapping[str, str] | None = None,
-                 asynchronous: bool = False, max_host_bytes: int | None = None) -> None:
+                 asynchronous: bool = False, max_host_bytes: int | None = None,
+                 keep_last: int | None = None) -> None:
         """As LayerwiseCheckpointer's arguments, with the Accelerator (after `prepare`)
         in place of the engine."""
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
@@ -56,7 +57,7 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
                             "checkpoint-N): make the Accelerator without ProjectConfiguration("
                             "automatic_checkpoint_naming=True)")
         super().__init__(wrapped.engine, save_dir, policy, stats, layer_patterns,
-                         asynchronous, max_host_bytes)
+                         asynchronous, max_host_bytes, keep_last)
         self.accelerator = accelerator
 
     def save(self, tag: str | None = None, client_state: dict | None = None) -> Decision:

@@ -37,8 +37,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mpitailor import failpoints
-from mpitailor.errors import UserError
+from mpitailor.errors import MpitailorError, UserError
 from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
+from mpitailor.jobs.prune import prune
 from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.publish.staging import fsync_dir, write_synced
 from mpitailor.training.distcomm import training_comm
@@ -55,11 +56,19 @@ class LayerwiseCheckpointer:
     def __init__(self, engine, save_dir: str | os.PathLike, policy: Policy,
                  stats: str | os.PathLike | None = None,
                  layer_patterns: Mapping[str, str] | None = None,
-                 asynchronous: bool = False, max_host_bytes: int | None = None) -> None:
+                 asynchronous: bool = False, max_host_bytes: int | None = None,
+                 keep_last: int | None = None) -> None:
         """layer_patterns: `{regex: layer key}` for parameter names the built-in rules do not
         know (see `mpitailor.planning.layers`); recorded in every save, so `recover` needs no
         flag. asynchronous: write partial saves in the background (above); max_host_bytes:
-        refuse (UserError, every rank) a save whose slices need more host buffer than this."""
+        refuse (UserError, every rank) a save whose slices need more host buffer than this.
+        keep_last: after each published save, delete what the newest composite no longer
+        needs, keeping the K newest saves (`mpitailor prune --keep-last K`; None: keep all)."""
+        if keep_last is not None and (isinstance(keep_last, bool) or
+                                      not isinstance(keep_last, int) or keep_last < 0):
+            raise UserError(f"keep_last={keep_last!r}: give a count >= 0 (the newest saves kept "
+                            f"whatever they hold), or None to keep every save")
+        self.keep_last = keep_last
         self.engine, self.save_dir, self.policy = engine, save_dir, policy
         refuse_unsupported(engine)
         classify = LayerClassifier(layer_patterns)
@@ -139,6 +148,25 @@ class LayerwiseCheckpointer:
         if self.log:
             self.log.update(done.step, saved=done.decision.layers, **timings)
         self.save_index += 1
+        if self.keep_last is not None:
+            self._retain()
+
+    def _retain(self) -> None:
+        """Collective: `prune --keep-last K` of the save dir, without its CRC pass (the saves
+        were just written and are checked by size and structure). A save that cannot be
+        deleted is said, not raised: retention must not stop training."""
+        comm = training_comm()
+        try:
+            report = prune(comm, self.save_dir, self.keep_last, crc=False)
+        except MpitailorError as e:
+            if comm.rank == 0:
+                log.warning("retention (keep_last=%d): nothing more pruned: %s",
+                            self.keep_last, e)
+            return
+        if comm.rank == 0:
+            for line in report.lines:
+                if line.startswith("removed"):
+                    log.info("retention (keep_last=%d): %s", self.keep_last, line)
 
     def save(self, tag: str | None = None, client_state: dict | None = None) -> Decision:
         """Collective: a full DeepSpeed save or a partial one, as the policy decides."""

@@ -14,8 +14,9 @@ By default the optimizer gets one param group per layer (HF's optimizer, hyper-p
 and decay/no-decay split otherwise unchanged), so that every Adam step of a composite is
 exact; `per_layer_groups=False` keeps HF's two groups. Requires DeepSpeed ZeRO-3 with the
 optimizer made by the Trainer (no "optimizer" section in the DeepSpeed config: DeepSpeed
-would build its own from one group); keep `save_total_limit` unset so the partial chain is
-not rotated away.
+would build its own from one group). `save_total_limit` is applied by mpitailor's retention
+(jobs/prune.py) instead of HF's rotation, which would rotate the full save the partial saves
+build on away.
 """
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ class LayerwiseTrainer(transformers.Trainer):
         if self._layerwise is None:
             self._layerwise = LayerwiseCheckpointer(
                 self.deepspeed, run_dir, self.layerwise_policy, self.layerwise_stats,
-                self.layer_patterns, self.asynchronous, self.max_host_bytes)
+                self.layer_patterns, self.asynchronous, self.max_host_bytes,
+                keep_last=self.args.save_total_limit)
         t0 = time.perf_counter()
         waited = self._layerwise.wait()
         decision = self._layerwise.decide()
@@ -131,7 +133,14 @@ class LayerwiseTrainer(transformers.Trainer):
         out = run_dir / f"checkpoint-{self.state.global_step}"
         self._fresh_dir(out)
         if decision.full:
-            super()._save_checkpoint(model, trial)
+            # HF's rotation deletes the oldest checkpoint-N dirs, which would take the full
+            # save the partial ones build on: save_total_limit is the checkpointer's
+            # keep_last instead (mpitailor prune's rules), applied once the save is published.
+            limit, self.args.save_total_limit = self.args.save_total_limit, None
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
         else:
             self._save_partial(out, decision.layers, lineage)
         self._layerwise.record(decision, lineage, out / f"global_step{self.state.global_step}",

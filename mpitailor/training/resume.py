@@ -18,6 +18,7 @@ from mpitailor.errors import NothingToRecover
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.jobs.clean import clean
 from mpitailor.jobs.merge import plan_recipe, write_merge
+from mpitailor.jobs.prune import RESUME_DIR
 from mpitailor.jobs.recovery import find_saves, plan_recovery
 from mpitailor.formats.read import read_meta
 from mpitailor.planning.recipe import recipe_from
@@ -27,7 +28,6 @@ from mpitailor.training.distcomm import training_comm
 from mpitailor.training.notice import make_visible
 
 log = logging.getLogger(__name__)
-RESUME_DIR = ".mpitailor-resume"
 
 
 def recover_for_resume(save_dir: str | os.PathLike, until_step: int | None = None,
@@ -67,7 +67,7 @@ def recover_for_resume(save_dir: str | os.PathLike, until_step: int | None = Non
     resharded = "" if chain.full.meta.world_size == world else \
         f", resharded from world size {chain.full.meta.world_size}"
     where = f"resuming from {out} (step {base.step}, world size {world}{resharded})"
-    if comm.root_step(_is_recovery_of, out, base.path, world):
+    if comm.root_step(_is_recovery_of, out, base, world):
         _say(comm, logging.INFO, f"{where}, recovered before from {came_from}")
         return out
     recipe = comm.root_step(recovery_recipe, save_dir, chain, out, None,
@@ -92,7 +92,7 @@ def reshard_for_resume(checkpoint: str | os.PathLike, output_root: str | os.Path
     out = Path(output_root).resolve() / f"resharded-{path.name}-w{world}"
     where = (f"resuming from {out} (step {meta.global_steps}, world size {world}), {path} "
              f"resharded from world size {meta.world_size}")
-    if comm.root_step(_is_recovery_of, out, path, world):
+    if comm.root_step(_is_recovery_of, out, (path, meta.files.tag_dir), world):
         _say(comm, logging.INFO, f"{where} before")
         return out
     recipe = comm.root_step(recipe_from, {"sources": {"saved": str(path)},
@@ -116,14 +116,22 @@ def _say(comm, level: int, line: str) -> None:
         log.log(level, "%s", line)
 
 
-def _is_recovery_of(out: Path, base: Path, world: int) -> bool:
-    """A published composite (manifest last) of that very save, for that world size."""
+def _is_recovery_of(out: Path, base, world: int) -> bool:
+    """A published composite (manifest last) of that very save, for that world size. base:
+    a Save (the same save id, where the saves record one, else the same path: a save dir or
+    its tag dir) or the paths a checkpoint goes by."""
     try:
         manifest = json.loads((out / MANIFEST).read_text())
-        return (manifest["sources"][manifest["base"]]["path"] == str(base)
-                and manifest["world_size"] == world)
+        source = manifest["sources"][manifest["base"]]
+        if manifest["world_size"] != world:
+            return False
     except (OSError, ValueError, KeyError, TypeError):
         return False
+    if isinstance(base, tuple):
+        return Path(source["path"]) in base
+    if base.lineage is not None:
+        return source.get("save_id") == base.lineage.save_id
+    return Path(source["path"]) in (base.path, base.meta.files.tag_dir)
 
 
 def _unfinished(save_dir: Path) -> list[str]:

@@ -1,0 +1,203 @@
+"""`prune`: delete what the newest composite of a save dir no longer needs.
+
+The decision (planning/retention.py) is taken once, from the saves as `recover` checks and
+chooses them; deleting is separate (`apply_plan`), so that under node-local storage each
+node's leader applies the same decision to its own disk. Each path goes by a rename to a
+hidden `.NAME.mpitailor-pruning` first, under the path's lock, then by rmtree: a prune killed
+half-way leaves nothing that looks like a save, and `mpitailor clean` takes what it left. A
+save of the timeline leaves its tombstone (jobs/tombstones.py) before it goes.
+
+Collective where it takes a `comm`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpitailor.cluster.comm import Comm
+from mpitailor.errors import CheckpointError, MpitailorError, UserError
+from mpitailor.formats.manifest import MANIFEST, read_manifest
+from mpitailor.jobs.recovery import survey_saves
+from mpitailor.jobs.tombstones import read_tombstones, write_tombstone
+from mpitailor.planning.retention import Composite, RetentionPlan, Verdict, plan_retention
+from mpitailor.publish.leftovers import (
+    LOCK,
+    PRUNING,
+    STAGING,
+    drop_lock,
+    is_held,
+    path_of,
+    remove,
+    take_lock,
+)
+
+log = logging.getLogger(__name__)
+RESUME_DIR = ".mpitailor-resume"  # where the in-job resume writes composites (training/)
+COMPOSITE_PREFIX = "recovered-"
+
+
+class PruneFailed(MpitailorError):
+    """A runtime failure while deleting (exit 1); what was removed before it is said."""
+
+
+@dataclass(frozen=True, slots=True)
+class PruneReport:
+    """What prune decided and did: `lines`, one per path (removed, kept, and why)."""
+
+    save_dir: Path
+    plan: RetentionPlan
+    dry_run: bool
+    lines: tuple[str, ...]
+
+    @property
+    def removed(self) -> tuple[Path, ...]:
+        return () if self.dry_run else tuple(v.path for v in self.plan.removals)
+
+
+def prune(comm: Comm, save_dir: str | os.PathLike, keep_last: int,
+          composites: str | os.PathLike | None = None, dry_run: bool = False,
+          crc: bool = True) -> PruneReport:
+    """Collective: decide (plan_prune), then delete: on rank 0 where every rank sees the
+    same files, else on each node's first rank, on its own disk. dry_run: delete nothing;
+    the report says what would go. crc: check the chain's partial saves against their
+    CRC-32s first, as recover does (the training side's retention after each save leaves
+    it out: survey_saves)."""
+    save_dir, composites = check_args(save_dir, keep_last, composites)
+    plan, node_local = plan_prune(comm, save_dir, keep_last, composites, crc)
+    from mpitailor.cluster.nodes import Nodes
+    appliers = Nodes.of(comm).leaders() if node_local else [0]
+    lines = comm.step(lambda: apply_plan(save_dir, plan, dry_run)
+                      if comm.rank in appliers else None)
+    lines = comm.bcast(lines, root=0)
+    return PruneReport(save_dir, plan, dry_run, tuple(lines))
+
+
+def check_args(save_dir: str | os.PathLike, keep_last: int,
+               composites: str | os.PathLike | None) -> tuple[Path, Path | None]:
+    """Bad input, said before anything is read: UserError naming the path and the fix."""
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
+        raise UserError(f"--keep-last {keep_last}: give a count >= 0 (the newest saves of the "
+                        f"recovered timeline kept whatever they hold)")
+    paths = [(Path(save_dir), "SAVE_DIR, the dir of a run's saves")]
+    if composites is not None:
+        paths.append((Path(composites), "--composites DIR, where recovered-* composites are "
+                                        "written (the Slurm prologue's OUT_PARENT)"))
+    for path, what in paths:
+        if os.path.islink(path) or not path.is_dir():
+            state = "a symbolic link" if os.path.islink(path) else \
+                "not a directory" if os.path.lexists(path) else "does not exist"
+            raise UserError(f"{path}: {state}; give {what}")
+    return (Path(save_dir).resolve(),
+            None if composites is None else Path(composites).resolve())
+
+
+def plan_prune(comm: Comm, save_dir: Path, keep_last: int,
+               composites: Path | None = None, crc: bool = True) -> tuple[RetentionPlan, bool]:
+    """Collective: the retention plan (the same on every rank) and whether the save dir is
+    node-local. The saves are found and checked as `recover` does; the composites, the
+    tombstones and the locks are read on rank 0."""
+    saves, chain, place = survey_saves(comm, save_dir, crc=crc)
+    folders = [save_dir / RESUME_DIR] + ([composites] if composites is not None else [])
+
+    def decide() -> RetentionPlan:
+        found = [c for f in folders for c in find_composites(f)]
+        busy = {str(s.path): why for s in saves if (why := _busy(s.path)) is not None}
+        busy.update({str(c.path): why for c in found if (why := _busy(c.path)) is not None})
+        return plan_retention(save_dir, saves, chain, keep_last,
+                              read_tombstones(save_dir, place.fs()), tuple(found), busy)
+    return comm.root_step(decide), place.node_local
+
+
+def find_composites(folder: Path) -> list[Composite]:
+    """The `recovered-*` dirs in folder, as their manifests describe them (a dir without a
+    readable merge manifest: its problem)."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not entry.name.startswith(COMPOSITE_PREFIX) or \
+                not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        try:
+            m = read_manifest(path / MANIFEST)
+            if m.kind != "merge":
+                raise CheckpointError(f"{path / MANIFEST}: a {m.kind} manifest, not a merge's")
+            base = m["sources"][m["base"]]
+            found.append(Composite(path, str(base["path"]), base.get("save_id"),
+                                   int(base["global_steps"])))
+        except (CheckpointError, KeyError, TypeError, ValueError) as e:
+            found.append(Composite(path, problem=str(e)))
+    return found
+
+
+def _busy(path: Path) -> str | None:
+    """Why a live process may be writing path (its lock held, its staging dir there, or a
+    held lock inside it: an HF checkpoint-N stages its tag dir there), else None."""
+    locks = [path_of(path, LOCK)] + [path / n for n in _names(path) if n.endswith(LOCK)]
+    for lock in locks:
+        try:
+            if is_held(lock):
+                return f"a live process holds {lock.name}: being written"
+        except OSError as e:
+            return f"cannot tell whether {lock} is held ({e.strerror or e}); left alone"
+    if os.path.lexists(path_of(path, STAGING)):
+        return (f"{path_of(path, STAGING).name} lies beside it (a save in progress, or a "
+                f"killed one: `mpitailor clean` reclaims it)")
+    return None
+
+
+def _names(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def apply_plan(save_dir: Path, plan: RetentionPlan, dry_run: bool = False) -> list[str]:
+    """Carry out plan on this process's view of the disk: one line per verdict. Saves and
+    composites go under their lock, renamed away first; a save of the timeline leaves its
+    tombstone before. Raises PruneFailed (saying what went before) on an I/O error."""
+    lines: list[str] = []
+    for v in plan.verdicts:
+        if not v.remove:
+            lines.append(f"kept {v.path}: {v.why}")
+        elif dry_run:
+            mark = "; its tombstone lets recovery step across it" if v.tombstone else ""
+            lines.append(f"would remove {v.path}: {v.why}{mark}")
+        else:
+            try:
+                lines.append(_apply(save_dir, v))
+            except OSError as e:
+                done = sum(line.startswith("removed") for line in lines)
+                raise PruneFailed(f"prune: cannot remove {v.path} ({e.strerror or e}); "
+                                  f"{done} path(s) removed before it; run prune again") from e
+    for line in lines:
+        log.debug("prune: %s", line)
+    return lines
+
+
+def _apply(save_dir: Path, v: Verdict) -> str:
+    if v.kind == "tombstone":
+        v.path.unlink(missing_ok=True)
+        return f"removed {v.path}: {v.why}"
+    lock = path_of(v.path, LOCK)
+    fd = take_lock(lock)
+    if fd is None:
+        return f"kept {v.path}: a live process took {lock.name} just now"
+    try:
+        if not os.path.lexists(v.path):
+            return f"kept nothing of {v.path}: already gone (removed by another process)"
+        if v.tombstone is not None:
+            write_tombstone(save_dir, v.tombstone)
+        gone = path_of(v.path, PRUNING)
+        if os.path.lexists(gone):
+            remove(gone)
+        os.rename(v.path, gone)
+        remove(gone)
+    finally:
+        drop_lock(lock, fd)
+    return f"removed {v.path}: {v.why}" + ("; its tombstone lets recovery step across it"
+                                           if v.tombstone else "")
