@@ -35,6 +35,10 @@
 #                        else the saves' own): the composite is written for that many, so a
 #                        job requeued on another number of GPUs resumes as it is; it is
 #                        named recovered-step<N>-w<W> then
+# MPITAILOR_KEEP_LAST    after a recovery, `mpitailor prune SAVE_DIR --keep-last K
+#                        --composites OUT_PARENT`: what the new composite no longer needs goes
+#                        (older chains, superseded saves, older recovered-step* dirs); unset:
+#                        nothing is deleted. One node only (node-local saves: prune in-job)
 # MPITAILOR_NODES        nodes of the job (default: $SLURM_JOB_NUM_NODES in a job, else 1);
 #                        1 plans and checks on this host alone, as on one node
 # MPITAILOR_PYTHON       python with mpitailor installed (default: python)
@@ -66,9 +70,24 @@ if [[ -z $WORLD && -n ${SLURM_JOB_ID:-} ]]; then
 fi
 [[ -z $WORLD || $WORLD =~ ^[1-9][0-9]*$ ]] \
     || { echo "resume-prologue: MPITAILOR_WORLD_SIZE=$WORLD is not a number of ranks" >&2; exit 2; }
+KEEP=${MPITAILOR_KEEP_LAST:-}
+[[ -z $KEEP || $KEEP =~ ^[0-9]+$ ]] \
+    || { echo "resume-prologue: MPITAILOR_KEEP_LAST=$KEEP is not a count of saves" >&2; exit 2; }
 
 log() { printf '%s resume-prologue: %s\n' "$(date '+%F %T')" "$*" >&2; }
 fail() { log "error: $2"; exit "$1"; }
+
+# Retention once the composite is there (MPITAILOR_KEEP_LAST): a failure to prune is said,
+# never a failed prologue (the job can resume all the same).
+retain() {
+    [[ -n $KEEP ]] || return 0
+    if ((NODES > 1)); then
+        log "not pruning: node-local saves on $NODES nodes (prune in the job: keep_last=)"
+        return 0
+    fi
+    "$PY" -m mpitailor prune "$SAVE_DIR" --keep-last "$KEEP" --composites "$OUT_PARENT" >&2 \
+        || log "warning: mpitailor prune exited $? (nothing else changes: resuming all the same)"
+}
 
 # Atomic write of the resume file, then the stdout line (an empty path: nothing to resume).
 announce() {
@@ -167,6 +186,7 @@ done
 
 if exists "$OUT"; then
     log "reusing $OUT: already recovered from $base"
+    retain
     announce "$OUT"
     exit 0
 fi
@@ -186,4 +206,5 @@ fi
 is_recovery_of "$OUT" "$base_path" \
     || fail 1 "recover exited 0 but $OUT is not a complete recovery of $base_path"
 log "recovered $OUT (tag $(cat "$OUT/latest")${WORLD:+, world size $WORLD}) in $((SECONDS - start)) s"
+retain
 announce "$OUT"

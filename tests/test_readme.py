@@ -43,6 +43,9 @@ def test_the_readme_hf_trainer_example_resumes_at_any_size(killed, tmp_path, wor
             f"checkpoint-6 (newest copy of every layer)") in log, log[-3000:]
     assert read_meta(composite).world_size == world
     assert_same_checkpoint(composite, offline)
+    # The base is a partial save: it carries what a full checkpoint-N would.
+    for name in ("zero_to_fp32.py", "generation_config.json", "config.json"):
+        assert (composite / name).is_file(), name
     start = json.loads((composite / "trainer_state.json").read_text())
     state = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())
     assert start["global_step"] == 6 and state["global_step"] == 8  # resumed, not restarted

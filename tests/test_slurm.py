@@ -241,3 +241,24 @@ def test_prologue_given_a_tag_dir_refuses_and_names_the_save_dir(env, tmp_path):
     assert f"a checkpoint's tag dir, not a save dir; give the dir that holds the saves: " \
            f"{save}" in r.stderr
     assert not (tmp_path / "resume-from").exists()
+
+
+def test_prologue_with_keep_last_prunes_after_recovering(env, tmp_path):
+    """MPITAILOR_KEEP_LAST=0: once the composite is there, what it no longer needs goes: the
+    composite of an older step, and step 4 (its layers saved again at 8); the full save at 2
+    and the newest copies (6, 8) stay. The answer is the new composite all the same."""
+    save = tmp_path / "save"
+    shutil.copytree(ckpt_fixtures.build("w2_parity"), save)
+    out_parent = tmp_path / "out"
+    (save / "global_step8").rename(tmp_path / "aside")
+    older = prologue(save, out_parent, env)  # a composite of step 6, then step 8 is saved
+    assert older.returncode == 0, older.stderr
+    (tmp_path / "aside").rename(save / "global_step8")
+    r = run(["bash", SLURM / "resume-prologue.sh", save, out_parent],
+            {**env, "MPITAILOR_KEEP_LAST": "0"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"MPITAILOR_RESUME_FROM={out_parent / 'recovered-step8'}\n"
+    assert not (out_parent / "recovered-step6").exists(), r.stderr
+    assert (out_parent / "recovered-step8" / "latest").exists()
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("global_step")) == \
+        ["global_step2", "global_step6", "global_step8"], r.stderr

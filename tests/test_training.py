@@ -221,6 +221,8 @@ def test_the_in_job_resume_says_what_it_recovered(tmp_path, caplog):
                      f"global_step4, global_step6, global_step8 (newest copy of every layer)"], \
         lines
     assert (read_meta(out).global_steps, read_meta(out).world_size) == (8, 1)
+    # The base is a partial save: DeepSpeed's scripts of the run come along, as with a full one.
+    assert (out / "zero_to_fp32.py").read_bytes() == (root / "zero_to_fp32.py").read_bytes()
 
 
 def test_the_in_job_resume_reuses_its_composite_per_world_size(tmp_path):

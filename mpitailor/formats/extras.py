@@ -49,12 +49,15 @@ OURS = {"latest", "latest_universal", MANIFEST}  # ours name our tags, not the b
 
 
 def extras_dir(base: CheckpointMeta) -> Path | None:
-    """The save dir around the base's tag dir, when it belongs to that very tag."""
+    """The save dir around the base's tag dir, when it belongs to that very tag, or to its
+    run: a plain loop's partial save sits in the run's save dir, whose `latest` keeps naming
+    the last full save (DeepSpeed's scripts there serve every save of the run)."""
     if base.files.save_dir is not None:
         return base.files.save_dir
     parent = base.files.tag_dir.parent
     latest = parent / "latest"
-    if latest.is_file() and latest.read_text().strip() == base.files.tag:
+    if latest.is_file() and (base.files.partial or
+                             latest.read_text().strip() == base.files.tag):
         return parent
     return None
 
