@@ -12,7 +12,8 @@ model-states file not), "export" (a parameter's Universal files written, the res
 save's rank files about to be written), "partial-publish" (every rank's files written, the
 manifest not), "full-save" (a training loop's full save begun and not finished: the plain loop's before
 DeepSpeed's files, Accelerate's in its empty checkpoint dir, HF's before the optimizer and
-trainer state; detail: the checkpoint-N or tag name). RANK is the MPI rank, or the training rank (RANK) in a training process.
+trainer state; detail: the checkpoint-N or tag name), "reclaim" (a stale lock taken by
+`clean` or a run, its leftovers not yet removed; detail: the output's name). RANK is the MPI rank, or the training rank (RANK) in a training process.
 Unset, it costs one environment lookup per point.
 """
 from __future__ import annotations

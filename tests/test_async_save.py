@@ -150,12 +150,13 @@ def test_a_full_disk_in_the_writer_raises_on_every_rank_and_publishes_nothing(tm
 
 
 def test_host_buffers_over_the_limit_are_refused_on_every_rank(tmp_path):
-    spec = replace(spec_for("w2_parity_async", tmp_path / "run"), stats=None,
-                   max_host_bytes=1000)
+    # A model wide enough that a partial save's slices pass 1 MiB, the least limit accepted
+    spec = replace(spec_for("w2_parity_async", tmp_path / "run"), stats=None, hidden=256,
+                   intermediate=512, max_host_bytes="1MiB")
     with pytest.raises(TrainFailed) as failed:
         launch(spec)
     text = str(failed.value)
-    assert text.count("over max_host_bytes=0.0 MiB") >= 2  # said on both ranks
+    assert text.count("over max_host_bytes=1.00 MiB (1048576 bytes)") >= 2  # on both ranks
     for rank in (0, 1):
         assert f"training rank {rank} exited" in text
     assert not (tmp_path / "run" / "global_step4").exists()
@@ -173,3 +174,32 @@ def test_resume_from_asynchronous_saves(tmp_path):
     assert result["global_steps"] == 10
     assert all(math.isfinite(x) for x in result["losses"])
     assert VARIANTS["w2_parity_async"][0]["async_save"] is True
+
+
+def test_end_cpu_training_waits_for_the_save_in_flight(tmp_path):
+    """The README's last line right after an asynchronous save (the writer of step 8 still
+    sleeping): the save is published before the process ends, exit 0."""
+    root = tmp_path / "run"
+    spec = replace(spec_for("w2_parity_async", root), stats=None,
+                   extra={"end": "end_cpu_training",
+                          "env": {"MPITAILOR_FAILPOINT": "partial-write/global_step8:0:sleep=3"}})
+    launch(spec)
+    assert (root / "global_step8" / PARTIAL_MANIFEST).is_file()
+    assert not list(root.glob(".global_step8*"))
+
+
+def test_end_cpu_training_fails_loudly_when_the_save_in_flight_fails(tmp_path):
+    root = tmp_path / "run"
+    spec = replace(spec_for("w2_parity_async", root), stats=None,
+                   extra={"end": "end_cpu_training",
+                          "env": {"MPITAILOR_FAILPOINT": "partial-write/global_step8:1:enospc"}})
+    with pytest.raises(TrainFailed) as failed:
+        launch(spec)
+    text = str(failed.value)
+    for rank in (0, 1):
+        assert f"training rank {rank} exited 1" in text, text
+    assert "mpitailor: end_cpu_training: waiting for the asynchronous save of " \
+           f"{root / 'global_step8'} to be published" in text, text
+    assert text.count("mpitailor: end_cpu_training: partial checkpoint not saved") >= 1, text
+    assert "; exiting with 1" in text
+    assert not (root / "global_step8").exists()

@@ -1,7 +1,7 @@
 """The layers of the house (DESIGN.md, Version 3): each folder imports only from the folders
 below it, and the planner is pure.
 
-    errors, failpoints, version  <  formats  <  planning  <  cluster  <  publish  <  engine  <  jobs
+    display, errors, failpoints, version  <  formats  <  planning  <  cluster  <  publish  <  engine  <  jobs
     <  cli, training, api, demo, tinytrain (the top: they may import each other)
 
 The arrows are read from the source (an AST walk, lazy imports inside functions included), so
@@ -19,7 +19,7 @@ import mpitailor
 
 PACKAGE = Path(mpitailor.__file__).parent
 ORDER = ("base", "formats", "planning", "cluster", "publish", "engine", "jobs", "top")
-BASE = {"errors", "failpoints", "version"}
+BASE = {"display", "errors", "failpoints", "version"}
 TOP = {"cli", "training", "api", "demo", "tinytrain", "__init__", "__main__"}
 HEAVY = ("torch", "mpi4py")
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
+from mpitailor.display import escaped, shown
 from mpitailor.errors import UserError
 
 
@@ -69,8 +71,9 @@ def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace,
 
     opts = merge_options(args)
     opts.check(plan)
-    if args.stats:  # written at the end: a bad path must fail before anything is merged
-        comm.root_step(check_writable_file, Path(args.stats).resolve(), "--stats")
+    stats = Path(os.path.abspath(args.stats)) if args.stats else None  # links unresolved
+    if stats is not None:  # written at the end: a bad path must fail before anything is merged
+        comm.root_step(check_writable_file, stats, "--stats")
     if args.dry_run:
         limits = comm.root_step(plan_limits, plan) if "universal" in opts.export else None
         if comm.rank == 0:
@@ -80,19 +83,34 @@ def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace,
                                          "load_universal restores it exactly"))
         return 0
     result = run_merge(comm, recipe, plan, opts)
-    if comm.rank == 0 and args.stats:
-        Path(args.stats).write_text(json.dumps(
-            {"output": str(result.output), "seconds": result.seconds,
-             "bytes_written": result.bytes_written, "ranks": list(result.rank_stats)}, indent=2))
     if comm.rank == 0:
         gb = result.bytes_written / 1e9
         print(f"mpitailor: merged {len(plan.layer_source)} layers from {len(plan.sources)} "
-              f"source(s) into {result.output}: {gb:.3f} GB written by {result.ranks} rank(s) "
+              f"source(s) into {shown(result.output)}: {gb:.3f} GB written by {result.ranks} rank(s) "
               f"in {result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s)",
               flush=True)
         if more is not None:
-            print(f"mpitailor: {more()}", flush=True)
+            print(f"mpitailor: {escaped(more())}", flush=True)
+    if stats is not None:
+        comm.root_step(write_stats, stats, result)
     return 0
+
+
+def write_stats(path: Path, result) -> None:
+    """Rank 0: the --stats file, written whole or not at all (a temporary file beside it,
+    renamed over it); a failure is one line, exit 1, saying the merge stands."""
+    from mpitailor.errors import MpitailorError
+    from mpitailor.publish.staging import check_writable_file, write_replacing
+    text = json.dumps({"output": str(result.output), "seconds": result.seconds,
+                       "bytes_written": result.bytes_written,
+                       "ranks": list(result.rank_stats)}, indent=2)
+    try:
+        check_writable_file(path, "--stats")  # no link or device put there while merging
+        write_replacing(path, text.encode())
+    except (OSError, UserError) as e:
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise MpitailorError(f"--stats {shown(path)}: not written ({why}); the merge itself "
+                             f"was published to {shown(result.output)}") from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -104,7 +122,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                      args.max_shard_size, not args.no_progress, config, args.verify)
     if comm.rank == 0:
         gb = out.bytes_written / 1e9
-        print(f"mpitailor: exported {source} as {args.format} into {out.output}: "
+        print(f"mpitailor: exported {shown(source)} as {args.format} into {shown(out.output)}: "
               f"{gb:.3f} GB written by {comm.size} rank(s) in {out.seconds:.2f} s",
               flush=True)
     return 0

@@ -5,6 +5,17 @@ import logging
 import os
 import sys
 
+from mpitailor.display import escaped
+
+
+class _EscapingFormatter(logging.Formatter):
+    """A log message is one line of plain text whatever paths it names (display.py); a
+    traceback (-v) is left as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escaped(record.message)
+        return super().formatMessage(record)
+
 
 def setup_logging(rank: int, size: int, verbosity: int = 0) -> None:
     """verbosity: -1 quiet (warnings), 0 info on rank 0, 1 debug on rank 0, 2 debug on all."""
@@ -13,7 +24,7 @@ def setup_logging(rank: int, size: int, verbosity: int = 0) -> None:
         level = max(level, logging.WARNING)
     prefix = f"[rank {rank}/{size}] " if size > 1 else ""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_EscapingFormatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("mpitailor")
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -32,7 +43,7 @@ def report_error(error: Exception, comm, verbosity: int) -> bool:
     within AGREE_S: they are busy or stuck elsewhere), after writing its line: the caller
     must end the process at once, as MPI_Finalize would wait for them forever."""
     size = comm.size if comm is not None else 1
-    text = f"mpitailor: error: {error}"
+    text = f"mpitailor: error: {escaped(str(error))}"
     if size == 1 or getattr(error, "raised_on", None) == size:
         same, alone = True, False  # known without asking: no wait on a cleanup elsewhere
     else:
@@ -43,7 +54,12 @@ def report_error(error: Exception, comm, verbosity: int) -> bool:
     if same and comm is not None and comm.rank != 0:
         return True  # rank 0 says it for every rank
     prefix = "" if same else f"[rank {comm.rank}] "
-    # One write per line: lines of several ranks interleave under a launcher otherwise.
-    sys.stderr.flush()
-    os.write(2, f"{prefix}{text}\n".encode())
+    write_line(f"{prefix}{text}")
     return not alone
+
+
+def write_line(line: str) -> None:
+    """One write of one line to stderr (lines of several ranks interleave otherwise), with
+    anything that would break it or reach the terminal raw escaped (display.py)."""
+    sys.stderr.flush()
+    os.write(2, (escaped(line) + "\n").encode("utf-8", "backslashreplace"))

@@ -7,6 +7,7 @@ prefixed `[rank r]` (cli/log.py report_error). Tracebacks only with -v.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -53,13 +54,21 @@ def cmd_stats_plot(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from mpitailor.cli.log import write_line
+    from mpitailor.display import shown
     from mpitailor.jobs.clean import clean
     folder = Path(args.directory)
-    done = clean(folder)
-    for line in done:
-        print(f"mpitailor: {line}")
-    if not done:
-        print(f"mpitailor: nothing to clean in {folder}")
+    result = clean(folder)
+    for line in result.done:
+        print(f"mpitailor: {line}", flush=True)
+    for line in result.failed:
+        write_line(f"mpitailor: not cleaned: {line}")
+    if result.failed:
+        raise MpitailorError(f"{len(result.failed)} path(s) under {shown(folder)} could not "
+                             f"be looked at or removed (listed above); fix their permissions "
+                             f"or mount, then run `clean` again")
+    if not result.done:
+        print(f"mpitailor: nothing to clean in {shown(folder)}")
     return 0
 
 
@@ -324,10 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     from mpitailor.publish import interrupt
     interrupt.install()  # before MPI starts threads: they must all block SIGINT/SIGTERM
     argv = list(sys.argv[1:] if argv is None else argv)
+    # A path that is not UTF-8 (display.py) must never end a summary line in a traceback.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
     if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
         argv.insert(0, "merge")
     args = build_parser().parse_args(argv)
     verbosity = -1 if args.quiet else args.verbose
+    from mpitailor.publish.leftovers import set_holder
+    set_holder(f"mpitailor {args.command}")  # named in the locks it takes
     comm = None
     try:
         if args.uses_mpi:
@@ -356,9 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, CommFailed):  # this rank's own line; the others may be dead
             if verbosity > 0:
                 log.exception("failed")
+            from mpitailor.cli.log import write_line
             prefix = f"[rank {comm.rank}] " if comm is not None and comm.size > 1 else ""
-            sys.stderr.flush()
-            os.write(2, f"{prefix}mpitailor: error: {e}\n".encode())
+            write_line(f"{prefix}mpitailor: error: {e}")
         if isinstance(e, CommFailed) or not report_error(e, comm, verbosity):
             # MPI_Finalize would wait forever for a dead peer, or one busy elsewhere
             sys.stdout.flush()

@@ -1,6 +1,7 @@
 """`diff` and `inspect` reports as text tables (their --json is the report as it is)."""
 from __future__ import annotations
 
+from mpitailor.display import shown
 from mpitailor.planning.layers import layer_runs
 from mpitailor.planning.plan_report import human
 
@@ -9,7 +10,7 @@ def format_table(rep: dict) -> str:
     kind = rep["kind"] + (" (only the layers below were saved)" if rep["kind"] == "partial"
                           else "")
     lines = [
-        f"checkpoint   {rep['path']}",
+        f"checkpoint   {shown(rep['path'])}",
         f"kind         {kind}",
         f"world size   {rep['world_size']}   ZeRO stage {rep['zero_stage']}   dtype {rep['dtype']}"
         f"   step {rep['global_steps']}"

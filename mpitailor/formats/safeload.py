@@ -9,8 +9,10 @@ Files are memory-mapped, so only the pages of the tensors a caller touches are r
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import os
 import pickle
 import re
 import stat
@@ -80,24 +82,45 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",), mmap: boo
     allowed = [g for name in allow for g in ALLOWED[name]()] + _trusted
     where = "meta" if index_only else "cpu"
     require_regular(path)
+    with torch_openable(path) as named:
+        return _load(path, named, allowed, where, mmap and not index_only, opaque_ok)
+
+
+@contextlib.contextmanager
+def torch_openable(path: Path):
+    """A name of path that torch's C++ reader can open: itself, or where it is not UTF-8
+    (torch encodes names strictly) the /proc/self/fd name of the file held open."""
+    if str(path).isascii() or not any("\udc80" <= c <= "\udcff" for c in str(path)):
+        yield path
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        yield Path(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _load(path: Path, named: Path, allowed: list, where: str, mmap: bool,
+          opaque_ok: bool) -> Any:
     try:
         try:
             with torch.serialization.safe_globals(allowed):
-                return torch.load(path, map_location=where, weights_only=True,
-                                  mmap=mmap and not index_only)
+                return torch.load(named, map_location=where, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError:
             if not opaque_ok:
                 raise
         with torch.serialization.safe_globals(allowed):
-            unknown = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            unknown = torch.serialization.get_unsafe_globals_in_checkpoint(named)
         denied = [g for g in unknown if not opaque.may_stand_in(g)]
         if denied or not unknown:
             raise pickle.UnpicklingError(f"Unsupported global: GLOBAL "
                                          f"{(denied or ['(dynamic)'])[0]}")
         stand_ins = [(opaque.stand_in(g), g) for g in unknown]
         with torch.serialization.safe_globals(allowed + stand_ins):
-            return torch.load(path, map_location=where, weights_only=True,
-                              mmap=mmap and not index_only)
+            return torch.load(named, map_location=where, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except pickle.UnpicklingError as e:

@@ -7,21 +7,41 @@ Serial: no MPI.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+from mpitailor.display import shown
 from mpitailor.errors import UserError
 from mpitailor.publish.leftovers import SUFFIXES, reclaim
 
 
-def clean(folder: Path) -> list[str]:
-    """What was removed (or put back), one phrase each."""
+@dataclass(frozen=True, slots=True)
+class Cleaned:
+    """What was removed (or put back), and what could not be looked at or removed: one
+    phrase per path each."""
+
+    done: list[str]
+    failed: list[str]
+
+
+def clean(folder: Path) -> Cleaned:
     if os.path.islink(folder) or not folder.is_dir():
         what = "a symbolic link" if os.path.islink(folder) else \
             "not a directory" if os.path.lexists(folder) else "does not exist"
-        raise UserError(f"{folder}: {what}; give the directory that holds the outputs "
+        raise UserError(f"{shown(folder)}: {what}; give the directory that holds the outputs "
                         f"(mpitailor clean DIR)")
-    done = reclaim(folder)
-    for e in sorted(os.scandir(folder), key=lambda e: e.name):
-        if e.is_dir(follow_symlinks=False) and not e.name.endswith(SUFFIXES):
-            done += reclaim(Path(e.path))
-    return done
+    failed: list[str] = []
+    done = reclaim(folder, failed=failed)
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        entries = []  # reclaim said it cannot list the folder
+    for e in entries:
+        try:
+            sub = e.is_dir(follow_symlinks=False)
+        except OSError:
+            sub = False
+        if sub and not e.name.endswith(SUFFIXES):
+            done += reclaim(Path(e.path), failed=failed)
+    return Cleaned(done, failed)

@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from mpitailor.display import escaped
+
 SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _cleanups: list[Callable[[], str | None]] = []
 _waits: list[Callable[[], None]] = []
@@ -96,7 +98,8 @@ def _watch() -> None:
             pass
     name = signal.Signals(sig).name
     try:
-        os.write(2, f"{_prefix[0]}mpitailor: interrupted by {name}: stopped, {said}\n".encode())
+        line = escaped(f"{_prefix[0]}mpitailor: interrupted by {name}: stopped, {said}")
+        os.write(2, f"{line}\n".encode("utf-8", "backslashreplace"))
     except OSError:  # stderr gone with the launcher: still end with the signal's code
         pass
     for fn in _waits[:]:

@@ -16,7 +16,13 @@ import fcntl
 import logging
 import os
 import shutil
+import socket
+import stat
 from pathlib import Path
+
+from mpitailor import failpoints
+from mpitailor.display import escaped, shown
+from mpitailor.errors import MergeFailed
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +36,19 @@ def path_of(output: Path, suffix: str) -> Path:
     return output.parent / f".{output.name}{suffix}"
 
 
+# What this process is, as the locks it takes say (holder_of): the CLI names its command.
+_holder = ["an mpitailor process (a training run's layer-wise save, or the Python API)"]
+
+
+def set_holder(what: str) -> None:
+    """Name this process in the locks it takes from now on (say `mpitailor clean`)."""
+    _holder[0] = what
+
+
 def take_lock(lock_path: Path) -> int | None:
-    """The lock's fd, held; None when a live process holds it. OSError (ELOOP: the path is a
-    symbolic link, never followed) as os.open raises it."""
+    """The lock's fd, held, with this process named in the file (holder_of); None when a
+    live process holds it. OSError (ELOOP: the path is a symbolic link, never followed) as
+    os.open raises it."""
     for _ in range(3):
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
         try:
@@ -45,9 +61,35 @@ def take_lock(lock_path: Path) -> int | None:
         except FileNotFoundError:
             same = False
         if same:
+            _name_holder(fd)
             return fd
         os.close(fd)  # its holder unlinked the file we opened as it let go: open it again
     return None
+
+
+def _name_holder(fd: int) -> None:
+    text = f"{_holder[0]} (pid {os.getpid()} on {socket.gethostname()})\n"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode("utf-8", "backslashreplace"), 0)
+    except OSError:  # a lock that says nothing still locks
+        pass
+
+
+def holder_of(lock_path: Path) -> str:
+    """Who holds the lock at lock_path, as its holder wrote it (escaped, first line, at
+    most 200 bytes read); a generic phrase when it says nothing (an older mpitailor, or
+    read between its taking and its writing)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            raw = os.pread(fd, 200, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
+    except OSError:
+        raw = b""
+    text = escaped(raw.decode("utf-8", "replace").split("\n")[0].strip())
+    return text or "another mpitailor process (it did not say which)"
 
 
 def is_held(lock_path: Path) -> bool:
@@ -68,12 +110,13 @@ def is_held(lock_path: Path) -> bool:
 
 def drop_lock(lock_path: Path, fd: int) -> None:
     """Unlink the lock file, then let go of it (in this order: nobody can take a lock file
-    that is about to disappear)."""
+    that is about to disappear). An OSError of the unlink is raised after the fd is closed."""
     try:
         os.unlink(lock_path)
     except FileNotFoundError:
         pass
-    os.close(fd)
+    finally:
+        os.close(fd)
 
 
 def remove(path: Path) -> None:
@@ -99,12 +142,10 @@ def discard(staging: Path, gone: Path) -> None:
 
 def find(folder: Path) -> dict[str, list[Path]]:
     """Output name -> the leftovers of its runs in folder (not recursive; links listed as
-    links, never followed)."""
+    links, never followed). OSError when folder cannot be listed."""
     found: dict[str, list[Path]] = {}
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return found
+    with os.scandir(folder) as it:
+        entries = list(it)
     for e in entries:
         for suffix in SUFFIXES:
             if e.name.startswith(".") and e.name.endswith(suffix) and \
@@ -113,13 +154,21 @@ def find(folder: Path) -> dict[str, list[Path]]:
     return found
 
 
-def reclaim(folder: Path, skip: str | None = None) -> list[str]:
+def reclaim(folder: Path, skip: str | None = None,
+            failed: list[str] | None = None) -> list[str]:
     """Remove the leftovers in folder of every output whose lock nobody holds (not `skip`,
     the output being acquired). A `.NAME.mpitailor-old` whose output is missing is the only
     copy of that output (killed between the two renames of a replace): it is put back, not
-    removed. Returns what was done, one phrase per path."""
-    done = []
-    for name, paths in sorted(find(folder).items()):
+    removed. Returns what was done, one phrase per path. What could not be looked at or
+    removed goes to `failed`, one phrase per path (None: logged as warnings)."""
+    done: list[str] = []
+    sink = _Failures(failed)
+    try:
+        found = find(folder)
+    except OSError as e:
+        sink.add(folder, "cannot list it", e)
+        return done
+    for name, paths in sorted(found.items()):
         if name == skip:
             continue
         output = folder / name
@@ -127,35 +176,67 @@ def reclaim(folder: Path, skip: str | None = None) -> list[str]:
         try:
             fd = take_lock(lock_path)
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                log.warning("%s: a symbolic link, not a lock; left alone", lock_path)
+            why = "a symbolic link, not a lock; left alone" if e.errno == errno.ELOOP else \
+                f"not removed: cannot take the lock {shown(lock_path)}"
+            for p in [p for p in paths if p != lock_path] or [lock_path]:
+                sink.add(p, why, e)
             continue
         if fd is None:
             continue  # a live run's
         try:
-            done += _reclaim_locked(output, paths)
+            failpoints.hit("reclaim", name)
+            done += _reclaim_locked(output, paths, sink)
         finally:
-            drop_lock(lock_path, fd)
+            try:
+                drop_lock(lock_path, fd)
+            except OSError as e:
+                sink.add(lock_path, "cannot remove it", e)
+            else:
+                if lock_path in paths:
+                    done.append(f"removed {shown(lock_path)}")
     return done
 
 
 def reclaim_own(output: Path) -> list[str]:
-    """With output's lock held: what killed runs to the same output left."""
+    """With output's lock held: what killed runs to the same output left. MergeFailed when
+    some of it cannot be removed (the new run cannot stage there)."""
     paths = [path_of(output, s) for s in (STAGING, DISCARD, OLD)]
-    return _reclaim_locked(output, [p for p in paths if os.path.lexists(p)])
+    failed: list[str] = []
+    done = _reclaim_locked(output, [p for p in paths if os.path.lexists(p)], _Failures(failed))
+    if failed:
+        raise MergeFailed(f"cannot clear what an interrupted run left: {'; '.join(failed)}; "
+                          f"remove it by hand")
+    return done
 
 
-def _reclaim_locked(output: Path, paths: list[Path]) -> list[str]:
+class _Failures:
+    """Where reclaim's failures go: a caller's list, or the log."""
+
+    def __init__(self, into: list[str] | None) -> None:
+        self.into = into
+
+    def add(self, path: Path, why: str, error: OSError) -> None:
+        if error.errno != errno.ELOOP:
+            why += f" ({error.strerror})"
+        if self.into is None:
+            log.warning("%s: %s", shown(path), why)
+        else:
+            self.into.append(f"{shown(path)}: {why}")
+
+
+def _reclaim_locked(output: Path, paths: list[Path], failed: _Failures) -> list[str]:
     done = []
     for p in sorted(paths):
         if p.name.endswith(LOCK) or not os.path.lexists(p):
             continue
-        if p.name.endswith(OLD) and not os.path.lexists(output) and not p.is_symlink():
-            os.rename(p, output)
-            done.append(f"put back {output} (from {p.name})")
+        try:
+            if p.name.endswith(OLD) and not os.path.lexists(output) and not p.is_symlink():
+                os.rename(p, output)
+                done.append(f"put back {shown(output)} (from {shown(p.name)})")
+                continue
+            remove(p)
+        except OSError as e:
+            failed.add(p, "cannot remove it", e)
             continue
-        remove(p)
-        done.append(f"removed {p}")
-    if path_of(output, LOCK) in paths:
-        done.append(f"removed {path_of(output, LOCK)}")  # by drop_lock, next
+        done.append(f"removed {shown(p)}")
     return done

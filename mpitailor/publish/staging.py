@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from mpitailor.display import shown
 from mpitailor.errors import MergeFailed, UserError
 from mpitailor.formats.filerecord import FileRecord
 from mpitailor.publish import interrupt, leftovers
@@ -67,9 +68,9 @@ class Staging:
                             f"never follows links there (remove it if nobody planted it "
                             f"on purpose)") from None
         if fd is None:
-            raise UserError(f"{self.output}: another mpitailor merge is writing this output "
-                            f"(lock {self.lock_path} is held); wait for it or pick "
-                            f"another output")
+            raise UserError(f"{self.output}: its lock {self.lock_path} is held by "
+                            f"{leftovers.holder_of(self.lock_path)}; wait for it to end, or "
+                            f"pick another output")
         self._lock_fd = fd
         self._unwatch = interrupt.on_interrupt(self._interrupted)
         try:
@@ -192,8 +193,8 @@ def check_output_name(output: Path) -> None:
     if not name or name in (".", ".."):
         raise UserError(f"{str(output)!r}: not a directory name; give the output directory "
                         f"to create")
-    if len(name.encode()) + STAGING_EXTRA > NAME_MAX:
-        raise UserError(f"{output}: the name is {len(name.encode())} bytes; mpitailor stages "
+    if len(os.fsencode(name)) + STAGING_EXTRA > NAME_MAX:
+        raise UserError(f"{output}: the name is {len(os.fsencode(name))} bytes; mpitailor stages "
                         f"the output beside it under a name {STAGING_EXTRA} bytes longer and "
                         f"a file name holds {NAME_MAX}: use at most "
                         f"{NAME_MAX - STAGING_EXTRA} bytes")
@@ -217,12 +218,35 @@ def check_writable_file(path: Path, what: str) -> None:
     """A file the run will write at its end (say --stats): refuse a bad path up front,
     never after the merge is published."""
     parent = path.parent
+    if os.path.islink(path):
+        raise UserError(f"{what} {shown(path)}: a symbolic link (to "
+                        f"{shown(os.readlink(path))}); mpitailor never writes through a link: "
+                        f"name the file itself")
     if path.is_dir():
         raise UserError(f"{what} {path}: a directory; name a file")
+    if os.path.lexists(path) and not path.is_file():
+        raise UserError(f"{what} {shown(path)}: not a regular file (a device, FIFO or "
+                        f"socket); name a file to create or replace")
     if not parent.is_dir():
         raise UserError(f"{what} {path}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise UserError(f"{what} {path}: directory {parent} is not writable")
+
+
+def write_replacing(path: Path, data: bytes) -> None:
+    """Write a whole file or nothing: a temporary file beside it, fsynced, renamed over it."""
+    tmp = path.parent / f".mpitailor-{os.getpid()}.tmp"  # short: any name of path fits
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
 
 
 def make_dirs_under(root: Path, folder: Path) -> None:

@@ -52,7 +52,7 @@ class TrainSpec:
     per_layer_groups: bool = True  # LayerwiseTrainer's default: one param group per layer
     then_resume: int = 0  # after training: recover the own saves, load them, train N steps
     async_save: bool = False  # layer-wise saving: partial saves written in the background
-    max_host_bytes: int | None = None  # ... with host buffers of at most this many bytes
+    max_host_bytes: int | str | None = None  # ... with host buffers of at most this many bytes
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -145,7 +145,10 @@ def run(spec: TrainSpec, result_path: str) -> None:
         on_save = lambda engine, spec, step: ckpt.save(  # noqa: E731
             tag=f"global_step{step}", client_state=client_state(spec, step))
     losses = train(spec, engine, first, on_save)
-    if spec.policy is not None:
+    # extra["end"] == "end_cpu_training": end as the README's script does, with no wait of
+    # its own (end_cpu_training must wait for the save in flight)
+    end_now = spec.extra.get("end") == "end_cpu_training"
+    if spec.policy is not None and not end_now:
         ckpt.wait()  # the last asynchronous save published, or its failure raised here
     eval_loss = held_out_loss(spec, engine) if spec.eval_batches else None
     resumed = resume_own_saves(spec, engine) if spec.then_resume else None
@@ -159,6 +162,9 @@ def run(spec: TrainSpec, result_path: str) -> None:
             print(result, flush=True)
         else:
             Path(result_path).write_text(result)
+    if end_now:
+        from mpitailor.training.cpu import end_cpu_training
+        end_cpu_training()
     shutdown()
 
 

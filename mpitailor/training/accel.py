@@ -43,7 +43,7 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
     def __init__(self, accelerator, save_dir: str | os.PathLike, policy: Policy,
                  stats: str | os.PathLike | None = None,
                  layer_patterns: Mapping[str, str] | None = None,
-                 asynchronous: bool = False, max_host_bytes: int | None = None,
+                 asynchronous: bool = False, max_host_bytes: int | str | None = None,
                  keep_last: int | None = None) -> None:
         """As LayerwiseCheckpointer's arguments, with the Accelerator (after `prepare`)
         in place of the engine."""

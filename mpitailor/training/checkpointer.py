@@ -30,6 +30,7 @@ import os
 import shutil
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,7 @@ from mpitailor.publish.staging import fsync_dir, write_synced
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
 from mpitailor.training.policies import Decision, Policy
-from mpitailor.training.snapshot import PartialSaveFailed, write
+from mpitailor.training.snapshot import PartialSaveFailed, host_bytes_limit, write
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
 from mpitailor.training.writer import BackgroundWriter
 
@@ -56,14 +57,17 @@ class LayerwiseCheckpointer:
     def __init__(self, engine, save_dir: str | os.PathLike, policy: Policy,
                  stats: str | os.PathLike | None = None,
                  layer_patterns: Mapping[str, str] | None = None,
-                 asynchronous: bool = False, max_host_bytes: int | None = None,
+                 asynchronous: bool = False, max_host_bytes: int | str | None = None,
                  keep_last: int | None = None) -> None:
         """layer_patterns: `{regex: layer key}` for parameter names the built-in rules do not
         know (see `mpitailor.planning.layers`); recorded in every save, so `recover` needs no
         flag. asynchronous: write partial saves in the background (above); max_host_bytes:
-        refuse (UserError, every rank) a save whose slices need more host buffer than this.
+        refuse (UserError, every rank) a save whose slices need more host buffer than this:
+        bytes, or a size string as --max-shard-size reads it ("2GB", "512MiB"), at least
+        1 MiB (else UserError here).
         keep_last: after each published save, delete what the newest composite no longer
         needs, keeping the K newest saves (`mpitailor prune --keep-last K`; None: keep all)."""
+        max_host_bytes = host_bytes_limit(max_host_bytes)  # before any collective
         if keep_last is not None and (isinstance(keep_last, bool) or
                                       not isinstance(keep_last, int) or keep_last < 0):
             raise UserError(f"keep_last={keep_last!r}: give a count >= 0 (the newest saves kept "
@@ -86,6 +90,8 @@ class LayerwiseCheckpointer:
         # Host buffers are sized at the first partial save (_size_host_buffers), not here:
         # a run that never saves a partial one holds none.
         self.writer = BackgroundWriter(max_host_bytes) if asynchronous else None
+        if asynchronous:
+            _LIVE.add(self)  # end_cpu_training waits for its save in flight
         self.pending: Published | None = None  # the asynchronous save the writer holds
         self._host_sized = False
         self.timings: list[dict] = []  # per save: seconds blocked, waited, in the background
@@ -253,6 +259,16 @@ class LayerwiseCheckpointer:
             shutil.rmtree(stale)
         if dist.is_initialized():
             dist.barrier()
+
+
+# The asynchronous checkpointers alive in this process (training/cpu.py's end waits for them).
+_LIVE: weakref.WeakSet[LayerwiseCheckpointer] = weakref.WeakSet()
+
+
+def saves_in_flight() -> list[tuple[LayerwiseCheckpointer, Path]]:
+    """The live checkpointers whose writer holds a save, with that save's tag dir."""
+    return [(c, c.writer.in_flight) for c in list(_LIVE)
+            if c.writer is not None and c.writer.busy]
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,11 +59,37 @@ def _accelerate_on_gloo() -> None:
 
 
 def end_cpu_training(code: int = 0) -> NoReturn:
-    """Leave the process group, flush stdout/stderr and end the process with `code` now,
-    without the interpreter's teardown (see above). Call it last, on every rank."""
+    """Wait for the asynchronous layer-wise saves still in flight (saying so, one line; one
+    that failed makes the exit code 1), leave the process group, flush stdout/stderr and end
+    the process with `code` now, without the interpreter's teardown (see above). Call it
+    last, on every rank. (A bare `os._exit` skips the wait: call `ckpt.wait()` before it.)"""
     import torch.distributed as dist
+    code = _wait_for_saves(code)
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _wait_for_saves(code: int) -> int:
+    """Collective: every live LayerwiseCheckpointer's save in flight published (or its
+    failure said, on every rank): the exit code, 1 where one failed."""
+    if "mpitailor.training.checkpointer" not in sys.modules:
+        return code  # no checkpointer was ever made
+    from mpitailor.display import shown
+    from mpitailor.training.checkpointer import saves_in_flight
+    from mpitailor.training.snapshot import PartialSaveFailed
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for ckpt, tag_dir in saves_in_flight():
+        if rank == 0:
+            print(f"mpitailor: end_cpu_training: waiting for the asynchronous save of "
+                  f"{shown(tag_dir)} to be published", file=sys.stderr, flush=True)
+        try:
+            ckpt.wait()
+        except PartialSaveFailed as e:
+            print(f"mpitailor: end_cpu_training: {e}; exiting with 1", file=sys.stderr,
+                  flush=True)
+            code = code or 1
+    return code

@@ -39,15 +39,17 @@ from mpitailor.training.checkpointer import LayerwiseCheckpointer
 from mpitailor.training.partial_save import save_leader
 from mpitailor.training.policies import Policy
 from mpitailor.training.resume import RESUME_DIR, recover_for_resume, reshard_for_resume
+from mpitailor.training.snapshot import host_bytes_limit
 
 
 class LayerwiseTrainer(transformers.Trainer):
     def __init__(self, *args, policy: Policy, stats: str | os.PathLike | None = None,
                  layer_patterns: Mapping[str, str] | None = None,
                  per_layer_groups: bool = True, asynchronous: bool = False,
-                 max_host_bytes: int | None = None, **kwargs) -> None:
+                 max_host_bytes: int | str | None = None, **kwargs) -> None:
         """asynchronous, max_host_bytes: partial saves written in the background, as
         LayerwiseCheckpointer's (train() waits for the last one before it returns)."""
+        max_host_bytes = host_bytes_limit(max_host_bytes)
         super().__init__(*args, **kwargs)
         self.asynchronous, self.max_host_bytes = asynchronous, max_host_bytes
         self.layerwise_policy, self.layerwise_stats = policy, stats

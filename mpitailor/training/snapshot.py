@@ -56,6 +56,32 @@ def torch_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
+MIN_HOST_BYTES = 1 << 20  # below 1 MiB: a unit slip (1000 meant as MB?), not a budget
+
+
+def host_bytes_limit(value) -> int | None:
+    """max_host_bytes as given (None, a count of bytes, or a size string read as
+    --max-shard-size reads it: "2GB", "512MiB") -> bytes; UserError for anything else, or
+    for less than MIN_HOST_BYTES."""
+    if value is None:
+        return None
+    size = value
+    if isinstance(value, str):
+        from mpitailor.planning.hf_layout import parse_size
+        try:
+            size = parse_size(value)
+        except ValueError:
+            size = None
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise UserError(f"max_host_bytes={value!r}: give a number of bytes or a size such as "
+                        f"'2GB', '512MiB' (or None: no limit)")
+    if size < MIN_HOST_BYTES:
+        raise UserError(f"max_host_bytes={value!r}: {size} bytes is below the least accepted, "
+                        f"1 MiB ({MIN_HOST_BYTES}); give bytes (2 * 2**30) or a size such as "
+                        f"'2GB', '512MiB'")
+    return size
+
+
 class HostBuffers:
     """One host buffer per dtype for an asynchronous save's slices, reused by every save;
     never above `limit` bytes, when set. `reserve` allocates and touches it (the checkpointer
@@ -87,10 +113,10 @@ class HostBuffers:
 
     def check(self, need: int) -> None:
         if self.limit is not None and need > self.limit:
-            raise UserError(f"an asynchronous layer-wise save needs {need / 2**20:.1f} MiB of "
-                            f"host buffers on this rank, over max_host_bytes="
-                            f"{self.limit / 2**20:.1f} MiB; raise the limit, save fewer "
-                            f"layers at a time, or save synchronously")
+            raise UserError(f"an asynchronous layer-wise save needs {need / 2**20:.2f} MiB "
+                            f"({need} bytes) of host buffers on this rank, over max_host_bytes="
+                            f"{self.limit / 2**20:.2f} MiB ({self.limit} bytes); raise the "
+                            f"limit, save fewer layers at a time, or save synchronously")
 
     def copy(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The slices copied into the buffers (views of them, in the same order)."""

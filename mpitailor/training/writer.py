@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from mpitailor.training.distcomm import writer_comm
 from mpitailor.training.snapshot import HostBuffers, PartialSaveFailed, Snapshot, write
@@ -32,6 +33,11 @@ class BackgroundWriter:
     @property
     def busy(self) -> bool:
         return self._thread is not None
+
+    @property
+    def in_flight(self) -> Path | None:
+        """The tag dir of the save being written, if any."""
+        return self._snap.final if self._snap is not None else None
 
     def start(self, snap: Snapshot,
               after: Callable[[Snapshot], None] | None = None) -> None:
