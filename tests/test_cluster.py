@@ -410,6 +410,40 @@ def test_node_local_bad_input(cluster, node_local_run, merged_in_place):
         assert not [p for p in cluster.node_dir(i).iterdir() if name in p.name]
 
 
+def test_node_local_copies_that_differ_early_are_refused(cluster, node_local_run,
+                                                         merged_in_place):
+    """A file both nodes hold, larger than what travels whole in the listings (64 KiB), one
+    byte flipped at its start on one node (the same size, the same last bytes): the
+    documented error, one line for the job, exit 2, nothing written; the same bytes on both,
+    the merge carries it."""
+    run, m = node_local_run, merged_in_place
+    data = os.urandom(200_000)
+    copies = [run.node_dirs[i] / "tokenizer.json" for i in (1, 2)]
+    copies[0].write_bytes(data)
+    copies[1].write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    name = f"flipped-{uuid.uuid4().hex[:8]}"
+    recipe = m["work"] / f"{name}.yml"
+    recipe.write_text(f"sources:\n  a: {run.save_dir}\nlayers:\n  rest: a\n"
+                      f"output: {cluster.node_local}/{name}\n")
+    try:
+        r = cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2,
+                          *merge_cmd(recipe)])
+        one_line_for_the_job(r, f"{run.save_dir}/tokenizer.json: nodes n1 and n2 hold "
+                                f"different copies (same size, different bytes)")
+        assert not [p for i in (1, 2, 3) for p in cluster.node_dir(i).iterdir()
+                    if name in p.name]
+        copies[1].write_bytes(data)
+        ok(cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2,
+                         *merge_cmd(recipe)]), cluster)
+        for i in (1, 2):
+            assert (cluster.node_dir(i) / name / "tokenizer.json").read_bytes() == data
+    finally:
+        for p in copies:
+            p.unlink(missing_ok=True)
+        for i in range(1, NODES + 1):
+            shutil.rmtree(cluster.node_dir(i) / name, ignore_errors=True)
+
+
 # -- a requeued 2-node training with node-local saves ------------------------------------------
 
 def test_requeued_two_node_training_resumes_on_both_nodes_from_node_local_saves(cluster,
@@ -616,3 +650,71 @@ def test_prologue_on_two_nodes_reuses_only_a_recovery_complete_on_both(
         subprocess.run(["scancel", job], env=cluster, capture_output=True, timeout=30)
         for d in host.values():
             shutil.rmtree(d, ignore_errors=True)
+
+
+# -- exports of node-local layer-wise saves ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def node_local_layerwise_run(cluster, tmp_path_factory):
+    """A DeepSpeed run of 4 ranks on n1 and n2 saving layer-wise (parity: a full save at step
+    1, a partial one at 2) with use_node_local_storage; and a shared copy of its files."""
+    name = f"layerwise-{uuid.uuid4().hex[:8]}"
+    spec = TrainSpec(save_dir=f"{cluster.node_local}/{name}", world_size=4, steps=2,
+                     save_at=(1, 2), node_local_storage=True, policy={"name": "parity"})
+    work = tmp_path_factory.mktemp("node-local-layerwise")
+    spec.write(work / "spec.json")
+    ok(cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2, PY, "-m",
+                     "mpitailor.tinytrain.slurm_worker", work / "spec.json",
+                     work / "result.json"], timeout=300), cluster)
+    node_dirs = {i: cluster.node_dir(i) / name for i in (1, 2)}
+    assert (node_dirs[2] / "global_step2" / "rank_2_layers.safetensors").exists()
+    assert not (node_dirs[2] / "global_step2" / "rank_0_layers.safetensors").exists()
+    for d in node_dirs.values():
+        shutil.copytree(d, work / "shared-save", dirs_exist_ok=True)
+    (work / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    yield {"save_dir": spec.save_dir, "name": name, "node_dirs": node_dirs, "work": work,
+           "shared": work / "shared-save"}
+    for d in node_dirs.values():
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def export_cmd(source, out, fmt: str, *args) -> list[str]:
+    return [str(a) for a in (PY, "-m", "mpitailor", "export", source, "-o", out, "--format",
+                             fmt, "--no-progress", *args)]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "hf"])
+def test_node_local_export_of_layerwise_saves_matches_a_shared_copy(
+        cluster, node_local_layerwise_run, fmt):
+    """`export --format fp32|hf` of the node-local save dir on its 2 nodes, into a shared dir
+    and into a node-local one (every node gets the whole export): byte for byte the export of
+    the shared copy by one process on the host."""
+    run = node_local_layerwise_run
+    work, extra = run["work"], (["--config", run["work"] / "config.json"] if fmt == "hf" else [])
+    host = subprocess.run(export_cmd(run["shared"], work / f"host-{fmt}", fmt, *extra),
+                          env=dict(cluster), capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    ok(host, cluster)
+    expected = tree(work / f"host-{fmt}")
+    assert "model.safetensors" in expected
+    ok(cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2,
+                     *export_cmd(run["save_dir"], work / f"shared-{fmt}", fmt, *extra)],
+                    timeout=300), cluster)
+    assert tree(work / f"shared-{fmt}") == expected
+    same_files(work / f"host-{fmt}", work / f"shared-{fmt}", expected)
+    name = f"{run['name']}-{fmt}"
+    try:
+        ok(cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2,
+                         *export_cmd(run["save_dir"], f"{cluster.node_local}/{name}", fmt,
+                                     *extra)], timeout=300), cluster)
+        for i in (1, 2):
+            d = cluster.node_dir(i) / name
+            assert tree(d) == expected, i
+            same_files(work / f"host-{fmt}", d, expected)
+        assert not (cluster.node_dir(3) / name).exists()
+        # nothing of the export's work left beside it, on any node
+        for i in (1, 2, 3):
+            assert not [p for p in cluster.node_dir(i).iterdir() if p.name.startswith(f".{name}")]
+    finally:
+        for i in range(1, NODES + 1):
+            shutil.rmtree(cluster.node_dir(i) / name, ignore_errors=True)

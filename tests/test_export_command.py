@@ -129,10 +129,11 @@ def test_hf_export_of_a_plain_deepspeed_save_needs_config_and_loads_with_it(tmp_
     expect_clean_failure(r, out, sources=[], before=[],
                          message=f"{save}: no config.json beside the checkpoint")
     assert "pass --config" in r.stderr
-    model_dir = tmp_path / "model"
+    model_dir = tmp_path / "models--tiny" / "snapshots" / "rev"  # a Hub cache snapshot:
     tiny_config(spec_for("w2_bf16_per_layer", tmp_path)).save_pretrained(model_dir)
-    (tmp_path / "blob").write_text("{}")  # a Hub cache snapshot: side files are links
-    (model_dir / "special_tokens_map.json").symlink_to(tmp_path / "blob")
+    (model_dir.parents[1] / "blobs").mkdir()  # side files are links to ../../blobs/
+    (model_dir.parents[1] / "blobs" / "b1").write_text("{}")
+    (model_dir / "special_tokens_map.json").symlink_to("../../blobs/b1")
     (model_dir / "notes.txt").write_text("not an HF side file")
     r = run_cli(["export", str(save), "-o", str(out), "--config", str(model_dir)], {},
                 ranks=2)

@@ -11,6 +11,7 @@ Collective where it takes a `comm`.
 """
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.fsview import LOCAL, Entry, UnionView, listing
+from mpitailor.formats.boundedio import open_regular
+from mpitailor.formats.crc import crc32
+from mpitailor.formats.fsview import LINK, LOCAL, Entry, UnionView, listing
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +131,62 @@ def survey(comm: Comm, paths: list[Path], depth: int = 2) -> Placement:
                     f"{path}: nodes {other} and {nodes.names[node]} hold different copies "
                     f"({what}); remove the stale one")
             holders.setdefault(path, []).append(node)
+    _check_copies(comm, nodes, union, holders)
     return Placement(nodes, UnionView(union), {p: tuple(n) for p, n in holders.items()})
+
+
+def _check_copies(comm: Comm, nodes: Nodes, union: dict[str, Entry],
+                  holders: dict[str, list[int]]) -> None:
+    """Collective: a file several nodes hold, too large to travel whole in the listings
+    (fsview.SMALL), is compared by the CRC-32 of all its bytes, each holder's leader
+    reading its own copy (a size and a tail alone miss a flipped bit earlier on)."""
+    big = sorted(p for p, hs in holders.items() if len(hs) > 1 and union[p].data is None
+                 and not union[p].is_dir and union[p].odd in ("", LINK))
+    if not big:
+        return
+    leaders = nodes.leaders()
+
+    def mine() -> dict[str, int] | None:
+        if comm.rank not in leaders:
+            return None
+        node = nodes.of_rank[comm.rank]
+        return {p: file_crc(Path(p)) for p in big if node in holders[p]}
+    seen = [s for s in comm.allgather(comm.step(mine)) if s is not None]  # in node order
+    for p in big:
+        first, *rest = holders[p]
+        for node in rest:
+            if seen[node][p] != seen[first][p]:
+                raise CheckpointError(
+                    f"{p}: nodes {nodes.names[first]} and {nodes.names[node]} hold different "
+                    f"copies (same size, different bytes); remove the stale one")
+
+
+_CRCS: dict[tuple, int] = {}  # (path, size, mtime, inode, device) -> CRC-32: once per job
+
+
+def file_crc(path: Path, chunk: int = 4 << 20) -> int:
+    """CRC-32 of a whole file (a link followed), read `chunk` bytes at a time into one
+    buffer; -1 if it cannot be read (the copies then differ, or fail when read)."""
+    try:
+        fd = open_regular(path, "a checkpoint file", follow=True)
+    except CheckpointError:
+        return -1
+    try:
+        st = os.fstat(fd)
+        key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        if key in _CRCS:
+            return _CRCS[key]
+        crc, buf = 0, bytearray(chunk)
+        view = memoryview(buf)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            while n := f.readinto(buf):
+                crc = crc32(view[:n], crc)
+        _CRCS[key] = crc
+        return crc
+    except OSError:
+        return -1
+    finally:
+        os.close(fd)
 
 
 def _describe(e: Entry) -> str:

@@ -28,10 +28,20 @@ from mpitailor.engine.copyio import Copier, sync_close
 from mpitailor.engine.storage import close_all, create_sized, fsync_close
 from mpitailor.errors import CheckpointError, MergeFailed
 from mpitailor.formats import CheckpointMeta, Slot
+from mpitailor.formats.boundedio import MAX_INDEX_BYTES, MAX_SIDE_FILE_BYTES, read_json, \
+    read_small, shown
 from mpitailor.formats.consolidate import read_range
 from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.dtypes import DTYPES, from_safetensors, torch_dtype
-from mpitailor.formats.extras import MODEL_FILE, extras_dir, weight_files
+from mpitailor.formats.extras import weight_files
+from mpitailor.formats.hf_side import (  # noqa: F401 - has_config: the jobs' import point
+    NO_CONFIG_HINT,
+    has_config,
+    read_config,
+    side_files,
+    warn_if_another_model,
+)
+from mpitailor.formats.safetensors_header import read_header
 from mpitailor.formats.shard import RankShard, open_all_shards
 from mpitailor.planning.hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -43,7 +53,7 @@ from mpitailor.planning.hf_layout import (
     plan_weights,
     share,
 )
-from mpitailor.publish.staging import copy_synced, write_synced
+from mpitailor.publish.staging import write_synced
 
 _SHARD_FILE = re.compile(r"\w[\w.-]*\.safetensors")
 
@@ -66,28 +76,29 @@ def base_weights(base: CheckpointMeta) -> BaseWeights | None:
 
 
 def _weight_map(path: Path) -> tuple[tuple[str, str], ...]:
+    weight_map = read_json(path, MAX_INDEX_BYTES, "a safetensors index")
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
+        weight_map = weight_map["weight_map"]
         ok = isinstance(weight_map, dict) and weight_map and all(
             isinstance(k, str) and isinstance(v, str) and _SHARD_FILE.fullmatch(v)
             for k, v in weight_map.items())
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         ok = False
     if not ok:
-        raise CheckpointError(f"{path}: not a safetensors index (a `weight_map` of tensor names "
-                              f"to .safetensors files beside it); fix it or remove the base's "
-                              f"16-bit weights")
+        raise CheckpointError(f"{shown(path)}: not a safetensors index (a `weight_map` of tensor "
+                              f"names to .safetensors files beside it); fix it or remove the "
+                              f"base's 16-bit weights")
     return tuple(weight_map.items())
 
 
 def weights_dtype(path: Path) -> str:
-    """dtype ('bf16', 'fp16', 'fp32') of an existing safetensors file, or of an index's first."""
-    from safetensors import safe_open
+    """dtype ('bf16', 'fp16', 'fp32') of an existing safetensors file, or of an index's first
+    (its first tensor's, from the header: read bounded, boundedio.py)."""
     if path.name.endswith(".index.json"):
-        path = path.parent / next(iter(json.loads(path.read_text())["weight_map"].values()))
-    with safe_open(str(path), "pt") as f:
-        key = next(iter(f.keys()))
-        return from_safetensors(f.get_slice(key).get_dtype()) or "fp32"
+        path = path.parent / _weight_map(path)[0][1]
+    header = read_header(path, "the base's 16-bit weights file")
+    rec = next((v for k, v in header.items() if k != "__metadata__"), None)
+    return (from_safetensors(rec.get("dtype")) if isinstance(rec, dict) else None) or "fp32"
 
 
 def _tensors(meta: CheckpointMeta) -> list[tuple[str, tuple[int, ...]]]:
@@ -231,31 +242,6 @@ def _records(plan: WeightsPlan, gathered: list[list[tuple[str, int, int, int]]]
     return records
 
 
-def side_files(side_dir: Path | None, config: Path | None = None) -> dict[str, Path]:
-    """Rank 0 only. name -> the config and tokenizer files an HF export carries: side_dir's,
-    then `config`'s over them (`export --config`: a config.json, or a model dir whose side
-    files replace the source's of the same names). Links in a save dir are not followed;
-    the dir a user names is taken as it is (a Hub cache snapshot is made of links)."""
-    found: dict[str, Path] = {}
-    if side_dir is not None:
-        found.update((p.name, p) for p in _model_files(side_dir) if not p.is_symlink())
-    if config is not None and config.is_dir():
-        found.update((p.name, p) for p in _model_files(config))
-    if config is not None and not config.is_dir():
-        found["config.json"] = config
-    return found
-
-
-def has_config(base: CheckpointMeta) -> bool:
-    """Rank 0 only. Does an HF export of `base` find a config.json beside it
-    (`from_pretrained` needs one; a plain DeepSpeed save has none)?"""
-    return "config.json" in side_files(extras_dir(base))
-
-
-def _model_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if MODEL_FILE.fullmatch(p.name) and p.is_file())
-
-
 def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: Path,
               dtype: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
               sources: dict[str, CheckpointMeta] | None = None, config: Path | None = None,
@@ -269,14 +255,16 @@ def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: P
         records = {}
         for name, src in side_files(side_dir, config).items():
             if name == "config.json":  # the config says which dtype the weights are in
-                config_json = json.loads(src.read_text())
+                config_json = read_config(src, NO_CONFIG_HINT, follow=config is not None)
+                warn_if_another_model(src, config_json, _tensors(staged))
                 for key in ("torch_dtype", "dtype"):
                     if key in config_json or key == "dtype":
                         config_json[key] = DTYPES[dtype].torch
                 records[name] = write_synced(dest / name,
                                              json.dumps(config_json, indent=2).encode())
-            else:
-                records[name] = copy_synced(src, dest / name)
+            else:  # a link of a user's dir comes resolved (given_dir_files): none followed
+                records[name] = write_synced(dest / name, read_small(
+                    src, MAX_SIDE_FILE_BYTES, "a model's tokenizer file"))
         return records
 
     def plan() -> WeightsPlan:

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpitailor.errors import CheckpointError
 from mpitailor.formats import CheckpointMeta
+from mpitailor.formats.boundedio import MAX_SIDE_FILE_BYTES, read_small
+from mpitailor.formats.files import read_latest
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.safeload import load
 
@@ -56,10 +60,17 @@ def extras_dir(base: CheckpointMeta) -> Path | None:
         return base.files.save_dir
     parent = base.files.tag_dir.parent
     latest = parent / "latest"
-    if latest.is_file() and (base.files.partial or
-                             latest.read_text().strip() == base.files.tag):
+    if latest.is_file() and (base.files.partial or _names(latest) == base.files.tag):
         return parent
     return None
+
+
+def _names(latest: Path) -> str | None:
+    """The tag a `latest` file names; None if it names none (a link, too long, binary)."""
+    try:
+        return read_latest(latest)
+    except CheckpointError:
+        return None
 
 
 # What mpitailor itself keeps beside an output while writing it (publish/staging.py): the lock
@@ -102,21 +113,31 @@ class Extras:
 
     files: tuple[tuple[str, bytes], ...]   # (name, content)
     left_out: tuple[str, ...]              # names of the base's save dir not carried over
+    # Accelerate's files, as large as the run made them: copied as files from `folder`
+    # (engine/replicate.carry_files), never read whole nor sent to every rank
+    carried: tuple[str, ...] = ()
+    folder: Path | None = None
 
 
 def read_extras(base: CheckpointMeta) -> Extras:
     """The extras as bytes (small files), for the ranks that write them into the output
     (rank 0, or every node's first rank under node-local storage). Torch files are
     safe-loaded first: one carrying a pickle payload is refused; Accelerate's are not loaded
-    at all (above)."""
+    at all (above), nor read here: named in `carried`, they are copied as files."""
     copy, _, left_out = sort_extras(base)
     if left_out:
         log.warning("not carried over from %s (not part of a checkpoint, or 16-bit .bin weights "
                     "that would not match the merged ones; --export safetensors writes merged "
                     "HF weights): %s", extras_dir(base), ", ".join(left_out))
-    out = []
+    out, carried = [], []
     for p in copy:
+        if ACCELERATE_FILE.fullmatch(p.name):  # copied where it lies (Extras.carried)
+            carried.append(p.name)
+            continue
         if p.suffix in TORCH_SUFFIXES and not ACCELERATE_FILE.fullmatch(p.name):
             load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
-        out.append((p.name, p.read_bytes()))
-    return Extras(tuple(out), tuple(left_out))
+        # The save's own state (trainer state, rng, Accelerate's registered objects) is as
+        # large as the run made it; the model's side files are bounded (boundedio.py).
+        limit = MAX_SIDE_FILE_BYTES if MODEL_FILE.fullmatch(p.name) else sys.maxsize
+        out.append((p.name, read_small(p, limit, "a file of the base's save dir")))
+    return Extras(tuple(out), tuple(left_out), tuple(carried), extras_dir(base))

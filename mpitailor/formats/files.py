@@ -8,14 +8,27 @@ A checkpoint may be named by its tag dir (`save/global_step10`), by a save dir w
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
+from mpitailor.formats.boundedio import (
+    MAX_MANIFEST_BYTES,
+    MAX_RECORD_BYTES,
+    TooLarge,
+    loads,
+    shown,
+)
 from mpitailor.formats.fsview import LOCAL
-from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
+from mpitailor.formats.manifest import (
+    MANIFEST,
+    PARTIAL_FORMAT,
+    PARTIAL_MANIFEST,
+    Manifest,
+    brief,
+    read_manifest,
+)
 
 MODEL_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
@@ -42,14 +55,23 @@ class Lineage:
 
     @classmethod
     def from_json(cls, raw) -> "Lineage | None":
-        if not isinstance(raw, dict):
+        """The record (None: a save made without one); TypeError if it is not one."""
+        if raw is None:
             return None
-        parent = raw.get("parent")
-        return cls(str(raw["save_id"]), str(raw["chain"]),
-                   None if parent is None else str(parent))
+        ids = (raw.get("save_id"), raw.get("chain")) if isinstance(raw, dict) else ()
+        parent = raw.get("parent") if isinstance(raw, dict) else None
+        if len(ids) != 2 or not all(_is_id(x) for x in ids) or not (
+                parent is None or _is_id(parent)):
+            raise TypeError(f"lineage {brief(raw)}: save_id and chain must be ids (strings), "
+                            f"parent an id or null")
+        return cls(ids[0], ids[1], parent)
 
     def to_json(self) -> dict:
         return {"save_id": self.save_id, "chain": self.chain, "parent": self.parent}
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= MAX_TAG_BYTES
 
 
 def model_file(rank: int) -> str:
@@ -97,8 +119,17 @@ class CheckpointFiles:
 
 def resolve(path: Path | str, view=LOCAL) -> CheckpointFiles:
     """Recognise a tag dir, a save dir with `latest`, or an HF `checkpoint-N/`, as `view`
-    (fsview.py: this process's file system, or the union of a job's nodes) shows them."""
-    path = Path(path)
+    (fsview.py: this process's file system, or the union of a job's nodes) shows them.
+    A checkpoint mpitailor assembled has its merge's manifest beside it: one of a major
+    version this mpitailor does not read is refused (its files may be laid out otherwise)."""
+    files = _find(Path(path), view)
+    for folder in dict.fromkeys((files.save_dir, files.tag_dir.parent)):
+        if folder is not None and view.exists(folder / MANIFEST):
+            read_manifest(folder / MANIFEST, view)
+    return files
+
+
+def _find(path: Path, view) -> CheckpointFiles:
     if not view.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint; check the path")
     if not view.is_dir(path):
@@ -108,7 +139,7 @@ def resolve(path: Path | str, view=LOCAL) -> CheckpointFiles:
     if is_tag_dir(path, view):
         return _scan_tag_dir(path, None, view)
     latest = path / "latest"
-    if view.is_file(latest):
+    if view.exists(latest):  # a FIFO or device there is refused by name, never opened
         tag = read_latest(latest, view)
         if not view.is_dir(path / tag):
             raise CheckpointError(f"{latest}: names tag {tag!r} but {path / tag} is missing")
@@ -123,15 +154,15 @@ def resolve(path: Path | str, view=LOCAL) -> CheckpointFiles:
 def read_latest(latest: Path, view=LOCAL) -> str:
     """The tag a `latest` file names; CheckpointError unless it is one plain dir name."""
     try:
-        raw = view.read_bytes(latest, MAX_TAG_BYTES + 2)
-        tag = raw.decode().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{latest}: unreadable ({e})") from None
-    if len(raw) > MAX_TAG_BYTES + 1:
-        raise CheckpointError(f"{latest}: longer than any tag name ({MAX_TAG_BYTES} bytes); "
-                              f"it should hold one tag such as global_step10")
-    if not tag or "/" in tag or "\0" in tag or tag in (".", ".."):
-        raise CheckpointError(f"{latest}: does not name a tag dir (got {tag!r})")
+        tag = view.read_bytes(latest, MAX_TAG_BYTES + 1, "a `latest` file").decode().strip()
+    except TooLarge:
+        raise CheckpointError(f"{shown(latest)}: longer than any tag name ({MAX_TAG_BYTES} "
+                              f"bytes); it should hold one tag such as global_step10") from None
+    except UnicodeDecodeError:
+        tag = ""  # not a tag: said below, without echoing what the file holds
+    if not tag or "/" in tag or "\0" in tag or tag in (".", "..") or not tag.isprintable():
+        raise CheckpointError(f"{shown(latest)}: does not name a tag dir (it should hold one "
+                              f"tag such as global_step10)")
     return tag
 
 
@@ -140,36 +171,109 @@ def read_save_record(tag_dir: Path, partial: bool,
     """(lineage, layer patterns) that mpitailor recorded for a save; (None, {}) for plain
     DeepSpeed saves."""
     path = tag_dir / (PARTIAL_MANIFEST if partial else SAVE_RECORD)
-    if not view.is_file(path):
-        return None, {}
+    if not view.exists(path) and not (view is LOCAL and path.is_symlink()):
+        return None, {}  # a FIFO, a device, a dangling link: a record there, unreadable
     try:
-        raw = json.loads(view.read_bytes(path))
+        raw = loads(view.read_bytes(path, MAX_MANIFEST_BYTES if partial else MAX_RECORD_BYTES,
+                                    "a save record"))
         lineage = Lineage.from_json(raw.get("lineage") if partial else raw)
         patterns = raw.get("layer_patterns") or {}
         if not isinstance(patterns, dict):
             raise TypeError("layer_patterns is not a mapping")
         return lineage, {str(k): str(v) for k, v in patterns.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path}: unreadable save record ({e})") from None
+        raise CheckpointError(f"{shown(path)}: unreadable save record ({e})") from None
 
 
 def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFiles:
-    try:
-        manifest = read_manifest(tag_dir / PARTIAL_MANIFEST, view)
-        world, dtype = int(manifest["world_size"]), manifest["dtype"]
-        flat = int(manifest.get("zero_stage", 3)) in (1, 2)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}; the partial save did not complete") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{tag_dir / PARTIAL_MANIFEST}: unreadable partial-checkpoint "
-                              f"manifest ({e}); the partial save did not complete") from None
-    missing = [n for r in range(world) for n in partial_files(r).values()
-               if not view.exists(tag_dir / n)]
+    manifest = read_manifest(tag_dir / PARTIAL_MANIFEST, view)
+    world, dtype, stage = partial_fields(manifest, shown(tag_dir / PARTIAL_MANIFEST),
+                                         view.names(tag_dir))
+    # world is at most the number of rank files present: this loop is bounded by the dir
+    missing = next((n for r in range(world) for n in partial_files(r).values()
+                    if not view.exists(tag_dir / n)), None)
     if missing:
-        raise CheckpointError(f"{tag_dir}: missing {missing[0]}; the partial checkpoint is "
+        raise CheckpointError(f"{tag_dir}: missing {missing}; the partial checkpoint is "
                               f"incomplete")
     return CheckpointFiles(tag_dir=tag_dir, world_size=world, bf16_prefix=dtype == "bf16",
-                           save_dir=save_dir, partial=True, flat=flat)
+                           save_dir=save_dir, partial=True, flat=stage in (1, 2))
+
+
+PARTIAL_MODEL_RE = re.compile(r"rank_(\d+)_model_states\.pt")
+PARTIAL_DTYPES = ("fp32", "bf16", "fp16")
+_CRC_RE = re.compile(r"[0-9a-f]{8}")
+
+
+def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str, int]:
+    """(world size, dtype, ZeRO stage) of a partial save's manifest, every field checked
+    against bounds, and the world size against the rank files present (`names`: the tag
+    dir's), before anything is sized from them: a forged world_size of 10^9 once grew a list
+    of missing files until memory ran out. CheckpointError naming the manifest and the field.
+    The claims that need the files' contents are checked where those are read (read.py:
+    rank 0's model states; partial_shard.py: every rank's layers file)."""
+    def bad(field: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {field} {brief(m.get(field))} {why}; the manifest "
+                               f"is damaged")
+    if m.kind != "partial":
+        raise CheckpointError(f"{where}: kind {brief(m.kind)}, not a partial save's manifest; "
+                              f"the manifest is damaged")
+    if m.get("format", PARTIAL_FORMAT) != PARTIAL_FORMAT:
+        raise bad("format", f"is not {PARTIAL_FORMAT!r}")
+    for key in ("version", "global_steps"):
+        if key in m.fields and not _whole(m[key], 0):
+            raise bad(key, "is not a whole number >= 0")
+    for key in ("tag", "layout_sha256"):
+        if key in m.fields and not _is_id(m[key]):
+            raise bad(key, "is not a name")
+    world = m.get("world_size")
+    ranks = sum(bool(PARTIAL_MODEL_RE.fullmatch(n)) for n in names)
+    if not _whole(world, 1):
+        raise bad("world_size", "is not a number of ranks")
+    if world != ranks:
+        raise CheckpointError(f"{where}: world_size {world}, but the dir holds the files of "
+                              f"{ranks} rank(s) (rank_N_model_states.pt); the manifest is "
+                              f"damaged")
+    dtype, stage = m.get("dtype"), m.get("zero_stage", 3)
+    if not isinstance(dtype, str) or dtype not in PARTIAL_DTYPES:
+        raise bad("dtype", f"is not one of {', '.join(PARTIAL_DTYPES)}")
+    if not _whole(stage, 1) or stage > 3:
+        raise bad("zero_stage", "is not a ZeRO stage (1, 2 or 3)")
+    layers = m.get("layers")
+    if not isinstance(layers, list) or not all(_is_id(k) for k in layers) \
+            or len(set(layers)) != len(layers):
+        raise bad("layers", "is not a list of distinct layer keys")
+    _check_records(m, where, names)
+    try:
+        Lineage.from_json(m.get("lineage"))
+    except TypeError as e:
+        raise CheckpointError(f"{where}: {e}; the manifest is damaged") from None
+    patterns = m.get("layer_patterns") or {}
+    if not isinstance(patterns, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in patterns.items()):
+        raise bad("layer_patterns", "is not a mapping of patterns to layer keys")
+    return world, dtype, stage
+
+
+def _check_records(m: Manifest, where: str, names: list[str]) -> None:
+    """The manifest's file records: one per file of the dir at most, each a plain file name
+    with a size and a CRC-32 (what check_partial_rank compares the files with)."""
+    if len(m.files) > len(names):
+        raise CheckpointError(f"{where}: files records {len(m.files)} files, but the dir holds "
+                              f"{len(names)}; the manifest is damaged")
+    for name, rec in m.files.items():
+        if not _is_id(name) or "/" in name or "\0" in name or name in (".", ".."):
+            raise CheckpointError(f"{where}: files: {brief(name)} is not the name of a file in "
+                                  f"the save's dir; the manifest is damaged")
+        if not isinstance(rec, dict) or not _whole(rec.get("bytes"), 0) or \
+                not isinstance(rec.get("crc32"), str) or not _CRC_RE.fullmatch(rec["crc32"]):
+            raise CheckpointError(f"{where}: files: the record of {brief(name)} is "
+                                  f"{brief(rec)}, not a file's size and CRC-32; the manifest "
+                                  f"is damaged")
+
+
+def _whole(x, least: int) -> bool:
+    """Is x a JSON whole number (not a bool, not a float) of at least `least`?"""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
 
 
 def is_tag_dir(path: Path, view=LOCAL) -> bool:

@@ -11,28 +11,42 @@ that hold them. Torch-free.
 from __future__ import annotations
 
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpitailor.errors import CheckpointError
+from mpitailor.formats.boundedio import (
+    MAX_MANIFEST_BYTES,
+    kind_of,
+    open_regular,
+    read_small,
+    shown,
+    too_large,
+)
+
 SMALL = 64 << 10  # files up to this size travel in a listing whole (latest, JSON records)
 TAIL = 4 << 10    # of a larger file, the CRC of its last bytes (a zip's central directory,
-                  # which holds every record's CRC) tells two copies apart
+                  # which holds every record's CRC) tells two copies apart at a glance; one
+                  # several nodes hold is then compared whole (nodes.survey)
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One path as a node sees it: a directory, or a file (size; whole if small, else a CRC
-    of its tail)."""
+    of its tail). odd: what it is if not a plain regular file ("a symbolic link" to one, whose
+    bytes are listed; "a FIFO (named pipe)", a device...: never opened, no bytes)."""
 
     is_dir: bool
     size: int = 0
     data: bytes | None = None
     tail_crc: int = 0
+    odd: str = ""
 
     def same_as(self, other: "Entry") -> bool:
-        return (self.is_dir, self.size, self.data, self.tail_crc) == \
-            (other.is_dir, other.size, other.data, other.tail_crc)
+        return (self.is_dir, self.size, self.data, self.tail_crc, self.odd) == \
+            (other.is_dir, other.size, other.data, other.tail_crc, other.odd)
 
 
 class LocalView:
@@ -50,9 +64,11 @@ class LocalView:
     def names(self, d: Path) -> list[str]:
         return [c.name for c in d.iterdir()]
 
-    def read_bytes(self, p: Path, limit: int = -1) -> bytes:
-        with open(p, "rb") as f:
-            return f.read(limit)
+    def read_bytes(self, p: Path, limit: int = MAX_MANIFEST_BYTES,
+                   what: str = "a checkpoint's metadata file") -> bytes:
+        """A small regular file's bytes (boundedio.read_small: no link followed, at most
+        `limit` bytes, else CheckpointError)."""
+        return read_small(p, limit, what)
 
 
 LOCAL = LocalView()
@@ -75,19 +91,28 @@ class UnionView:
     def is_dir(self, p: Path) -> bool:
         return (e := self.entries.get(str(p))) is not None and e.is_dir
 
-    def is_file(self, p: Path) -> bool:
-        return (e := self.entries.get(str(p))) is not None and not e.is_dir
+    def is_file(self, p: Path) -> bool:  # as Path.is_file: a regular file, or a link to one
+        return (e := self.entries.get(str(p))) is not None and not e.is_dir and \
+            e.odd in ("", LINK)
 
     def names(self, d: Path) -> list[str]:
         return sorted(self.children.get(str(d), []))
 
-    def read_bytes(self, p: Path, limit: int = -1) -> bytes:
+    def read_bytes(self, p: Path, limit: int = MAX_MANIFEST_BYTES,
+                   what: str = "a checkpoint's metadata file") -> bytes:
+        """As LocalView.read_bytes, from the listing."""
         e = self.entries.get(str(p))
-        if e is None or e.is_dir:
-            raise FileNotFoundError(f"{p}: on no node of this job")
+        if e is None:
+            raise CheckpointError(f"{shown(p)}: {what} not found on any node of this job")
+        if e.is_dir or e.odd:
+            raise CheckpointError(f"{shown(p)}: {'a directory' if e.is_dir else e.odd}, not a "
+                                  f"regular file; {what} must be a regular file")
+        if e.size > limit:
+            raise too_large(p, e.size, limit, what)
         if e.data is None:
-            raise OSError(f"{p}: {e.size} bytes, too large to read through the job's listing")
-        return e.data if limit < 0 else e.data[:limit]
+            raise CheckpointError(f"{shown(p)}: {e.size} bytes, too large to read through the "
+                                  f"job's listing ({SMALL} bytes at most)")
+        return e.data
 
 
 def listing(root: Path, depth: int = 2) -> dict[str, Entry]:
@@ -100,7 +125,7 @@ def listing(root: Path, depth: int = 2) -> dict[str, Entry]:
             st = p.stat()
         except OSError:
             return
-        if p.is_dir():
+        if stat.S_ISDIR(st.st_mode):
             out[str(p)] = Entry(True)
             if level < depth and not p.is_symlink():
                 try:
@@ -110,18 +135,29 @@ def listing(root: Path, depth: int = 2) -> dict[str, Entry]:
                 for c in children:
                     visit(c, level + 1)
             return
-        out[str(p)] = _file_entry(p, st.st_size)
+        out[str(p)] = _file_entry(p, st)
 
     visit(Path(root), 0)
     return out
 
 
-def _file_entry(p: Path, size: int) -> Entry:
+LINK = "a symbolic link"
+
+
+def _file_entry(p: Path, st: os.stat_result) -> Entry:
+    """A file's entry; a FIFO or device is described, never opened (a FIFO would block)."""
+    if not stat.S_ISREG(st.st_mode):
+        return Entry(False, 0, None, -1, kind_of(st.st_mode))
+    odd, size = LINK if p.is_symlink() else "", st.st_size
     try:
-        with open(p, "rb") as f:
+        fd = open_regular(p, "a checkpoint file", follow=True)
+    except CheckpointError:
+        return Entry(False, size, None, -1, odd)  # unreadable: compared, and refused when read
+    try:
+        with os.fdopen(fd, "rb") as f:
             if size <= SMALL:
-                return Entry(False, size, f.read(SMALL + 1))
+                return Entry(False, size, f.read(SMALL + 1), 0, odd)
             f.seek(size - TAIL)
-            return Entry(False, size, None, zlib.crc32(f.read(TAIL)))
+            return Entry(False, size, None, zlib.crc32(f.read(TAIL)), odd)
     except OSError:
-        return Entry(False, size, None, -1)  # unreadable: compared, and refused when read
+        return Entry(False, size, None, -1, odd)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mpitailor.errors import CheckpointError
+from mpitailor.formats.boundedio import MAX_MANIFEST_BYTES, loads, read_small, shown
 from mpitailor.version import __version__
 
 MANIFEST = "mpitailor_manifest.json"          # of a merge or an export
@@ -26,6 +28,8 @@ FORMAT_VERSION = "1.1"  # 1.1: `format_version` and `kind` recorded
 KINDS = ("merge", "export", "partial")
 PARTIAL_FORMAT = "mpitailor-partial"  # partial saves' `format` key since version 1.0
 _HEAD = ("format_version", "kind", "mpitailor_version", "created")
+MAJOR = int(FORMAT_VERSION.split(".")[0])  # any minor of it is read; another major is not
+_VERSION = re.compile(r"(\d{1,6})\.(\d{1,6})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,22 +70,17 @@ class Manifest:
         """Parse a manifest; CheckpointError (one line, naming `where`) if it is not one this
         version of mpitailor can read."""
         try:
-            doc = json.loads(data)
+            doc = loads(data)  # nesting bounded: a ValueError, never a RecursionError
             if not isinstance(doc, dict):
                 raise TypeError("not a JSON object")
-            version = str(doc.get("format_version", "1.0"))
-            major = version.split(".")[0]
-            files = doc.get("files") or {}
+            version = doc.get("format_version", "1.0")
+            files = doc.get("files", {})
             if not isinstance(files, dict):
                 raise TypeError("files is not a mapping")
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{where}: unreadable mpitailor manifest ({e})") from None
-        if major != FORMAT_VERSION.split(".")[0]:
-            raise CheckpointError(
-                f"{where}: manifest format_version {version} was written by a newer "
-                f"mpitailor (this {__version__} reads {FORMAT_VERSION.split('.')[0]}.x); "
-                f"upgrade mpitailor to read it")
-        kind = doc.get("kind") or _legacy_kind(doc)
+        _check_version(version, where)
+        kind = doc["kind"] if "kind" in doc else _legacy_kind(doc)
         fields = {k: v for k, v in doc.items() if k not in (*_HEAD, "files")}
         try:
             return cls(kind, files, fields, version, str(doc.get("mpitailor_version", "")),
@@ -92,12 +91,37 @@ class Manifest:
 
 def read_manifest(path: Path, view=None) -> Manifest:
     """The manifest at path (a file on the local file system, or in an fsview `view`)."""
-    try:
-        data = view.read_bytes(path) if view is not None else Path(path).read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read the mpitailor manifest "
-                              f"({e.strerror or e})") from None
-    return Manifest.from_json(data, path)
+    what = "an mpitailor manifest"
+    data = view.read_bytes(path, MAX_MANIFEST_BYTES, what) if view is not None \
+        else read_small(path, MAX_MANIFEST_BYTES, what)
+    return Manifest.from_json(data, shown(path))
+
+
+def _check_version(version, where) -> None:
+    """CheckpointError unless `version` is "major.minor" of the major this mpitailor reads:
+    another major is said to be newer (or never written), anything else invalid, never
+    "newer" for a field that is empty or not a version at all."""
+    found = _VERSION.fullmatch(version) if isinstance(version, str) else None
+    if found is None:
+        raise CheckpointError(f"{where}: manifest format_version {brief(version)} is not a "
+                              f"version string (\"major.minor\", e.g. \"{FORMAT_VERSION}\"); the "
+                              f"manifest is damaged")
+    major = int(found[1])
+    if major > MAJOR:
+        raise CheckpointError(
+            f"{where}: manifest format_version {version} was written by a newer "
+            f"mpitailor (this {__version__} reads {MAJOR}.x); upgrade mpitailor to read it")
+    if major < MAJOR:
+        raise CheckpointError(f"{where}: manifest format_version {version!r}: no mpitailor "
+                              f"writes it (this {__version__} reads {MAJOR}.x); the manifest "
+                              f"is damaged")
+
+
+def brief(value, limit: int = 60) -> str:
+    """A value read from an untrusted manifest, as a message shows it: repr (so that nothing
+    in it can forge a line), cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _legacy_kind(doc: dict) -> str:

@@ -9,15 +9,18 @@ here (8-byte length, JSON): the copy program needs each record's byte offset in 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpitailor.errors import CheckpointError
-from mpitailor.formats.files import PARTIAL_MANIFEST, partial_files
-from mpitailor.formats.layout import Slot
+from mpitailor.errors import CheckpointError, UserError
+from mpitailor.formats.boundedio import MAX_SAFETENSORS_HEADER, loads, open_regular, shown
+from mpitailor.formats.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
+from mpitailor.formats.layout import KINDS, Slot
+from mpitailor.formats.manifest import Manifest, brief
 from mpitailor.formats.meta import CheckpointMeta
 from mpitailor.formats.safeload import load, require_regular
 from mpitailor.formats.shard_protocol import Shard
@@ -46,8 +49,9 @@ class PartialShard(Shard):
             key = f"{kind}/{slot.name}"
             if key not in self.records:
                 raise CheckpointError(
-                    f"{self.data_path}: no record {key!r}; this partial checkpoint does not "
-                    f"hold that layer")
+                    f"{self.data_path}: no record {key!r}, though its manifest lists that "
+                    f"parameter's layer as saved; the manifest claims a layer its files do "
+                    f"not hold")
             offset, size = self.records[key]
             if (hi - first) * 4 > size:
                 raise CheckpointError(f"{self.data_path}: record {key!r} is shorter than the "
@@ -60,9 +64,23 @@ class PartialShard(Shard):
         the CRC-32 its manifest recorded before anything was read."""
 
 
-def check_partial_rank(meta: CheckpointMeta, rank: int, crc: bool) -> None:
+def check_partial_rank(meta: CheckpointMeta, rank: int, crc: bool,
+                       classifier=None) -> None:
     """Rank `rank`'s files of a partial checkpoint against the sizes (and, with crc, the
-    CRC-32s) its manifest recorded when they were written: CheckpointError if one differs."""
+    CRC-32s) its manifest recorded when they were written, and its layers file's records
+    against the layout and, given a classifier (LayerClassifier: built from the layer
+    patterns the save recorded, it gives each parameter's layer key), against the layers
+    the manifest claims: CheckpointError if one differs. One small read (the header)."""
+    _check_sizes(meta, rank, crc)
+    path = meta.files.layers_path(rank)
+    fd = open_regular(path, "a partial save's layers file", follow=True)
+    try:
+        check_records(meta, rank, _safetensors_records(path, fd), classifier)
+    finally:
+        os.close(fd)
+
+
+def _check_sizes(meta: CheckpointMeta, rank: int, crc: bool) -> None:
     files = meta.files
     manifest = files.tag_dir / PARTIAL_MANIFEST
     records = dict(meta.partial_records)
@@ -93,16 +111,17 @@ def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
     """Rank `rank`'s part, checked whole against its manifest first (what is read must be
     what was written: a partial save records a CRC-32 for every file)."""
     files = meta.files
-    check_partial_rank(meta, rank, crc=True)
+    _check_sizes(meta, rank, crc=True)
     model = load(files.model_path(rank), opaque_ok=True)
     optim = load(files.optim_path(rank))
     if int(model.get("global_steps", -1)) != meta.global_steps:
         raise CheckpointError(f"{files.model_path(rank)}: disagrees with rank 0 (global_steps); "
                               f"files from different saves?")
     path = files.layers_path(rank)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, "a partial save's layers file", follow=True)
     try:
         records = _safetensors_records(path, fd)
+        check_records(meta, rank, records)
     except BaseException:
         os.close(fd)
         raise
@@ -117,9 +136,9 @@ def _safetensors_records(path, fd: int) -> dict[str, tuple[int, int]]:
     size = os.fstat(fd).st_size
     try:
         n = int.from_bytes(os.pread(fd, 8, 0), "little")
-        if not 2 <= n <= size - 8:
+        if not 2 <= n <= min(size - 8, MAX_SAFETENSORS_HEADER):
             raise ValueError(f"header length {n}")
-        header = json.loads(os.pread(fd, n, 8))
+        header = loads(os.pread(fd, n, 8))  # nesting bounded: a ValueError
         out = {}
         for key, rec in header.items():
             if key == "__metadata__":
@@ -132,3 +151,83 @@ def _safetensors_records(path, fd: int) -> dict[str, tuple[int, int]]:
         raise CheckpointError(f"{path}: not a readable fp32 safetensors file ({e}); the partial "
                               f"checkpoint is damaged") from None
     return out
+
+
+def check_records(meta: CheckpointMeta, rank: int, records: dict[str, tuple[int, int]],
+                  classifier=None) -> None:
+    """A layers file's records (`{kind}/{name}` -> (offset, bytes)) against the layout: each
+    one the rank's exact slice of a parameter of the model, in all three kinds; with a
+    classifier, every parameter of every layer the manifest claims held (see
+    check_partial_rank). CheckpointError naming the file, or the manifest, otherwise."""
+    path, layout = shown(meta.files.layers_path(rank)), meta.layout
+    slots, held = layout.by_name(), {}
+    for key, (_, size) in records.items():
+        kind, _, name = key.partition("/")
+        slot = slots.get(name)
+        if kind not in KINDS or slot is None:
+            raise CheckpointError(f"{path}: record {brief(key)} is no parameter of this model "
+                                  f"({meta.files.model_path(0).name}); files from another run?")
+        if size != 4 * layout.span(slot, rank)[1]:
+            raise CheckpointError(f"{path}: record {key!r} holds {size} bytes, but rank {rank}'s "
+                                  f"slice of {name} is {4 * layout.span(slot, rank)[1]}; the "
+                                  f"partial save is damaged")
+        held.setdefault(name, set()).add(kind)
+    for name, kinds in held.items():
+        if len(kinds) != len(KINDS):
+            lack = next(k for k in KINDS if k not in kinds)
+            raise CheckpointError(f"{path}: no record '{lack}/{name}' beside its "
+                                  f"{sorted(kinds)[0]}; the partial save is damaged")
+    if classifier is not None:
+        _check_claims(meta, rank, held, classifier)
+
+
+def _check_claims(meta: CheckpointMeta, rank: int, held: dict, classifier) -> None:
+    """Every parameter of every layer the manifest claims is in rank's layers file (where the
+    rank holds a part of it), and every claimed layer is one of the model's."""
+    where = shown(meta.files.tag_dir / PARTIAL_MANIFEST)
+    try:
+        layer_of = classifier(dict(meta.layer_patterns))
+        keys = {s.name: layer_of(s.name) for s in meta.layout.slots}
+        every = {*keys.values(), *(layer_of(n) for n, _ in meta.frozen_shapes)}
+    except UserError as e:  # the patterns come from the manifest too
+        raise CheckpointError(f"{where}: {e}; the manifest is damaged") from None
+    unknown = sorted(meta.held_layers - every)
+    if unknown:
+        raise CheckpointError(f"{where}: layers lists {brief(unknown[0])}, a layer this model "
+                              f"does not have; the manifest is damaged")
+    for slot in meta.layout.slots:
+        if keys[slot.name] in meta.held_layers and slot.name not in held and \
+                meta.layout.span(slot, rank)[1] > 0:
+            raise CheckpointError(
+                f"{shown(meta.files.layers_path(rank))}: no record of {slot.name}, though "
+                f"{PARTIAL_MANIFEST} lists its layer {keys[slot.name]} as saved; the manifest "
+                f"claims a layer its files do not hold")
+
+
+def check_partial_claims(manifest: Manifest, files: CheckpointFiles, *, dtype: str,
+                         global_steps: int, shapes: list[dict], keys_at_most: int) -> None:
+    """What a partial save's manifest claims that rank 0's model states say too (dtype, step,
+    layout; a layer count no larger than the model's parameters allow): CheckpointError
+    naming the manifest where they differ. A bf16 claim on an fp32 run once named a merge's
+    optimizer files bf16_*, which DeepSpeed's fp32 resume cannot find."""
+    where, model = shown(files.tag_dir / PARTIAL_MANIFEST), files.model_path(0).name
+
+    def differ(field: str, says: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {field} {brief(manifest.get(field))}, but {model} "
+                               f"{says}; the manifest is damaged")
+    if manifest["dtype"] != dtype:
+        raise differ("dtype", f"holds {dtype} weights")
+    if manifest.get("global_steps", global_steps) != global_steps:
+        raise differ("global_steps", f"is of step {global_steps}")
+    if "layout_sha256" in manifest.fields and manifest["layout_sha256"] != layout_sha256(shapes):
+        raise differ("layout_sha256", "has other parameters or shapes (param_shapes)")
+    if len(manifest["layers"]) > keys_at_most:
+        raise CheckpointError(f"{where}: layers lists {len(manifest['layers'])} layers, more "
+                              f"than the {keys_at_most} parameters of {model} can make; the "
+                              f"manifest is damaged")
+
+
+def layout_sha256(shapes: list[dict]) -> str:
+    """The digest of param_shapes a partial save records (training/partial_save.py)."""
+    text = json.dumps([[(n, list(s)) for n, s in g.items()] for g in shapes])
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -18,6 +18,7 @@ from mpitailor.formats.fsview import LOCAL
 from mpitailor.formats.layout import compute_layout
 from mpitailor.formats.manifest import read_manifest
 from mpitailor.formats.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
+from mpitailor.formats.partial_shard import check_partial_claims
 from mpitailor.formats.rawio import materialize, read_slice
 from mpitailor.formats.safeload import load
 
@@ -69,7 +70,7 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
     if files.flat and not files.partial:
         _check_16bit_current(files, model, flat, layout)
     lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial, view)
-    manifest_of = _partial_manifest(files, view) if files.partial else None
+    manifest_of = _partial_manifest(files, view, model, shapes) if files.partial else None
     return CheckpointMeta(
         files=files, layout=layout, dtype=_model_dtype(model), zero_stage=stage,
         global_steps=int(model["global_steps"]),
@@ -139,6 +140,11 @@ def _stage(files: CheckpointFiles, osd: dict) -> int:
     except (TypeError, ValueError):
         raise CheckpointError(f"{files.optim_path(0)}: zero_stage is "
                               f"{osd.get('zero_stage')!r}; not a DeepSpeed ZeRO optim file") from None
+    if files.partial and stage in (1, 2, 3) and (stage == 3) == files.flat:
+        raise CheckpointError(f"{files.tag_dir / zfiles.PARTIAL_MANIFEST}: zero_stage says "
+                              f"{'1 or 2' if files.flat else '3'}, but "
+                              f"{files.optim_path(0).name} is of ZeRO stage {stage}; the "
+                              f"manifest is damaged")
     if stage not in (1, 2, 3) or (stage == 3) == files.flat:
         raise CheckpointError(
             f"{files.optim_path(0)}: a ZeRO stage {stage} optimizer file beside "
@@ -180,11 +186,17 @@ def flat_mappings_agree(mappings, layout, rank: int) -> bool:
         return False
 
 
-def _partial_manifest(files: CheckpointFiles, view) -> tuple[frozenset[str], tuple]:
-    """(layers held, file records) of a partial checkpoint's manifest."""
+def _partial_manifest(files: CheckpointFiles, view, model: dict,
+                      shapes: list[dict]) -> tuple[frozenset[str], tuple]:
+    """(layers held, file records) of a partial checkpoint's manifest, its claims checked
+    against rank 0's model states (resolve checked its fields' bounds)."""
     path = files.tag_dir / zfiles.PARTIAL_MANIFEST
     try:
         manifest = read_manifest(path, view)
+        check_partial_claims(manifest, files, dtype=_model_dtype(model),
+                             global_steps=int(model["global_steps"]), shapes=shapes,
+                             keys_at_most=sum(map(len, shapes)) + len(
+                                 model.get("frozen_param_shapes") or {}))
         return frozenset(manifest["layers"]), tuple(sorted(manifest.files.items()))
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); the partial save is damaged") \

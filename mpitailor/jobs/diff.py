@@ -210,10 +210,14 @@ def _weights16(ma: CheckpointMeta, mb: CheckpointMeta):
                 yield s.name, ta, tb
         return
     from safetensors import safe_open
+
+    from mpitailor.formats.safetensors_header import read_header
     files_a = [p for p in weight_files(ma) if p.suffix == ".safetensors"]
     files_b = [p for p in weight_files(mb) if p.suffix == ".safetensors"]
     if not files_a or not files_b:
         return
+    for p in (*files_a, *files_b):  # a crafted header is refused, naming the file, before
+        read_header(p, "a 16-bit weights file")  # safetensors' own parser meets it
     where_b = {}
     for p in files_b:
         with safe_open(str(p), "pt") as f:

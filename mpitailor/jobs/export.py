@@ -20,18 +20,22 @@ Collective: every rank calls run_export.
 """
 from __future__ import annotations
 
-import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
+from mpitailor.cluster.nodes import survey
 from mpitailor.engine.hf_weights import export_hf, has_config
-from mpitailor.errors import UserError
+from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
+from mpitailor.formats.boundedio import shown
 from mpitailor.formats.extras import extras_dir
 from mpitailor.formats.files import PARTIAL_MANIFEST, is_tag_dir, resolve
+from mpitailor.formats.hf_side import given_dir_files, read_config
 from mpitailor.formats.manifest import MANIFEST, Manifest
+from mpitailor.jobs.export_nodes import export_on_nodes
 from mpitailor.jobs.merge import MergeOptions, check_shard_size, plan_recipe, run_merge
 from mpitailor.jobs.recover import recover_recipe
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
@@ -110,19 +114,22 @@ def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | No
 
 def check_config(config: Path) -> None:
     """Rank 0 only. `--config` names a config.json, or a dir that holds one: UserError
-    unless it is there and is a JSON object."""
-    file = config / "config.json" if config.is_dir() else config
+    unless it is there, is a JSON object, and every side file of the dir may be read (a
+    regular file of bounded size; a link only inside it or a Hub cache's blobs/)."""
     what = "give a model's config.json or the model dir that holds it"
-    if not config.exists():
-        raise UserError(f"--config {config}: no such file or directory; {what}")
-    if not file.is_file():
-        raise UserError(f"--config {config}: a directory without config.json; {what}")
+    if not os.path.lexists(config):
+        raise UserError(f"--config {shown(config)}: no such file or directory; {what}")
     try:
-        ok = isinstance(json.loads(file.read_text()), dict)
-    except (OSError, UnicodeDecodeError, ValueError):
-        ok = False
-    if not ok:
-        raise UserError(f"--config {file}: not a JSON object; {what}")
+        if config.is_dir():
+            found = given_dir_files(config).get("config.json")  # links checked, resolved
+            if found is None:
+                raise UserError(f"--config {shown(config)}: a directory without config.json; "
+                                f"{what}")
+            read_config(found, what, follow=False)
+        else:
+            read_config(config, what, follow=True)
+    except CheckpointError as e:
+        raise UserError(f"--config {e}") from None
 
 
 def _require_config(source: Path, base: CheckpointMeta) -> None:
@@ -140,22 +147,33 @@ def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
     dtype = "fp32" if fmt == "fp32" else (dtype or base.dtype)
     sources = {name: plan.meta(src)
                for name, src in (*plan.param_source, *plan.frozen_source)}
+    side_dir = extras_dir(base) if fmt == "hf" else None  # the source's, wherever it is read
+
+    def export(c: Comm, meta: CheckpointMeta, srcs: dict, root: Path) -> dict:
+        return export_hf(c, meta, side_dir, root, dtype,
+                         DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
+                         srcs, config, verify)
+
+    def manifest(files: dict) -> Manifest:
+        return Manifest("export", files, {
+            "format": fmt, "dtype": dtype,
+            "sources": {name: {"path": str(m.path), "global_steps": m.global_steps}
+                        for name, m in plan.sources},
+            "layers": {k: s for k, s in plan.layer_source},
+            "mpi_ranks": comm.size})
+    place = survey(comm, [m.path for _, m in plan.sources])
+    if place.node_local:  # no node holds every rank's files: made on one (export_nodes.py)
+        written = export_on_nodes(comm, place, plan, sources, export, manifest)
+        return ExportResult(plan.output, written, time.perf_counter() - t0)
     staging = Staging(plan.output)
     with holding(staging, comm.rank == 0):
         root = comm.root_step(staging.acquire, None)
-        files = export_hf(comm, base, extras_dir(base) if fmt == "hf" else None, root, dtype,
-                          DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size,
-                          sources, config, verify)
+        files = export(comm, base, sources, root)
 
         def finish() -> int:
-            manifest = Manifest("export", files, {
-                "format": fmt, "dtype": dtype,
-                "sources": {name: {"path": str(m.path), "global_steps": m.global_steps}
-                            for name, m in plan.sources},
-                "layers": {k: s for k, s in plan.layer_source},
-                "mpi_ranks": comm.size})
-            write_synced(root / MANIFEST, manifest.to_json())
+            m = manifest(files)
+            write_synced(root / MANIFEST, m.to_json())
             staging.publish()
-            return manifest.bytes_written
+            return m.bytes_written
         written = comm.root_step(finish)
     return ExportResult(plan.output, written, time.perf_counter() - t0)

@@ -1,9 +1,10 @@
 """`python -m mpitailor inspect CKPT`: what a ZeRO checkpoint holds, layer by layer."""
 from __future__ import annotations
 
-import json
+import os
 
 from mpitailor.formats import BYTES_PER_ELEMENT, CheckpointMeta
+from mpitailor.formats.boundedio import MAX_MANIFEST_BYTES, read_json
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
@@ -33,9 +34,9 @@ def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
     if meta.held_layers is not None:
         layers = {k: v for k, v in layers.items() if k in meta.held_layers}
     for key, row in layers.items():
-        if composite and key in composite.get("layers", {}):
-            row["from"] = composite["layers"][key]["source"]
-            row["from_step"] = composite["layers"][key]["global_steps"]
+        rec = (composite or {}).get("layers", {}).get(key)
+        if isinstance(rec, dict):  # composite_manifest checked the mapping, not its records
+            row["from"], row["from_step"] = rec.get("source"), rec.get("global_steps")
     return {
         "path": str(meta.path), "tag": meta.files.tag, "kind": kind, "world_size": meta.world_size,
         "zero_stage": meta.zero_stage,
@@ -54,11 +55,10 @@ def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
 def composite_manifest(meta: CheckpointMeta) -> dict | None:
     """The merge manifest beside a checkpoint mpitailor assembled, if it is one."""
     for folder in (meta.files.save_dir, meta.files.tag_dir.parent):
-        if folder is not None and (folder / MANIFEST).is_file():
-            try:
-                return json.loads((folder / MANIFEST).read_text())
-            except (OSError, ValueError):
-                return None
+        if folder is not None and os.path.lexists(folder / MANIFEST):
+            doc = read_json(folder / MANIFEST, MAX_MANIFEST_BYTES, "an mpitailor manifest")
+            ok = isinstance(doc, dict) and isinstance(doc.get("layers", {}), dict)
+            return doc if ok else None
     return None
 
 

@@ -14,7 +14,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, output_is_shared, survey
 from mpitailor.engine.execute import write_partitions
 from mpitailor.engine.hf_weights import base_weights, export_hf, has_config, write_hf_weights
-from mpitailor.engine.replicate import replicate
+from mpitailor.engine.replicate import carry_files, replicate
 from mpitailor.engine.universal import export_universal
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
@@ -126,6 +126,8 @@ def write_merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bo
             moved = _export_on_first_node(comm, place, exports, by_rank, files)
             stats = [{**st, **{k: st[k] + m[k] for k in m}} for st, m in zip(stats, moved)]
         extras = comm.step_on(beside, read_extras, plan.base_meta)
+        files.update(carry_files(comm, place, root, extras.carried, extras.folder, beside,
+                                 out_nodes is not None))
         if out_nodes is None:
             written = comm.root_step(_finish, plan, staging, files, extras, recipe_text,
                                      comm.size)

@@ -40,6 +40,7 @@ from mpitailor.formats.partial_shard import check_partial_rank
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.shard import open_shard
 from mpitailor.jobs.tombstones import read_tombstones
+from mpitailor.planning.layers import LayerClassifier
 from mpitailor.planning.recovery import Chain, Save
 from mpitailor.planning.recovery import choose as choose_saves
 
@@ -182,7 +183,7 @@ def check_saves(comm: Comm, saves: list[Save], crc_of: set[str] = frozenset(),
 
 def _check_rank(save: Save, rank: int, crc: bool) -> None:
     if save.partial:
-        check_partial_rank(save.meta, rank, crc=crc)
+        check_partial_rank(save.meta, rank, crc=crc, classifier=LayerClassifier)
     else:
         with open_shard(save.meta, rank):  # parses both files, checks every buffer's extent
             pass
@@ -190,8 +191,8 @@ def _check_rank(save: Save, rank: int, crc: bool) -> None:
 
 def _latest(save_dir: Path, view) -> str | None:
     latest = save_dir / "latest"
-    if not view.is_file(latest):
-        return None
+    if not view.exists(latest):
+        return None  # a FIFO, a device or a link there is read (and refused, said) below
     try:
         return read_latest(latest, view)
     except CheckpointError as e:

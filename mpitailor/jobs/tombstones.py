@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
+from mpitailor.formats.boundedio import loads
 from mpitailor.formats.files import Lineage
 from mpitailor.formats.fsview import LOCAL
 from mpitailor.planning.recovery import Pruned
@@ -38,7 +39,7 @@ def read_tombstones(save_dir: Path, view=LOCAL) -> tuple[Pruned, ...]:
             continue
         path = folder / name
         try:
-            raw = json.loads(view.read_bytes(path))
+            raw = loads(view.read_bytes(path))  # bounded depth: a crafted file is an error
             if raw.get("format") != FORMAT or raw["save_id"] != name:
                 raise ValueError(f"not a tombstone of save id {name}")
             lineage = Lineage(name, str(raw["chain"]),

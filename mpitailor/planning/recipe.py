@@ -23,7 +23,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mpitailor.errors import UserError
+from mpitailor.errors import CheckpointError, UserError
+from mpitailor.formats.boundedio import TooLarge, read_small
 from mpitailor.planning.layers import check_patterns
 
 MAX_RECIPE_BYTES = 4 << 20  # a recipe is a page of YAML; anything this big is the wrong file
@@ -101,14 +102,13 @@ def load_recipe(path: Path | str, output: str | None = None,
                 world_size: int | None = None) -> Recipe:
     """Read and validate a recipe file; UserError naming the file, line and key."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_RECIPE_BYTES + 1)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read recipe ({e.strerror})") from None
-    if len(raw) > MAX_RECIPE_BYTES:
+    try:  # a regular file (a FIFO would block the open), links followed: a user's own path
+        raw = read_small(path, MAX_RECIPE_BYTES, "a recipe (a short YAML file)", follow=True)
+    except TooLarge:
         raise UserError(f"{path}: larger than {MAX_RECIPE_BYTES >> 20} MiB; a recipe is a short "
-                        f"YAML file (is this the right file?)")
+                        f"YAML file (is this the right file?)") from None
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -9,13 +9,12 @@ world size is reused.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
-from mpitailor.errors import NothingToRecover
-from mpitailor.formats.manifest import MANIFEST
+from mpitailor.errors import CheckpointError, NothingToRecover
+from mpitailor.formats.manifest import MANIFEST, read_manifest
 from mpitailor.jobs.clean import clean
 from mpitailor.jobs.merge import plan_recipe, write_merge
 from mpitailor.jobs.prune import RESUME_DIR
@@ -120,13 +119,13 @@ def _is_recovery_of(out: Path, base, world: int) -> bool:
     """A published composite (manifest last) of that very save, for that world size. base:
     a Save (the same save id, where the saves record one, else the same path: a save dir or
     its tag dir) or the paths a checkpoint goes by."""
-    try:
-        manifest = json.loads((out / MANIFEST).read_text())
+    try:  # bounded, versioned: a composite dir is read as any checkpoint is
+        manifest = read_manifest(out / MANIFEST).fields
         source = manifest["sources"][manifest["base"]]
         if manifest["world_size"] != world:
             return False
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    except (CheckpointError, KeyError, TypeError):
+        return False  # absent, or not a composite of ours: another is written
     if isinstance(base, tuple):
         return Path(source["path"]) in base
     if base.lineage is not None:
