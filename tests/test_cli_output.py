@@ -158,7 +158,9 @@ def test_errors_that_differ_or_only_one_rank_sees_are_said_by_each_rank(tmp_path
     r = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(driver)],
                        env={**env, "HOW": how}, capture_output=True, text=True, timeout=120,
                        cwd=REPO)
-    assert r.returncode == 2, r.stderr
+    # Alone, the failing rank exits 2 and hydra ends the job by killing the rank still
+    # waiting: mpiexec then reports 2 or that rank's 9, whichever it sees first.
+    assert r.returncode in ((2, 9) if how == "alone" else (2,)), r.stderr
     want = ["[rank 1] mpitailor: error: only rank 1 saw this"] if how == "alone" else \
         [f"[rank {k}] mpitailor: error: rank {k} saw its own thing" for k in (0, 1)]
     assert sorted(error_lines(r.stderr)) == want, r.stderr
