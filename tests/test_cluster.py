@@ -476,13 +476,13 @@ def test_requeued_two_node_training_resumes_on_both_nodes_from_node_local_saves(
         text = out.read_text()
         assert state == "COMPLETED", text
         assert "restart 1" in text and "DUE TO JOB REQUEUE" in text, text
-        recovered = f"{root}/recovered-step2"
+        recovered = f"{root}/recovered-step2-w4"  # for the job's 4 training ranks
         assert (host[1] / "resume-from").read_text() == f"{recovered}\n", text
-        assert f"recovered {recovered} (tag global_step2)" in text, text
+        assert f"recovered {recovered} (tag global_step2, world size 4)" in text, text
         assert "planning on 2 nodes" in text and "written by 4 rank(s)" in text, text
         # The composite: each node holds its own ranks' part, n3 nothing.
         for i, ranks in ((1, (0, 1)), (2, (2, 3))):
-            part = host[i] / "recovered-step2"
+            part = host[i] / "recovered-step2-w4"
             files = [f for f in tree(part) if f.startswith("global_step2/zero_pp_rank_")]
             assert files == zero_files(ranks, "global_step2"), (i, tree(part))
             assert {"latest", MANIFEST} <= set(tree(part)), (i, tree(part))
@@ -621,7 +621,7 @@ def test_prologue_on_two_nodes_reuses_only_a_recovery_complete_on_both(
     prologue = f'bash {REPO}/slurm/resume-prologue.sh {run.save_dir} {parent}'
     script = tmp_path / "job.sh"
     script.write_text(f"#!/bin/bash\nset -e\n{prologue}\n{prologue}\n"
-                      f"rm -r {parent}/recovered-step2  # on the batch host, n1, only\n"
+                      f"rm -r {parent}/recovered-step2-w4  # on the batch host, n1, only\n"
                       f"{prologue}\n")
     out = tmp_path / "job.out"
     r = subprocess.run(["sbatch", "--parsable", "-N", "2", "-n", "4", "--ntasks-per-node=2",
@@ -638,13 +638,13 @@ def test_prologue_on_two_nodes_reuses_only_a_recovery_complete_on_both(
         text = out.read_text() if out.exists() else ""
         assert state == "COMPLETED", text
         first, again, fresh = re.findall(r"^MPITAILOR_RESUME_FROM=(.*)$", text, re.M)
-        assert first == again == f"{parent}/recovered-step2", text
+        assert first == again == f"{parent}/recovered-step2-w4", text  # the job's 4 ranks
         assert f"reusing {first}" in text and text.count("written by 4 rank(s)") == 2, text
-        assert fresh == f"{parent}/recovered-step2.1", text
+        assert fresh == f"{parent}/recovered-step2-w4.1", text
         for i, ranks in ((1, (0, 1)), (2, (2, 3))):
-            files = tree(host[i] / "recovered-step2.1")
+            files = tree(host[i] / "recovered-step2-w4.1")
             assert [f for f in files if "zero_pp_rank_" in f] == zero_files(ranks, run.tag)
-        assert (host[2] / "recovered-step2").exists()  # n2's part of the first is left alone
+        assert (host[2] / "recovered-step2-w4").exists()  # n2's part of the first is left alone
         assert not host[3].exists()
     finally:
         subprocess.run(["scancel", job], env=cluster, capture_output=True, timeout=30)
