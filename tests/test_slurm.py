@@ -63,6 +63,14 @@ def diagnose(job: str, out: Path, env) -> str:
     return f"--- {out}:\n{text}\n--- scontrol show job {job}:\n{show.stdout}{show.stderr}"
 
 
+def submit(job_env, out: Path, *options: str) -> str:
+    """sbatch slurm/train.sbatch from the repo root; the job id."""
+    sub = run(["sbatch", "--parsable", *options, f"--output={out}", SLURM / "train.sbatch"],
+              job_env, timeout=30, cwd=REPO)
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0]
+
+
 def test_requeued_training_resumes_from_the_recovered_checkpoint(env, tmp_path):
     save, out = tmp_path / "save", tmp_path / "train.out"
     # Steps slow enough (1.5 s) to requeue between the first partial save and the next.
@@ -70,10 +78,7 @@ def test_requeued_training_resumes_from_the_recovered_checkpoint(env, tmp_path):
     # dataclass), as real training scripts do: they must not turn the resume into a restart.
     job_env = {**env, "MPITAILOR_SAVE_DIR": str(save),
                "MPITAILOR_TRAIN_ARGS": "--step-sleep 1.5 --client-state"}
-    sub = run(["sbatch", "--parsable", f"--output={out}", SLURM / "train.sbatch"], job_env,
-              timeout=30, cwd=REPO)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
+    job = submit(job_env, out)
     try:
         wait_for("partial checkpoint", lambda: list(save.glob("*/mpitailor_partial.json")), 150)
         requeue = run(["scontrol", "requeue", job], env, timeout=30)
@@ -196,10 +201,7 @@ def test_a_job_back_on_another_number_of_tasks_resumes_at_that_size(env, tmp_pat
     3-rank training resumes from it, not from scratch."""
     save, first, second = tmp_path / "save", tmp_path / "first.out", tmp_path / "second.out"
     job_env = {**env, "MPITAILOR_SAVE_DIR": str(save), "MPITAILOR_TRAIN_ARGS": "--step-sleep 1.5"}
-    sub = run(["sbatch", "--parsable", f"--output={first}", SLURM / "train.sbatch"], job_env,
-              timeout=30, cwd=REPO)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
+    job = submit(job_env, first)
     try:
         wait_for("partial checkpoint", lambda: list(save.glob("*/mpitailor_partial.json")), 150)
     finally:
@@ -207,10 +209,7 @@ def test_a_job_back_on_another_number_of_tasks_resumes_at_that_size(env, tmp_pat
     wait_for("end of the first job", lambda: job_state(job, env) not in ("RUNNING", "PENDING",
                                                                          "COMPLETING"), 60)
     job_env["MPITAILOR_TRAIN_ARGS"] = ""
-    sub = run(["sbatch", "--parsable", "--ntasks=3", f"--output={second}",
-               SLURM / "train.sbatch"], job_env, timeout=30, cwd=REPO)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
+    job = submit(job_env, second, "--ntasks=3")
     try:
         state = wait_for("end of the job", lambda: (s := job_state(job, env)) in
                          ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and s,
