@@ -24,10 +24,17 @@ class Cleaned:
     failed: list[str]
 
 
+def not_a_dir(path: Path) -> str | None:
+    """Why path is no directory to work in (a link is never followed), or None: it is one."""
+    if os.path.islink(path):
+        return "a symbolic link"
+    if not path.is_dir():
+        return "not a directory" if os.path.lexists(path) else "does not exist"
+    return None
+
+
 def clean(folder: Path) -> Cleaned:
-    if os.path.islink(folder) or not folder.is_dir():
-        what = "a symbolic link" if os.path.islink(folder) else \
-            "not a directory" if os.path.lexists(folder) else "does not exist"
+    if (what := not_a_dir(folder)) is not None:
         raise UserError(f"{shown(folder)}: {what}; give the directory that holds the outputs "
                         f"(mpitailor clean DIR)")
     failed: list[str] = []

@@ -19,6 +19,7 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, MpitailorError, UserError
 from mpitailor.formats.manifest import MANIFEST, read_manifest
+from mpitailor.jobs.clean import not_a_dir
 from mpitailor.jobs.recovery import survey_saves
 from mpitailor.jobs.tombstones import read_tombstones, write_tombstone
 from mpitailor.planning.retention import Composite, RetentionPlan, Verdict, plan_retention
@@ -85,9 +86,7 @@ def check_args(save_dir: str | os.PathLike, keep_last: int,
         paths.append((Path(composites), "--composites DIR, where recovered-* composites are "
                                         "written (the Slurm prologue's OUT_PARENT)"))
     for path, what in paths:
-        if os.path.islink(path) or not path.is_dir():
-            state = "a symbolic link" if os.path.islink(path) else \
-                "not a directory" if os.path.lexists(path) else "does not exist"
+        if (state := not_a_dir(path)) is not None:
             raise UserError(f"{path}: {state}; give {what}")
     return (Path(save_dir).resolve(),
             None if composites is None else Path(composites).resolve())

@@ -21,19 +21,16 @@ Collective: every method is called on every rank.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch.distributed as dist
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.utils import MODEL_NAME, DeepSpeedSchedulerWrapper
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError
-from mpitailor.training.checkpointer import LayerwiseCheckpointer
-from mpitailor.training.partial_save import save_leader
+from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Decision, Policy
 
 SAVE_PREFIX = "checkpoint-"  # as HF's: recover names, orders and reports them alike
@@ -74,7 +71,7 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
         out = Path(self.save_dir) / f"{SAVE_PREFIX}{self.engine.global_steps}"
         decision = self.decide()
         lineage = self.next_lineage(decision)
-        self._fresh_dir(out)
+        fresh_save_dir(self.engine, out, create=True)
         if decision.full:
             failpoints.hit("full-save", out.name)
             self.accelerator.save_state(str(out))
@@ -85,16 +82,6 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
         self.record(decision, lineage, out / MODEL_NAME, blocked=time.perf_counter() - t0,
                     waited=waited)
         return decision
-
-    def _fresh_dir(self, out: Path) -> None:
-        """An empty out on every save leader's disk: what a save of the same step left
-        there (an abandoned timeline's, or a killed save's) must not mix with this one."""
-        if save_leader(self.engine):
-            if out.exists():
-                shutil.rmtree(out)
-            out.mkdir(parents=True)
-        if dist.is_initialized():
-            dist.barrier()
 
     def _save_accelerate_files(self, out: Path) -> None:
         """What accelerator.save_state writes besides the DeepSpeed model, written by

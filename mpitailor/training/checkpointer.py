@@ -42,6 +42,7 @@ from mpitailor.errors import MpitailorError, UserError
 from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 from mpitailor.jobs.prune import prune
 from mpitailor.planning.layers import LayerClassifier, layer_index
+from mpitailor.publish.leftovers import DISCARD, discard, path_of
 from mpitailor.publish.staging import fsync_dir, write_synced
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
@@ -278,6 +279,20 @@ class Published:
     decision: Decision
     lineage: Lineage | None
     step: int
+
+
+def fresh_save_dir(engine, out: Path, create: bool = False) -> None:
+    """Collective: what an earlier save of the same name left in out (a killed save's files
+    and staging dirs, or an abandoned timeline's save after a resume from an older step) is
+    removed on every save leader's disk before this save writes there: its files must not mix
+    with this save's. Renamed away first (leftovers.discard: a removal killed half-way leaves
+    a `.NAME.mpitailor-discard` that `clean` takes). create: make out, empty."""
+    if save_leader(engine):
+        discard(out, path_of(out, DISCARD))
+        if create:
+            out.mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def agreed_save_id() -> str:

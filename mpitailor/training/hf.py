@@ -34,9 +34,7 @@ from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.formats.files import PARTIAL_MANIFEST
 from mpitailor.planning.layers import LayerClassifier, layer_index
-from mpitailor.publish.leftovers import DISCARD, path_of, remove
-from mpitailor.training.checkpointer import LayerwiseCheckpointer
-from mpitailor.training.partial_save import save_leader
+from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Policy
 from mpitailor.training.resume import RESUME_DIR, recover_for_resume, reshard_for_resume
 from mpitailor.training.snapshot import host_bytes_limit
@@ -133,7 +131,7 @@ class LayerwiseTrainer(transformers.Trainer):
         decision = self._layerwise.decide()
         lineage = self._layerwise.next_lineage(decision)
         out = run_dir / f"checkpoint-{self.state.global_step}"
-        self._fresh_dir(out)
+        fresh_save_dir(self.deepspeed, out)
         if decision.full:
             # HF's rotation deletes the oldest checkpoint-N dirs, which would take the full
             # save the partial ones build on: save_total_limit is the checkpointer's
@@ -153,19 +151,6 @@ class LayerwiseTrainer(transformers.Trainer):
         # included, may be whole by now (save_model writes them), HF's trainer state is not.
         failpoints.hit("full-save", Path(output_dir).name)
         super()._save_optimizer_and_scheduler(output_dir)
-
-    def _fresh_dir(self, out: Path) -> None:
-        """Collective: what an earlier save of the same step left in out (a killed save's
-        files and staging dirs, or an abandoned timeline's save after a resume from an older
-        step) is removed by every save leader before this save writes there: its files must
-        not mix with this save's."""
-        if save_leader(self.deepspeed) and os.path.lexists(out):
-            gone = path_of(out, DISCARD)
-            if os.path.lexists(gone):
-                remove(gone)
-            os.rename(out, gone)
-            remove(gone)
-        self.accelerator.wait_for_everyone()
 
     def _save_partial(self, out: Path, layers, lineage) -> None:
         """A partial checkpoint-N; on failure, nothing of it is left (it had no `latest`)."""

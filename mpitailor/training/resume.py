@@ -22,7 +22,7 @@ from mpitailor.jobs.recovery import find_saves, plan_recovery
 from mpitailor.formats.read import read_meta
 from mpitailor.planning.recipe import recipe_from
 from mpitailor.planning.recovery import Chain, recovery_recipe
-from mpitailor.publish.leftovers import DISCARD, path_of, remove
+from mpitailor.publish.leftovers import DISCARD, discard, path_of
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.notice import make_visible
 
@@ -66,14 +66,9 @@ def recover_for_resume(save_dir: str | os.PathLike, until_step: int | None = Non
     resharded = "" if chain.full.meta.world_size == world else \
         f", resharded from world size {chain.full.meta.world_size}"
     where = f"resuming from {out} (step {base.step}, world size {world}{resharded})"
-    if comm.root_step(_is_recovery_of, out, base, world):
-        _say(comm, logging.INFO, f"{where}, recovered before from {came_from}")
-        return out
-    recipe = comm.root_step(recovery_recipe, save_dir, chain, out, None,
-                            None if chain.full.meta.world_size == world else world)
-    _, plan = plan_recipe(comm, recipe)
-    write_merge(comm, plan, recipe.text, progress=False)
-    _say(comm, logging.INFO, f"{where}, recovered from {came_from}")
+    reused = _written_once(comm, out, base, world, lambda: recovery_recipe(
+        save_dir, chain, out, None, None if chain.full.meta.world_size == world else world))
+    _say(comm, logging.INFO, f"{where}, recovered{' before' if reused else ''} from {came_from}")
     return out
 
 
@@ -91,16 +86,22 @@ def reshard_for_resume(checkpoint: str | os.PathLike, output_root: str | os.Path
     out = Path(output_root).resolve() / f"resharded-{path.name}-w{world}"
     where = (f"resuming from {out} (step {meta.global_steps}, world size {world}), {path} "
              f"resharded from world size {meta.world_size}")
-    if comm.root_step(_is_recovery_of, out, (path, meta.files.tag_dir), world):
-        _say(comm, logging.INFO, f"{where} before")
-        return out
-    recipe = comm.root_step(recipe_from, {"sources": {"saved": str(path)},
-                                          "layers": {"rest": "saved"}, "output": str(out)},
-                            origin=f"resume from {path}", world_size=world)
+    reused = _written_once(comm, out, (path, meta.files.tag_dir), world, lambda: recipe_from(
+        {"sources": {"saved": str(path)}, "layers": {"rest": "saved"}, "output": str(out)},
+        origin=f"resume from {path}", world_size=world))
+    _say(comm, logging.INFO, f"{where}{' before' if reused else ''}")
+    return out
+
+
+def _written_once(comm, out: Path, base, world: int, recipe_of) -> bool:
+    """Collective: True when out already is the composite of base for world (reused), else
+    False, having written it from the recipe rank 0 makes (recipe_of())."""
+    if comm.root_step(_is_recovery_of, out, base, world):
+        return True
+    recipe = comm.root_step(recipe_of)
     _, plan = plan_recipe(comm, recipe)
     write_merge(comm, plan, recipe.text, progress=False)
-    _say(comm, logging.INFO, where)
-    return out
+    return False
 
 
 def _origin(chain: Chain) -> str:
@@ -146,9 +147,4 @@ def _reclaim(save_dir: Path, names: list[str]) -> None:
     same name starts from an empty dir (the HF and Accelerate templates make it so)."""
     clean(save_dir)
     for name in names:
-        gone = path_of(save_dir / name, DISCARD)
-        try:
-            os.rename(save_dir / name, gone)
-        except FileNotFoundError:
-            continue
-        remove(gone)
+        discard(save_dir / name, path_of(save_dir / name, DISCARD))
