@@ -33,7 +33,7 @@ def layer_fp32(tag_dir: Path) -> dict[str, torch.Tensor]:
                 at, _, n = meta.layout.held(s, r)
                 if n and (meta.held_layers is None or key in meta.held_layers):
                     parts.setdefault(key, []).append(
-                        shard.read("fp32", s.subgroup, at, n).double().reshape(-1))
+                        torch.from_numpy(shard.read("fp32", s.subgroup, at, n)).double())
     return {k: torch.cat(v) for k, v in parts.items()}
 
 

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 from readme_scripts import assert_same_checkpoint, copy_run, readme_script, run_ranks
+from torch_files import torch_load
 
 from mpitailor import recover
 from mpitailor.formats.read import read_meta
-from mpitailor.formats.safeload import load
 
 KILL_AT_8 = "partial-publish/checkpoint-8/pytorch_model:0"  # rank 0, publishing step 8's save
 
 
 def rng(path: Path) -> tuple:
     """Accelerate's rng file, read safely (a pickle of python, numpy and torch states)."""
-    s = load(path, allow=("numpy",), mmap=False)
+    s = torch_load(path, numpy=True)
     return (s["random_state"], s["numpy_random_seed"][1].tolist(),
             s["torch_manual_seed"].tolist(), s["step"])
 

@@ -10,8 +10,7 @@ import torch
 from conftest import tree_digest
 from merging import RECIPES, run_cli
 from test_merge_errors import expect_clean_failure, expect_one_error
-
-from mpitailor.formats.safeload import load
+from torch_files import torch_load
 
 PARITY = (RECIPES / "parity.yml").read_text()
 
@@ -85,7 +84,7 @@ def test_stats_to_a_bad_path_fails_before_merging(w2, tmp_path):
 
 def test_crafted_param_shapes(w2, tmp_path):
     path = w2 / "global_step10" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    states = load(path, mmap=False)
+    states = torch_load(path)
     states["param_shapes"] = [{"model.embed_tokens.weight": [-3, 2 ** 62]}]
     torch.save(states, path)
     before = [tree_digest(w2)]

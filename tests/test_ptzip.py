@@ -1,22 +1,31 @@
 """The direct torch-file writer (mpitailor/formats/ptzip.py) and the CRC arithmetic under it,
-held against torch.save itself, Python's zipfile and torch.load."""
+held against torch.save itself, Python's zipfile and torch.load.
+
+The writer is torch-free: it takes objects whose tensors are tensorref.Tensor. Objects made
+with torch are handed to it through tests/torch_files.as_refs, and what it writes must be
+what torch.save writes for the torch object, byte for byte but for the serialization id."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
 import random
 import zipfile
 import zlib
 
+import numpy as np
 import pytest
 import torch
+from ckpt_fixtures import VARIANTS, build
 from torch.utils.serialization import config as ser_config
+from torch_files import as_refs, ref_bytes
 
 from mpitailor.formats import opaque, ptzip
 from mpitailor.formats.crc import crc32_combine, crc32_zeros
 from mpitailor.formats.filerecord import FileRecord
 from mpitailor.formats.safeload import load as safe_load
+from mpitailor.formats.tensorref import Tensor
 
 SERIAL_ID = "archive/.data/serialization_id"
 
@@ -76,6 +85,8 @@ def optim_like() -> dict:
 def mixed() -> dict:
     g = _gen(2)
     base = torch.randn(64, generator=g)
+    tagged = torch.randn(6, generator=g)
+    tagged.ds_id = 7  # a tensor with attributes (DeepSpeed tags its flat groups so)
     return {
         "bf16": torch.randn(9, generator=g).to(torch.bfloat16),
         "base": base, "view": base[5:17], "rows": base.view(8, 8)[::2],  # one shared storage
@@ -83,6 +94,7 @@ def mixed() -> dict:
         "step": torch.tensor(3), "scalar": torch.tensor(2.5, dtype=torch.float64),
         "nested": [[1, 2.0, "three"], (None, True), {"k": [torch.arange(4)]}],
         "text": "héllo", "n": 10 ** 20, "x": float("inf"),
+        "tagged": tagged, "again": tagged, "shape": torch.Size([2, 3]),
     }
 
 
@@ -113,9 +125,9 @@ def assert_same(got, want) -> None:
         assert got == want
 
 
-def torch_saved(obj, pickle_module=None) -> bytes:
+def torch_saved(obj) -> bytes:
     buf = io.BytesIO()
-    torch.save(obj, buf, **({"pickle_module": pickle_module} if pickle_module else {}))
+    torch.save(obj, buf)
     return buf.getvalue()
 
 
@@ -150,7 +162,7 @@ def load_every_way(path, monkeypatch) -> list:
 def test_written_file_is_torch_save_but_for_its_id(which, tmp_path, monkeypatch):
     obj = OBJECTS[which]()
     path = tmp_path / "a.pt"
-    record = ptzip.write_torch_file(path, obj)
+    record = ptzip.write_torch_file(path, as_refs(obj))
     ours = path.read_bytes()
 
     whole = FileRecord()
@@ -162,6 +174,7 @@ def test_written_file_is_torch_save_but_for_its_id(which, tmp_path, monkeypatch)
         loaded = torch.load(path, weights_only=True, mmap=True)
         assert loaded["view"].untyped_storage().data_ptr() == \
             loaded["base"].untyped_storage().data_ptr()
+        assert loaded["tagged"].ds_id == 7 and loaded["again"] is loaded["tagged"]
 
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None  # every record's CRC right
@@ -173,11 +186,11 @@ def test_written_file_is_torch_save_but_for_its_id(which, tmp_path, monkeypatch)
 
     theirs = torch_saved(obj)
     assert pickled == zipfile.ZipFile(io.BytesIO(theirs)).read("archive/data.pkl")
-    assert pickled == ptzip.describe(obj).pickle
+    assert pickled == ptzip.describe(as_refs(obj)).pickle
     assert masked_serialization_id(ours) == masked_serialization_id(theirs)
 
     again = tmp_path / "b.pt"
-    ptzip.write_torch_file(again, OBJECTS[which]())
+    ptzip.write_torch_file(again, as_refs(OBJECTS[which]()))
     assert again.read_bytes() == ours  # deterministic, serialization id included
 
 
@@ -185,12 +198,12 @@ def test_written_file_is_torch_save_but_for_its_id(which, tmp_path, monkeypatch)
 
 def test_layout_first_big_data_later(tmp_path, monkeypatch):
     n = 100_003
-    placeholder = torch.empty(n)  # never touched: stands for a partition-sized tensor
-    obj = {"state": {0: {"step": torch.tensor(7.0), "exp_avg": placeholder}}, "ids": [1, 2]}
+    placeholder = Tensor.empty(n)  # no bytes anywhere: stands for a partition-sized tensor
+    obj = {"state": {0: {"step": Tensor.scalar(7.0, "fp32"), "exp_avg": placeholder}},
+           "ids": [1, 2]}
     tf = ptzip.describe(obj)
     lay = tf.layout()
-    ptr = placeholder.untyped_storage().data_ptr()
-    (big,) = [i for i, r in tf.storages() if r.storage.data_ptr() == ptr]
+    (big,) = [i for i, r in tf.storages() if r.storage is placeholder.storage]
     assert tf.records[big].size == 4 * n
 
     want = torch.randn(n, generator=_gen(3))
@@ -202,7 +215,7 @@ def test_layout_first_big_data_later(tmp_path, monkeypatch):
         for i, (rec, e) in enumerate(zip(tf.records, lay.entries)):
             os.pwrite(fd, lay.local_header(i), e.header_offset)  # no CRC in it
             if i != big:
-                data = rec.data if rec.storage is None else ptzip.storage_bytes(rec.storage)
+                data = rec.data if rec.storage is None else rec.storage.read()
                 os.pwrite(fd, data, e.data_offset)
                 crcs[i] = zlib.crc32(data)
         payload = want.numpy().tobytes()  # "from elsewhere": another process, another file
@@ -219,6 +232,10 @@ def test_layout_first_big_data_later(tmp_path, monkeypatch):
     for loaded in load_every_way(path, monkeypatch):
         assert torch.equal(loaded["state"][0]["exp_avg"], want)
         assert loaded["state"][0]["step"].item() == 7.0 and loaded["ids"] == [1, 2]
+    # What torch.save writes for the same object with those values, but for the id.
+    theirs = torch_saved({"state": {0: {"step": torch.tensor(7.0), "exp_avg": want}},
+                          "ids": [1, 2]})
+    assert masked_serialization_id(written) == masked_serialization_id(theirs)
 
 
 # ---- zip64: a record over 4 GiB, without writing 4 GiB ----------------------------------
@@ -226,7 +243,7 @@ def test_layout_first_big_data_later(tmp_path, monkeypatch):
 def test_zip64_record_in_a_sparse_file(tmp_path, monkeypatch):
     n = (1 << 30) + 17  # float32: 4 GiB + 68 bytes, never touched (no memory used)
     obj = {"a": torch.arange(3.0), "x": torch.empty(n), "b": torch.ones(2)}
-    tf = ptzip.describe(obj)
+    tf = ptzip.describe(as_refs(obj))  # zero-copy: the 4 GiB are never touched
     lay = tf.layout()
     big = next(i for i, r in enumerate(tf.records) if r.size > ptzip.MAX32)
     assert lay.entries[big + 1].header_offset > ptzip.MAX32  # records after it go zip64 too
@@ -246,7 +263,7 @@ def test_zip64_record_in_a_sparse_file(tmp_path, monkeypatch):
             if i == big:
                 crcs.append(crc32_zeros(rec.size))  # the hole reads as zeros
                 continue
-            data = rec.data if rec.storage is None else ptzip.storage_bytes(rec.storage)
+            data = rec.data if rec.storage is None else rec.storage.read()
             os.pwrite(fd, data, e.data_offset)
             crcs.append(zlib.crc32(data))
         for offset, data in lay.pieces(crcs):
@@ -285,23 +302,70 @@ def test_zip64_record_in_a_sparse_file(tmp_path, monkeypatch):
 
 # ---- stand-ins for untrusted objects ----------------------------------------------------
 
+@dataclasses.dataclass
+class RunInfo:  # a training script's own class, as client state holds them
+    name: str
+    epochs: int
+
+
+def client_state_like() -> dict:
+    return {"args": argparse.Namespace(lr=0.1, tag="x"), "best": np.float64(0.25),
+            "info": RunInfo("run", 3), "w": torch.arange(4.0), "step": 9}
+
+
 def test_opaque_stand_ins_written_as_torch_writes_them(tmp_path):
+    """Client-state objects, loaded as stand-ins and written back, are the very bytes that
+    torch.save writes for the real objects."""
     src = tmp_path / "src.pt"
-    torch.save({"args": argparse.Namespace(lr=0.1, tag="x"), "w": torch.arange(4.0)}, src)
+    torch.save(client_state_like(), src)
     obj = safe_load(src, allow=(), opaque_ok=True)
-    assert opaque.holds_opaque(obj)
+    assert all(isinstance(obj[k], opaque.Opaque) for k in ("args", "best", "info"))
 
     out = tmp_path / "out.pt"
-    ptzip.write_torch_file(out, obj, pickle_module=opaque.pickle_module)
+    ptzip.write_torch_file(out, obj)
     ours = out.read_bytes()
-    theirs = torch_saved(obj, opaque.pickle_module)
+    theirs = torch_saved(client_state_like())
     assert zipfile.ZipFile(out).read("archive/data.pkl") == \
         zipfile.ZipFile(io.BytesIO(theirs)).read("archive/data.pkl")
     assert masked_serialization_id(ours) == masked_serialization_id(theirs)
     back = safe_load(out, allow=(), opaque_ok=True)
-    assert back["args"] == obj["args"] and torch.equal(back["w"], obj["w"])
+    assert all(back[k] == obj[k] for k in ("args", "best", "info", "step"))
+    assert ref_bytes(back["w"]) == ref_bytes(obj["w"])
+    real = torch.load(out, weights_only=False)  # what a trusting loader builds from it
+    want = client_state_like()
+    assert real["args"] == want["args"] and real["info"] == want["info"]
+    assert real["best"] == want["best"] and torch.equal(real["w"], want["w"])
 
 
-def test_off_cpu_tensors_are_refused():
-    with pytest.raises(RuntimeError, match="meta tensor"):
-        ptzip.describe({"x": torch.empty(3, device="meta")})
+def test_torch_tensors_are_refused():
+    """The writer takes tensorref Tensors; a torch tensor handed to it by mistake must not
+    be pickled some other way (torch.storage._load_from_bytes: a file weights-only loaders,
+    mpitailor's included, refuse)."""
+    with pytest.raises((TypeError, ValueError)):
+        ptzip.describe({"x": torch.arange(3.0)})
+
+
+# ---- every fixture file: loaded and written back, the same pickle and records ------------
+
+def _records(path) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """data.pkl, and (name inside the archive folder, size, CRC) of every record but the
+    serialization id, in the file's order."""
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        pickled = z.read(next(i for i in infos if i.filename.endswith("/data.pkl")))
+    recs = [(i.filename.partition("/")[2], i.file_size, i.CRC) for i in infos]
+    return pickled, [r for r in recs if r[0] != ".data/serialization_id"]
+
+
+def test_every_fixture_file_written_back_is_the_same(tmp_path):
+    """Every .pt file of the cached fixtures (real DeepSpeed and mpitailor saves), loaded
+    (tensors as references, client state as stand-ins) and written with the torch-free
+    writer, has the source's data.pkl bytes and the same records with the same CRCs."""
+    files = sorted(p for name in sorted(VARIANTS) for p in build(name).rglob("*.pt"))
+    assert len(files) > 100, len(files)
+    for i, src in enumerate(files):
+        out = tmp_path / f"{i}.pt"
+        ptzip.write_torch_file(out, safe_load(src, allow=("deepspeed", "numpy"),
+                                              opaque_ok=True))
+        assert _records(out) == _records(src), src
+        out.unlink()

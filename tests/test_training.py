@@ -7,6 +7,7 @@ import shutil
 from dataclasses import replace
 
 import h5py
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -71,8 +72,8 @@ def test_partial_slices_equal_a_full_save_of_the_same_step(name):
             for s in held:
                 at, _, n = layout.held(s, r) if layout.flat else (s.offset, 0, s.length)
                 for kind in ("fp32", "exp_avg", "exp_avg_sq"):
-                    assert torch.equal(p.read(kind, s.subgroup, at, n),
-                                       f.read(kind, s.subgroup, at, n))
+                    assert np.array_equal(p.read(kind, s.subgroup, at, n).view(np.uint32),
+                                          f.read(kind, s.subgroup, at, n).view(np.uint32))
             assert p.model["lr_scheduler"] == f.model["lr_scheduler"]
 
 

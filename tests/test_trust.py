@@ -13,6 +13,7 @@ from ckpt_fixtures import build, spec_for
 from conftest import tree_digest
 from merge_check import check_merge
 from merging import RECIPES, run_cli
+from torch_files import torch_load
 
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.safeload import load
@@ -71,7 +72,7 @@ def test_untrusted_objects_are_never_built(ckpt_copy, tmp_path):
     for step in (5, 10):
         for rank in (0, 1):
             path = root / f"global_step{step}" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-            states = load(path, mmap=False)
+            states = torch_load(path)
             states["tripwire"] = Tripwire(str(marker))
             torch.save(states, path)
     out = tmp_path / "merged"
@@ -185,7 +186,7 @@ def test_model_parallel_layouts_are_refused(ckpt_copy, tmp_path, how):
     if how == "mp_rank_01 files":
         shutil.copy(model0, tag / "zero_pp_rank_0_mp_rank_01_model_states.pt")
     else:
-        states = load(model0, mmap=False)
+        states = torch_load(model0)
         states["mp_world_size"] = 2
         torch.save(states, model0)
     out = tmp_path / "out"

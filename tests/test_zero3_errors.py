@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 from ckpt_fixtures import tag_dir as fixture_tag_dir
+from torch_files import torch_load
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats import resolve
@@ -37,7 +38,7 @@ def test_pickle_payload_is_refused_and_never_runs(ckpt_copy, tmp_path, which):
     meta = read_meta(root / "global_step5")
     marker = tmp_path / "payload-ran"
     victim = meta.files.model_path(0) if which == "model" else meta.files.optim_path(0)
-    obj = load(victim, mmap=False)
+    obj = torch_load(victim)
     obj["innocent_looking_key"] = Payload(marker)
     torch.save(obj, victim)
     # The payload is real: unsafe unpickling would run it (proved on a throwaway file).
@@ -202,7 +203,7 @@ def test_a_save_before_the_first_optimizer_step_says_so(ckpt, tmp_path):
     from merging import run_cli
     saved_at_step_0 = ckpt("w1_step0", 0).parent  # the save dir
     optim = saved_at_step_0 / "global_step0" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    assert load(optim, mmap=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"] \
+    assert load(optim)["optimizer_state_dict"]["optimizer_state_dict"]["state"] \
         == {}
     with pytest.raises(CheckpointError) as e:
         open_shard(read_meta(saved_at_step_0), 0)

@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
 from mpitailor.engine import storage
 from mpitailor.engine.storage import (
     fsync_close,
@@ -39,7 +37,7 @@ class Copier:
         self.bufs = [memoryview(b) for b in self.raw]
         self.pending: list[Future | None] = [None, None]
         self.turn = 0
-        self.casts: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, memoryview]]] = {}
+        self.casts: dict[str, list] = {}  # dtype -> per buffer (fp32 view, out view, out bytes)
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mpitailor-writer")
 
     def copy(self, src: int, off: int, n: int, dst: int, dst_off: int, crc: int,
@@ -54,11 +52,13 @@ class Copier:
             done += got
         return crc
 
-    def cast(self, fill: Callable[[int, torch.Tensor], None], lo: int, hi: int,
-             dtype: torch.dtype, dst: int, dst_off: int, crc: int) -> int:
-        """Write elements [lo, hi) of an fp32 stream cast to dtype, from dst_off on; return
-        the CRC-32 continued over the bytes written. fill(first, into) puts the elements
-        from `first` on into the fp32 tensor `into`, a chunk at a time."""
+    def cast(self, fill: Callable[[int, object], None], lo: int, hi: int,
+             dtype: str, dst: int, dst_off: int, crc: int) -> int:
+        """Write elements [lo, hi) of an fp32 stream cast to dtype (a name of dtypes.py),
+        from dst_off on; return the CRC-32 continued over the bytes written. fill(first,
+        into) puts the elements from `first` on into the float32 numpy array `into`, a
+        chunk at a time."""
+        from mpitailor.formats.casts import cast
         step = self.chunk // ELEMENT
         for a in range(lo, hi, step):
             n = min(hi - a, step)
@@ -68,25 +68,28 @@ class Copier:
             if out is None:  # fp32 out: the chunk as read
                 data = self.bufs[self.turn][:n * ELEMENT]
             else:
-                out[:n].copy_(src[:n])  # Tensor.to(dtype) is this copy_ into a new tensor
-                data = out_bytes[:n * out.element_size()]
+                cast(src[:n], "fp32", dtype, out=out[:n])  # bit for bit torch's .to(dtype)
+                data = out_bytes[:n * out.itemsize]
             crc = crc32(data, crc)
             self._write(dst, data, dst_off)
             dst_off += len(data)
         return crc
 
-    def _cast_buffers(self, dtype: torch.dtype):
-        """This turn's buffer as fp32, and its cast's buffer as dtype and as bytes (None for
-        fp32), made on first use."""
+    def _cast_buffers(self, dtype: str):
+        """This turn's buffer as fp32, and its cast's buffer as dtype (bf16: its uint16
+        bits) and as bytes (None for fp32), made on first use."""
         if dtype not in self.casts:
+            import numpy as np
+
+            from mpitailor.formats.tensorref import numpy_dtype
             made = []
             for raw in self.raw:
-                f32 = torch.frombuffer(raw, dtype=torch.float32)
-                if dtype == torch.float32:
+                f32 = np.frombuffer(raw, dtype=np.float32)
+                if dtype == "fp32":
                     made.append((f32, None, None))
                 else:
                     out_raw = bytearray(self.chunk)
-                    made.append((f32, torch.frombuffer(out_raw, dtype=dtype),
+                    made.append((f32, np.frombuffer(out_raw, dtype=numpy_dtype(dtype)),
                                  memoryview(out_raw)))
             self.casts[dtype] = made
         return self.casts[dtype][self.turn]

@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths
@@ -41,10 +39,11 @@ from mpitailor.engine.partition_states import (
 from mpitailor.engine.progress import Progress
 from mpitailor.engine.storage import pwrite_all
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats import opaque, ptzip
+from mpitailor.formats import ptzip
 from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.files import STAGE12_MODEL, model_file
 from mpitailor.formats.shard_protocol import ShardStates
+from mpitailor.formats.tensorref import Tensor
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 from mpitailor.publish.staging import make_dirs_under
@@ -185,7 +184,7 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path, shards: Shar
     for u in mine:
         b = bufs[first[u]]
         if not program.is_partition(b):
-            flats = {(b.kind, -1): torch.empty(b.nbytes // program.ELEMENT, dtype=torch.float32)}
+            flats = {(b.kind, -1): Tensor.empty(b.nbytes // program.ELEMENT, "fp32")}
             make_dirs_under(tag_dir, tag_dir / "zero" / b.param)
             out[u] = _lay_out_one(bufs, u, tag_dir / output_file(plan, b), flats,
                                   flats[b.kind, -1], None, universal=True)
@@ -234,12 +233,11 @@ def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | No
     """Lay out the torch file of `obj` (holding the placeholders `flats` of unit's buffers),
     create it at path, write its small records; `model`: the model states written after it
     (stage 3: every partition's; stage 1/2: partition 0's, for all)."""
-    kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(obj) else {}
-    tf = ptzip.describe(obj, **kwargs)
+    tf = ptzip.describe(obj)
     layout = tf.layout()
-    # Placeholders are found by their memory; empty ones (no bytes to copy, no memory to
-    # tell them apart) are written like any small record.
-    by_ptr = {t.untyped_storage().data_ptr(): key for key, t in flats.items() if t.numel()}
+    # Placeholders are found by their storage; empty ones (no bytes to copy) are written
+    # like any small record.
+    by_storage = {id(t.storage): key for key, t in flats.items() if t.numel()}
     index = {(b.kind, b.subgroup): i for i, b in enumerate(bufs) if b.unit == unit}
     crcs: list[int | None] = [None] * len(tf.records)
     flat_records = {}
@@ -247,11 +245,11 @@ def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | No
     try:
         os.ftruncate(fd, layout.size)
         for i, rec in enumerate(tf.records):
-            key = by_ptr.get(rec.storage.data_ptr()) if rec.storage is not None else None
+            key = by_storage.get(id(rec.storage)) if rec.storage is not None else None
             if key is not None:
                 flat_records[index[key]] = i
                 continue
-            data = rec.data if rec.storage is None else ptzip.storage_bytes(rec.storage)
+            data = rec.data if rec.storage is None else rec.storage.read()
             pwrite_all(fd, data, layout.entries[i].data_offset)
             crcs[i] = crc32(data)
     finally:
@@ -284,8 +282,7 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
         if lay.model is None:  # stage 1/2: partition 0 writes the model states
             continue
         name = lay.model_name
-        kwargs = {"pickle_module": opaque.pickle_module} if opaque.holds_opaque(lay.model) else {}
-        records[name] = ptzip.write_torch_file(tag_dir / name, lay.model, **kwargs)
+        records[name] = ptzip.write_torch_file(tag_dir / name, lay.model)
     return records
 
 

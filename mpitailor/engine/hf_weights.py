@@ -21,8 +21,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine.copyio import Copier, sync_close
 from mpitailor.engine.storage import close_all, create_sized, fsync_close
@@ -32,7 +30,7 @@ from mpitailor.formats.boundedio import MAX_INDEX_BYTES, MAX_SIDE_FILE_BYTES, re
     read_small, shown
 from mpitailor.formats.consolidate import read_range
 from mpitailor.formats.crc import crc32, crc32_combine
-from mpitailor.formats.dtypes import DTYPES, from_safetensors, torch_dtype
+from mpitailor.formats.dtypes import DTYPES, from_safetensors
 from mpitailor.formats.extras import weight_files
 from mpitailor.formats.hf_side import (  # noqa: F401 - has_config: the jobs' import point
     NO_CONFIG_HINT,
@@ -160,7 +158,7 @@ def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
         return []
     slots, done = meta.layout.by_name(), []
     needed = {str(m.path): m for m in [meta, *sources.values()]}
-    dtype = torch_dtype(plan.dtype)
+    dtype = plan.dtype
     outs: dict[str, int] = {}
     with ExitStack() as stack:
         opened = {key: stack.enter_context(open_all_shards(m)) for key, m in needed.items()}
@@ -202,23 +200,24 @@ def _verify(work, slots: dict[str, Slot], opened: dict[str, list[RankShard]],
 
 
 def _reader(shards: Sequence[RankShard], slot: Slot | None, name: str
-            ) -> Callable[[int, torch.Tensor], None]:
+            ) -> Callable[[int, object], None]:
     """fill(first, into) for Copier.cast: elements of parameter `name` (flattened) from
-    `first` on, the fp32 master weights of a trainable one, a frozen one's fragments as saved."""
+    `first` on into the float32 array `into`, the fp32 master weights of a trainable one, a
+    frozen one's fragments as saved (cast to fp32 exactly, to be cast back)."""
     if slot is None:
-        return lambda lo, into: into.copy_(_frozen_range(shards, name, lo, lo + into.numel()))
+        return lambda lo, into: _frozen_range(shards, name, lo, into)
     return lambda lo, into: read_range(shards, slot, "fp32", lo, into)
 
 
-def _frozen_range(shards: Sequence[RankShard], name: str, a: int, b: int) -> torch.Tensor:
-    parts, pos = [], 0
+def _frozen_range(shards: Sequence[RankShard], name: str, a: int, into) -> None:
+    from mpitailor.formats.casts import cast
+    b, pos = a + into.size, 0
     for s in shards:  # the fragments in rank order, padded at the end
-        frag = s.model["frozen_param_fragments"][name].reshape(-1)
+        frag = s.model["frozen_param_fragments"][name]
         x, y = max(a, pos), min(b, pos + frag.numel())
         if x < y:
-            parts.append(frag[x - pos: y - pos])
+            cast(frag.raw(x - pos, y - x), frag.dtype, "fp32", out=into[x - a: y - a])
         pos += frag.numel()
-    return torch.cat(parts)
 
 
 def _records(plan: WeightsPlan, gathered: list[list[tuple[str, int, int, int]]]

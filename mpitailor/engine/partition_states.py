@@ -3,7 +3,7 @@ of the flat buffers.
 
 The optimizer dict comes from the base source's files with its flat buffers (fp32 master,
 exp_avg, exp_avg_sq of every sub-group) replaced by placeholders: tensors of the right size
-whose memory is never touched, so pickling the dict costs no partition-sized buffer. The
+with no bytes at all (tensorref.Tensor.empty), so pickling the dict costs no buffer. The
 executor fills their bytes in the output file from the copy program. At a new world size the
 optimizer's fields are rewritten for it (steps per new sub-group, renumbered param groups,
 partition count); the model states get new parameter shapes, re-sliced frozen fragments and
@@ -15,15 +15,16 @@ import math
 from contextlib import ExitStack
 from types import SimpleNamespace
 
-import torch
-
 from mpitailor.formats.consolidate import full_tensor
+from mpitailor.formats.rawio import materialize
 from mpitailor.formats.layout import KINDS, Layout
 from mpitailor.formats.safeload import load
 from mpitailor.formats.shard import open_all_shards
+from mpitailor.formats.tensorref import Tensor, contiguous_stride
+from mpitailor.formats.torchpickle import Size
 from mpitailor.planning.plan import MergePlan
 
-Placeholders = dict[tuple[str, int], torch.Tensor]  # (kind, sub-group) -> placeholder
+Placeholders = dict[tuple[str, int], Tensor]  # (kind, sub-group) -> placeholder
 
 
 # Where each layout keeps the torch optimizer's state dict and the fp32 master partitions.
@@ -32,8 +33,8 @@ FP32 = {False: "fp32_flat_groups", True: "single_partition_of_fp32_groups"}
 
 
 def placeholders(layout: Layout, rank: int) -> Placeholders:
-    """Untouched fp32 tensors, one per (kind, sub-group) of rank's file: virtual memory only."""
-    return {(k, g): torch.empty(layout.buffer_size(k, g, rank), dtype=torch.float32)
+    """fp32 placeholders, one per (kind, sub-group) of rank's file."""
+    return {(k, g): Tensor.empty(layout.buffer_size(k, g, rank), "fp32")
             for g in range(len(layout.subgroup_sizes)) for k in KINDS}
 
 
@@ -89,15 +90,17 @@ def _slice_mappings(layout: Layout, rank: int, like: list) -> list:
         for s in layout.subgroup_slots(g):
             at, _, n = layout.held(s, rank)
             if n:
-                group[s.name] = record(numel=n, start=at)
+                # DeepSpeed's fragment_address dataclass, as its stand-in (opaque.py)
+                group[s.name] = record.new({"numel": n, "start": at})
         out.append(group)
     return out
 
 
 def step_like(template, value: float):
     """An Adam step of `value` in the form the source stores it (0-d tensor, int or float)."""
-    if isinstance(template, torch.Tensor):
-        return torch.tensor(value, dtype=template.dtype)
+    if isinstance(template, Tensor):
+        return Tensor.scalar(value if template.is_floating_point() else int(value),
+                             template.dtype)
     return type(template)(value)
 
 
@@ -150,17 +153,35 @@ def _flat_module(plan: MergePlan, shards: dict):
             if slot is not None and have.numel() != slot.numel:
                 if src not in opened:
                     opened[src] = stack.enter_context(open_all_shards(plan.meta(src)))
-                have = full_tensor(opened[src], slot, "fp32").to(have.dtype)
+                have = _cast_down(full_tensor(opened[src], slot, "fp32").reshape(-1),
+                                  have.dtype, slot.shape)
             elif target in frozen and have.numel() != math.prod(frozen[target]):
-                have = shards[src].model["frozen_param_fragments"][target].to(have.dtype) \
-                    .reshape(frozen[target])
+                have = _as(shards[src].model["frozen_param_fragments"][target], have.dtype,
+                           frozen[target])
             module[name] = have
     return module
 
 
+def _cast_down(fp32, dtype: str, shape: tuple[int, ...]) -> Tensor:
+    """A new tensor of `shape`: the fp32 numpy array cast to dtype (torch's .to(dtype))."""
+    from mpitailor.formats.casts import cast
+    return Tensor.of_bytes(cast(fp32, "fp32", dtype).tobytes(), dtype, shape)
+
+
+def _as(t: Tensor, dtype: str, shape: tuple[int, ...]) -> Tensor:
+    """t.to(dtype).reshape(shape) as torch does it: the same storage when no cast is needed
+    (a view of it, as reshape of a contiguous tensor gives), else a new one."""
+    if t.dtype == dtype:
+        return Tensor(t.storage, t.storage_offset, shape, contiguous_stride(shape))
+    from mpitailor.formats.casts import cast
+    return Tensor.of_bytes(cast(t.raw(), t.dtype, dtype).tobytes(), dtype, shape)
+
+
 def rank0_model_states(plan: MergePlan) -> dict:
-    """Every source's rank-0 model states, in the form merged_model_states takes."""
-    return {name: SimpleNamespace(model=load(meta.files.model_path(0), opaque_ok=True))
+    """Every source's rank-0 model states, in the form merged_model_states takes (in memory:
+    they may travel to ranks that cannot read the files)."""
+    return {name: SimpleNamespace(model=materialize(load(meta.files.model_path(0),
+                                                         opaque_ok=True)))
             for name, meta in plan.sources}
 
 
@@ -173,7 +194,7 @@ def resharded_model_states(plan: MergePlan, rank: int, base0, rank0: dict) -> di
     if target.layout.flat:  # one file for all ranks; frozen parameters are kept whole
         return model
     model["param_shapes"] = [
-        type(base0.model["param_shapes"][0])((s.name, torch.Size(s.shape))
+        type(base0.model["param_shapes"][0])((s.name, Size(s.shape))
                                              for s in target.layout.subgroup_slots(g))
         for g in range(len(target.layout.subgroup_sizes))]
     if rank != 0:
@@ -187,28 +208,28 @@ def resharded_model_states(plan: MergePlan, rank: int, base0, rank0: dict) -> di
 
 
 def _frozen_slice(plan: MergePlan, name: str, src: str, rank: int,
-                  states: dict[tuple[str, int], dict]) -> torch.Tensor:
+                  states: dict[tuple[str, int], dict]) -> Tensor:
     """Rank `rank`'s fragment of a frozen parameter at the new world size (zero padded),
-    copied from the source ranks whose fragments overlap it (memory-mapped: only those
-    pages are read)."""
+    copied from the source ranks whose fragments overlap it (only those bytes are read)."""
     meta = plan.meta(src)
     numel = math.prod(dict(meta.frozen_shapes)[name])
     pn1 = math.ceil(numel / meta.world_size)
     pn2 = math.ceil(numel / plan.target.world_size)
     lo, hi = rank * pn2, min((rank + 1) * pn2, numel)
-    out = None
+    out, dtype = None, None
     e = lo
     while e < hi:
         r1, within = divmod(e, pn1)
         n = min(hi - e, pn1 - within)
         if (src, r1) not in states:
             states[src, r1] = load(meta.files.model_path(r1), opaque_ok=True)
-        frag = states[src, r1]["frozen_param_fragments"][name].reshape(-1)
+        frag = states[src, r1]["frozen_param_fragments"][name]
         if out is None:
-            out = torch.zeros(pn2, dtype=frag.dtype)
-        out[e - lo: e - lo + n] = frag[within: within + n]
+            dtype, out = frag.dtype, bytearray(pn2 * frag.itemsize)
+        size = frag.itemsize
+        out[(e - lo) * size: (e - lo + n) * size] = frag.raw_bytes(within, n)
         e += n
     if out is None:  # this rank holds only padding of it
         first = load(meta.files.model_path(0), opaque_ok=True)["frozen_param_fragments"][name]
-        out = torch.zeros(pn2, dtype=first.dtype)
-    return out
+        dtype, out = first.dtype, bytearray(pn2 * first.itemsize)
+    return Tensor.of_bytes(out, dtype, (pn2,))

@@ -19,13 +19,12 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from mpitailor.cluster.comm import Comm
 from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.ptzip import write_torch_file
 from mpitailor.formats.shard import open_shard, without_flat_buffers
 from mpitailor.formats.state_equal import same_values
+from mpitailor.formats.tensorref import Tensor
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.reshard import close_subgroups
 from mpitailor.publish.staging import write_synced
@@ -73,7 +72,7 @@ def loader_limits(meta: CheckpointMeta, rank0, steps: Sequence[float]) -> list[s
     group group 0's hyper-parameters; it restores neither frozen parameters nor buffers."""
     groups = rank0.inner["param_groups"]
     state = rank0.inner["state"]
-    tensor_step = bool(state) and isinstance(state[min(state)]["step"], torch.Tensor)
+    tensor_step = bool(state) and isinstance(state[min(state)]["step"], Tensor)
     buffers = len(rank0.model.get("buffer_names") or ())
     limits = []
     if len(set(steps)) > 1:

@@ -1,9 +1,11 @@
 """Facts about files: DeepSpeed ZeRO checkpoints of stages 1-3 (layout, rank files, safe
-loading, shards), the torch zip container, safetensors, HF side files, dtypes, the manifest.
+loading, shards), the torch zip container and its pickle (read and written without torch:
+tensorref.py, torchpickle.py, ptzip.py), safetensors, HF side files, dtypes and their casts,
+the manifest.
 
-The package re-exports only its torch-free records (files, layout, meta), so the planner
-can import them without torch. Reading needs torch: `read_meta` is in `formats.read`,
-`open_shard` (a `Shard`: formats/shard_protocol.py) in `formats.shard`; import them there.
+The package re-exports only its small records (files, layout, meta), so the planner imports
+no reader: `read_meta` is in `formats.read`, `open_shard` (a `Shard`:
+formats/shard_protocol.py) in `formats.shard`; import them there.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Whole tensors from a checkpoint's rank slices (for `inspect`, exports and checks)."""
+"""Whole tensors from a checkpoint's rank slices (for `inspect`, exports and checks), as
+numpy arrays: fp32 weights and moments, frozen parameters in their own dtype's bits."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-
-import torch
 
 from mpitailor.formats.layout import KINDS, Slot
 from mpitailor.formats.meta import CheckpointMeta
@@ -11,19 +11,19 @@ from mpitailor.formats.shard import open_all_shards
 from mpitailor.formats.shard_protocol import Shard
 
 
-def full_tensor(shards: Sequence[Shard], slot: Slot, kind: str) -> torch.Tensor:
-    """The whole parameter `slot` of kind fp32/exp_avg/exp_avg_sq, from all ranks' shards,
-    each rank's real elements read straight into their place (no per-rank copies)."""
-    out = torch.empty(slot.numel, dtype=torch.float32)
+def full_tensor(shards: Sequence[Shard], slot: Slot, kind: str):
+    """The whole parameter `slot` of kind fp32/exp_avg/exp_avg_sq (float32, its shape), from
+    all ranks' shards, each rank's real elements read straight into their place."""
+    import numpy as np
+    out = np.empty(slot.numel, dtype=np.float32)
     read_range(shards, slot, kind, 0, out)
-    return out.view(slot.shape)
+    return out.reshape(slot.shape)
 
 
-def read_range(shards: Sequence[Shard], slot: Slot, kind: str, lo: int,
-               out: torch.Tensor) -> None:
-    """Elements [lo, lo + out.numel()) of the whole parameter `slot` (flattened) into `out`,
-    from the ranks that hold them (layout.held)."""
-    hi = lo + out.numel()
+def read_range(shards: Sequence[Shard], slot: Slot, kind: str, lo: int, out) -> None:
+    """Elements [lo, lo + out.size) of the whole parameter `slot` (flattened) into the
+    float32 array `out`, from the ranks that hold them (layout.held)."""
+    hi = lo + out.size
     for s in shards:
         at, first, n = s.meta.layout.held(slot, s.rank)
         a, b = max(lo, first), min(hi, first + n)
@@ -31,14 +31,18 @@ def read_range(shards: Sequence[Shard], slot: Slot, kind: str, lo: int,
             s.read_into(kind, slot.subgroup, at + a - first, out[a - lo: b - lo])
 
 
-def frozen_tensor(shards: Sequence[Shard], name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    numel = torch.Size(shape).numel()
-    parts = [s.model["frozen_param_fragments"][name].reshape(-1) for s in shards]
-    return torch.cat(parts)[:numel].view(shape)
+def frozen_tensor(shards: Sequence[Shard], name: str, shape: tuple[int, ...]):
+    """(dtype, bits) of a frozen parameter: its fragments joined, padding cut, in its
+    shape (bf16 as uint16 bits, see tensorref.Tensor.raw)."""
+    import numpy as np
+    frags = [s.model["frozen_param_fragments"][name] for s in shards]
+    whole = np.concatenate([f.raw() for f in frags])[:math.prod(shape)]
+    return frags[0].dtype, whole.reshape(shape)
 
 
 def consolidate(meta: CheckpointMeta, kinds: Sequence[str] = KINDS) -> dict[str, dict]:
-    """kind -> {name: whole tensor}; frozen parameters appear under `fp32` only."""
+    """kind -> {name: whole float32 array}; frozen parameters appear under `fp32` only."""
+    from mpitailor.formats.casts import cast
     with open_all_shards(meta) as shards:
         out: dict[str, dict] = {k: {} for k in kinds}
         for kind in kinds:
@@ -46,5 +50,6 @@ def consolidate(meta: CheckpointMeta, kinds: Sequence[str] = KINDS) -> dict[str,
                 out[kind][slot.name] = full_tensor(shards, slot, kind)
         if "fp32" in out:
             for name, shape in meta.frozen_shapes:
-                out["fp32"][name] = frozen_tensor(shards, name, shape).float()
+                dtype, bits = frozen_tensor(shards, name, shape)
+                out["fp32"][name] = cast(bits.reshape(-1), dtype, "fp32").reshape(shape)
         return out

@@ -1,6 +1,5 @@
 """The one dtype table: mpitailor's short names for tensor dtypes and what each is called in
-torch, in safetensors headers and in HF's `config.json`. Torch-free (the planner uses it);
-`torch_dtype` imports torch only when called."""
+torch, in safetensors headers and in HF's `config.json`. Torch-free (the planner uses it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +17,11 @@ DTYPES: dict[str, Dtype] = {d.name: d for d in (
     Dtype("fp32", 4, "F32", "float32"),
     Dtype("bf16", 2, "BF16", "bfloat16"),
     Dtype("fp16", 2, "F16", "float16"),
+    Dtype("f64", 8, "F64", "float64"),
     Dtype("i64", 8, "I64", "int64"),
     Dtype("i32", 4, "I32", "int32"),
+    Dtype("i16", 2, "I16", "int16"),
+    Dtype("i8", 1, "I8", "int8"),
     Dtype("u8", 1, "U8", "uint8"),
     Dtype("bool", 1, "BOOL", "bool"),
 )}
@@ -36,12 +38,6 @@ def canonical(name: str) -> str | None:
 def from_safetensors(name: str) -> str | None:
     """A safetensors header's dtype ("BF16") -> "bf16"; None for one not in the table."""
     return _BY_SAFETENSORS.get(name)
-
-
-def torch_dtype(name: str):
-    """The torch dtype of a name in the table (or an alias)."""
-    import torch
-    return getattr(torch, DTYPES[canonical(name) or name].torch)
 
 
 def name_of(torch_dtype) -> str:

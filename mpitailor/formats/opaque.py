@@ -1,13 +1,15 @@
-"""Objects a checkpoint pickles that mpitailor does not trust, carried through unbuilt.
+"""Objects a checkpoint pickles that mpitailor does not build, carried through as written.
 
-Training scripts put ordinary objects in DeepSpeed's `client_state` (an argparse
-`Namespace`, a numpy scalar, a dataclass). Loading them would mean importing the user's
-modules and running their code; refusing them would make the checkpoint unusable. Instead,
-each such global gets a stand-in class: torch's weights-only unpickler builds stand-ins
-(recording the arguments and state the pickle gave), never the real thing, and the pickler
-here writes them back as the very same GLOBAL / REDUCE / NEWOBJ / BUILD instructions. So the
-output refers to the same classes with the same arguments, and DeepSpeed's `load_checkpoint`
-builds the user's objects from it exactly as it would from the source.
+Every global a checkpoint names gets a stand-in class here, never the real thing: DeepSpeed's
+own classes (its loss scaler, its ZeRO stage enum), torch's dtypes, and the ordinary objects
+training scripts put in DeepSpeed's `client_state` (an argparse `Namespace`, a numpy scalar, a
+dataclass). Building the real ones would mean importing their modules and running their code.
+The unpickler (torchpickle.py) builds stand-ins, which record the arguments and state the
+pickle gave them, and the pickler here writes them back as the very same GLOBAL / REDUCE /
+NEWOBJ / BUILD instructions. So the output refers to the same classes with the same
+arguments, and DeepSpeed's `load_checkpoint` builds the objects from it exactly as it would
+from the source. What mpitailor reads of them: the fields of their state (`a.numel` of a
+`fragment_address`) and the value of an int enum (`int(zero_stage)`).
 
 Globals of modules that exist to run code (os, subprocess, builtins, ...) never get a
 stand-in: a file naming them is refused, as before.
@@ -16,9 +18,7 @@ from __future__ import annotations
 
 import copyreg
 import functools
-import io
 import pickle
-import types
 
 # Modules whose globals are how pickle payloads run code. torch itself refuses sys, os,
 # posix and nt; torch's own globals are either on its allow-list or not for us to carry.
@@ -55,13 +55,43 @@ class Opaque(metaclass=_OpaqueMeta):
     def __setstate__(self, state) -> None:
         self._state = state
 
-    def __reduce__(self):
-        # NEWOBJ as pickle spells it (copyreg.__newobj__ with the class first), else REDUCE.
+    def torch_reduce(self):
+        """What the pickler below writes: the instructions the stand-in was made by.
+        NEWOBJ as pickle spells it (copyreg.__newobj__ with the class first), else REDUCE."""
         if self._how == "newobj":
             head = (copyreg.__newobj__, (type(self), *self._args))
         else:
             head = (type(self), self._args)
         return head if self._state is _NOSTATE else (*head, self._state)
+
+    def __reduce__(self):
+        # Any other pickler (mpi4py sending a rank's states to another) carries the
+        # stand-in itself, by name: the real class is never looked up.
+        has = self._state is not _NOSTATE
+        return _revive, (type(self).global_name, self._how, self._args, has,
+                         self._state if has else None)
+
+    @classmethod
+    def new(cls, state: dict):
+        """An instance as pickle's NEWOBJ and BUILD make one (what a dataclass pickles as)."""
+        obj = object.__new__(cls)
+        obj._how, obj._args, obj._state = "newobj", (), state
+        return obj
+
+    def __getattr__(self, name: str):
+        # Only called for names not found otherwise: the fields of a BUILD state dict.
+        state = self.__dict__.get("_state")
+        if isinstance(state, dict) and name in state:
+            return state[name]
+        raise AttributeError(f"{type(self).global_name} has no field {name!r}")
+
+    def __int__(self) -> int:
+        """An int enum's value (its REDUCE argument), e.g. DeepSpeed's ZeroStageEnum."""
+        if self._how == "reduce" and len(self._args) == 1 and type(self._args[0]) is int:
+            return self._args[0]
+        raise TypeError(f"{type(self).global_name} is not an int")
+
+    __index__ = __int__
 
     def __eq__(self, other) -> bool:
         return (type(other) is type(self) and self._how == other._how
@@ -74,31 +104,45 @@ class Opaque(metaclass=_OpaqueMeta):
         return f"<opaque {type(self).global_name}>"
 
 
+_registered: dict[str, type] = {}  # stand-ins that do more than record (torchpickle.py)
+
+
+def register(cls: type) -> type:
+    """Make cls (an Opaque subclass with its global_name) the stand-in of that name."""
+    _registered[cls.global_name] = cls
+    return cls
+
+
 @functools.cache
 def stand_in(full_name: str) -> type:
     """The stand-in class for global `module.name` (one per name, so loads compare equal)."""
+    if full_name in _registered:
+        return _registered[full_name]
     return _OpaqueMeta(f"Opaque[{full_name}]", (Opaque,), {"global_name": full_name})
+
+
+def _revive(name: str, how: str, args: tuple, has_state: bool, state):
+    obj = object.__new__(stand_in(name))
+    obj._how, obj._args, obj._state = how, args, state if has_state else _NOSTATE
+    return obj
+
+
+# Stand-in classes travel by name to other processes (e.g. over MPI), not as globals.
+copyreg.pickle(_OpaqueMeta, lambda cls: (stand_in, (cls.global_name,)))
 
 
 def may_stand_in(full_name: str) -> bool:
     return full_name.split(".", 1)[0] not in DENIED_MODULES
 
 
-def holds_opaque(obj) -> bool:
-    """Whether a loaded structure contains a stand-in (then `dumps` must write it)."""
-    if isinstance(obj, Opaque):
-        return True
-    if isinstance(obj, dict):
-        return any(holds_opaque(v) or holds_opaque(k) for k, v in obj.items())
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return any(holds_opaque(v) for v in obj)
-    return False
-
-
 class Pickler(pickle._Pickler):  # type: ignore[name-defined]
-    """The pure-Python pickler, writing a stand-in class back as its original GLOBAL."""
+    """The pure-Python pickler, writing a stand-in class back as its original GLOBAL and a
+    stand-in instance as the instructions that made it."""
 
     dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+    def reducer_override(self, obj):
+        return obj.torch_reduce() if isinstance(obj, Opaque) else NotImplemented
 
     def save_opaque_global(self, cls: type) -> None:
         module, _, name = cls.global_name.rpartition(".")
@@ -111,13 +155,3 @@ class Pickler(pickle._Pickler):  # type: ignore[name-defined]
         self.memoize(cls)
 
     dispatch[_OpaqueMeta] = save_opaque_global
-
-
-# What torch.save takes as `pickle_module`: it subclasses `Pickler` for storages.
-pickle_module = types.SimpleNamespace(Pickler=Pickler, __name__="mpitailor.opaque")
-
-
-def dumps(obj, protocol: int = 2) -> bytes:
-    buf = io.BytesIO()
-    Pickler(buf, protocol=protocol).dump(obj)
-    return buf.getvalue()

@@ -22,6 +22,7 @@ from mpitailor.formats.files import PARTIAL_MANIFEST, CheckpointFiles, partial_f
 from mpitailor.formats.layout import KINDS, Slot
 from mpitailor.formats.manifest import Manifest, brief
 from mpitailor.formats.meta import CheckpointMeta
+from mpitailor.formats.rawio import materialize
 from mpitailor.formats.safeload import load, require_regular
 from mpitailor.formats.shard_protocol import Shard
 
@@ -113,7 +114,7 @@ def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
     files = meta.files
     _check_sizes(meta, rank, crc=True)
     model = load(files.model_path(rank), opaque_ok=True)
-    optim = load(files.optim_path(rank))
+    optim = materialize(load(files.optim_path(rank)))  # small: steps, groups
     if int(model.get("global_steps", -1)) != meta.global_steps:
         raise CheckpointError(f"{files.model_path(rank)}: disagrees with rank 0 (global_steps); "
                               f"files from different saves?")

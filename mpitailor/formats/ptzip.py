@@ -37,28 +37,29 @@ which is why this module reproduces those rather than writing a plainer zip.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
-import io
 import os
-import pickle
 import struct
+import sys
 import zipfile
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from mpitailor.errors import MergeFailed
+from mpitailor.formats import torchpickle
 from mpitailor.formats.crc import crc32_combine
+from mpitailor.formats.tensorref import Storage
 
 MAX32 = 0xFFFFFFFF  # at or above it a size or offset goes to a zip64 field
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _SERIAL_ID = ".data/serialization_id"
-_TRAILERS = {"version", ".data/version", _SERIAL_ID}  # what the C++ writer adds at close
+ALIGNMENT = 64  # torch's storage alignment (.storage_alignment)
+# The records torch's C++ writer adds when it closes the file (torch 2.x): the version, and
+# a 40-digit serialization id (derived here from the content: see _serialization_id).
+_TRAILER = (("version", b"3\n"), (_SERIAL_ID, 40))
+MAX_PICKLE = 1 << 30  # a data.pkl larger than this is not a checkpoint's
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,7 @@ class Record:
     name: str  # inside the archive folder: "data.pkl", "data/0", ...
     size: int
     data: bytes | None = None
-    storage: torch.UntypedStorage | None = None  # never read here
+    storage: Storage | None = None  # never read here
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,57 +89,6 @@ class TorchFile:
         return ZipLayout.plan([(r.name, r.size) for r in self.records], archive, self.alignment)
 
 
-class _Recorder:
-    """Stands in for torch's zip writer under torch.serialization._save: keeps small records,
-    and storages as references, in the order torch would write them."""
-
-    def __init__(self) -> None:
-        self.records: list[Record] = []
-
-    def write_record(self, name: str, data, size: int) -> None:
-        if isinstance(data, str):
-            data = data.encode()
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            data = bytes(data)
-            if len(data) != size:
-                raise RuntimeError(f"internal error: record {name}: {len(data)} != {size} bytes")
-            self.records.append(Record(name, size, data=data))
-        else:
-            self.records.append(Record(name, size, storage=data))
-
-    def write_record_metadata(self, name: str, size: int) -> None:
-        raise RuntimeError("ptzip.describe cannot run under torch.serialization.skip_data()")
-
-
-def _pickle_records(obj, pickle_module) -> list[Record]:
-    # torch's own _save, handed a recording writer, rather than a Pickler of ours with a copy
-    # of its persistent_id: the pickle is then torch's by construction (storage keys, dtype
-    # checks, location tags, TypedStorage handling, the pickle_module subclassing that
-    # opaque.py relies on), whatever those details become. _save is private, but the surface
-    # used is narrow (its parameters by name, and write_record(name, data, size)), and a
-    # change breaks loudly, or the test comparing against torch.save catches it.
-    rec = _Recorder()
-    torch.serialization._save(
-        obj, zip_file=rec, pickle_module=pickle_module or pickle,
-        pickle_protocol=torch.serialization.DEFAULT_PROTOCOL, _disable_byteorder_record=False)
-    return rec.records
-
-
-@functools.cache
-def _trailer() -> tuple[tuple[str, bytes], ...]:
-    """The records torch's C++ writer adds at close, as this torch writes them."""
-    buf = io.BytesIO()
-    torch.save(None, buf)
-    ours = len(_pickle_records(None, None))
-    with zipfile.ZipFile(buf) as z:
-        out = tuple((i.filename.partition("/")[2], z.read(i)) for i in z.infolist()[ours:])
-    unknown = [n for n, _ in out if n not in _TRAILERS]
-    if unknown:
-        raise MergeFailed(f"torch {torch.__version__} writes records mpitailor's direct writer "
-                          f"does not know: {unknown}; update mpitailor/formats/ptzip.py")
-    return out
-
-
 def _serialization_id(records: list[Record], width: int) -> bytes:
     # torch derives its id from the records' CRCs, which are not known until the storages are
     # written; this one is a hash of everything known up front (names, sizes, small records'
@@ -150,31 +100,62 @@ def _serialization_id(records: list[Record], width: int) -> bytes:
     return str(int.from_bytes(h.digest(), "little") % 10 ** width).zfill(width).encode()
 
 
-def describe(obj, pickle_module=None) -> TorchFile:
-    """The records torch.save(obj, f, pickle_module=...) writes, without reading storages.
-
-    Storages must be on the CPU: torch would copy any other to host memory before writing.
-    """
-    _refuse_off_cpu(obj)
-    records = _pickle_records(obj, pickle_module)
-    for name, data in _trailer():
+def describe(obj) -> TorchFile:
+    """The records torch.save(obj) writes, without reading storages: obj holds tensors as
+    tensorref.Tensor (torch's own are the training side's, which calls torch.save)."""
+    data, storages = torchpickle.dumps(obj)
+    records = [Record("data.pkl", len(data), data=data),
+               Record(".format_version", 1, data=b"1"),
+               Record(".storage_alignment", len(str(ALIGNMENT)), data=str(ALIGNMENT).encode()),
+               Record("byteorder", len(sys.byteorder), data=sys.byteorder.encode())]
+    records += [Record(f"data/{i}", s.nbytes, storage=s) for i, s in enumerate(storages)]
+    for name, data in _TRAILER:
         if name == _SERIAL_ID:
-            data = _serialization_id(records, len(data))
+            data = _serialization_id(records, data)
         records.append(Record(name, len(data), data=data))
-    align = int(next(r.data for r in records if r.name == ".storage_alignment"))
-    return TorchFile(tuple(records), align)
+    return TorchFile(tuple(records), ALIGNMENT)
 
 
-def _refuse_off_cpu(obj) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "cpu":
-            raise RuntimeError(f"internal error: a {obj.device.type} tensor to write directly")
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _refuse_off_cpu(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _refuse_off_cpu(v)
+# ---- reading a torch file's container ---------------------------------------------------
+
+def read_records(f) -> dict[str, tuple[int, int, int]]:
+    """{full record name: (data offset, size, CRC-32)} of the torch zip open as binary file
+    f; zipfile.BadZipFile for a file that is not one (or whose records lie past its end)."""
+    size = os.fstat(f.fileno()).st_size
+    out = {}
+    with zipfile.ZipFile(f) as z:
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise zipfile.BadZipFile(f"record {info.filename} is compressed")
+            head = os.pread(f.fileno(), _LOCAL.size, info.header_offset)
+            if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
+                raise zipfile.BadZipFile(f"record {info.filename}: no local header")
+            name_len, extra_len = _LOCAL.unpack(head)[-2:]
+            start = info.header_offset + _LOCAL.size + name_len + extra_len
+            if start + info.file_size > size:
+                raise zipfile.BadZipFile(f"record {info.filename} lies past the end of the file")
+            out[info.filename] = (start, info.file_size, info.CRC)
+    return out
+
+
+def archive_of(records: dict[str, tuple[int, int, int]]) -> str:
+    """The folder every record name starts with ("archive" when saved to a file object)."""
+    first = next(iter(records), "")
+    return first.partition("/")[0]
+
+
+def read_pickle(f, records: dict[str, tuple[int, int, int]]) -> bytes:
+    """The data.pkl record's bytes, checked against its CRC-32."""
+    name = f"{archive_of(records)}/data.pkl"
+    if name not in records:
+        raise zipfile.BadZipFile("no data.pkl record: not a torch file")
+    offset, size, crc = records[name]
+    if size > MAX_PICKLE:
+        raise zipfile.BadZipFile(f"a data.pkl of {size} bytes")
+    data = os.pread(f.fileno(), size, offset)
+    if len(data) != size or zlib.crc32(data) != crc:
+        raise zipfile.BadZipFile("data.pkl fails its CRC-32 check")
+    return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,15 +283,15 @@ def _flags(e: ZipEntry) -> int:
     return 0x0800 if e.size == 0 else 0x0808
 
 
-def write_torch_file(path: Path | str, obj, pickle_module=None) -> dict:
-    """Write obj as torch.save would, from memory, to a new file; fsync; return its manifest
-    record ({"bytes", "crc32"}, as commit.FileRecord.record()) without re-reading it."""
-    tf = describe(obj, pickle_module)
+def write_torch_file(path: Path | str, obj) -> dict:
+    """Write obj as torch.save would to a new file; fsync; return its manifest record
+    ({"bytes", "crc32"}, as FileRecord.record()) without re-reading it."""
+    tf = describe(obj)
     lay = tf.layout()
     crcs = []
     with open(path, "xb", buffering=0) as f:
         for i, (rec, e) in enumerate(zip(tf.records, lay.entries)):
-            data = rec.data if rec.storage is None else storage_bytes(rec.storage)
+            data = rec.data if rec.storage is None else rec.storage.read()
             crcs.append(zlib.crc32(data))
             for piece in (lay.local_header(i), data, lay.descriptor(i, crcs[-1])):
                 _write_all(f, piece)
@@ -320,11 +301,6 @@ def write_torch_file(path: Path | str, obj, pickle_module=None) -> dict:
         _write_all(f, lay.tail(crcs))
         os.fsync(f.fileno())
     return {"bytes": lay.size, "crc32": f"{lay.file_crc(crcs):08x}"}
-
-
-def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
-    """A CPU storage's bytes, without a copy."""
-    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
 
 
 def _write_all(f, data) -> None:

@@ -1,18 +1,15 @@
 """Read a checkpoint's `CheckpointMeta` (meta.py) from its rank-0 files, and check them.
 
-Apart from the record so that the record stays torch-free: the files are torch pickles,
-so reading them needs torch (memory-mapped; big tensors are never touched).
+Apart from the record so that the record stays small: reading parses the files' pickles
+(torchpickle.py); big tensors are never touched.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-import torch
-
 from mpitailor.errors import CheckpointError
 from mpitailor.formats import files as zfiles
-from mpitailor.formats.dtypes import name_of
 from mpitailor.formats.files import CheckpointFiles
 from mpitailor.formats.fsview import LOCAL
 from mpitailor.formats.layout import compute_layout
@@ -21,6 +18,7 @@ from mpitailor.formats.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
 from mpitailor.formats.partial_shard import check_partial_claims
 from mpitailor.formats.rawio import materialize, read_slice
 from mpitailor.formats.safeload import load
+from mpitailor.formats.tensorref import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +29,7 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
     must be readable here."""
     files = zfiles.resolve(path, view)
     model = load(files.model_path(0), opaque_ok=True)
-    # Structure only (steps read below); a partial checkpoint's optim file has no buffers.
-    optim = load(files.optim_path(0), index_only=not files.partial)
+    optim = load(files.optim_path(0))  # structure only: tensors are read where needed
     _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
     _require_keys(files.optim_path(0), optim, ("optimizer_state_dict",))
     osd = optim["optimizer_state_dict"]
@@ -103,24 +100,33 @@ def _check_16bit_current(files: CheckpointFiles, model: dict, flat: list, layout
     path = files.model_path(0)
     module = model.get("module") or {}
     held = [s for s in layout.slots if layout.held(s, 0)[2] > 0 and isinstance(
-        module.get(s.name), torch.Tensor) and module[s.name].numel() == s.numel]
+        module.get(s.name), Tensor) and module[s.name].numel() == s.numel]
     if path in _warned or not held:
         return
+    from mpitailor.formats.casts import cast
     with open(files.optim_path(0), "rb") as f:
         for s in held[::max(1, len(held) // SAMPLED_PARAMS)]:
             at, first, n = layout.held(s, 0)
             k = min(n, SAMPLED_ELEMENTS)
-            bit16 = module[s.name].reshape(-1)[first: first + k]
-            master = read_slice(f.fileno(), flat[s.subgroup].reshape(-1), at, k).to(bit16.dtype)
-            if not torch.allclose(master, bit16, rtol=0, atol=0, equal_nan=True):
+            bit16 = module[s.name]
+            master = cast(read_slice(f.fileno(), flat[s.subgroup], at, k), "fp32", bit16.dtype)
+            if not _same_or_nan(master, bit16.raw(first, k), bit16.dtype):
                 _warned.add(path)
                 log.warning("%s: its model weights (module, %s) are not the fp32 master "
                             "weights of %s cast down (%s differs): this model-states file was "
                             "not saved with those optimizer files (older, or files mixed) and "
                             "a merge carries its weights as they are; put back the save's own "
-                            "model-states file", path, name_of(bit16.dtype),
+                            "model-states file", path, bit16.dtype,
                             files.optim_path(0).name, s.name)
                 return
+
+
+def _same_or_nan(a, b, dtype: str) -> bool:
+    """Equal bits, or both NaN (what torch.allclose(..., equal_nan=True) accepts)."""
+    import numpy as np
+    from mpitailor.formats.casts import cast
+    fa, fb = (cast(x, dtype, "fp32") for x in (a, b))
+    return bool(np.all((fa == fb) | (np.isnan(fa) & np.isnan(fb))))
 
 
 def _rank_file(files: CheckpointFiles, rank: int) -> str:
@@ -246,15 +252,13 @@ def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
 
 def _model_dtype(model: dict) -> str:
     for t in model.get("module", {}).values():
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return name_of(t.dtype)
+        if isinstance(t, Tensor) and t.is_floating_point():
+            return t.dtype
     return "fp32"
 
 
 def _read_steps(path: Path, state: dict, n_sub: int) -> tuple[float, ...]:
     if n_sub == 0:
         return ()
-    with open(path, "rb") as f:
-        state = materialize({i: state.get(i, {}).get("step", 0) for i in range(n_sub)},
-                            f.fileno())
-    return tuple(float(s.item() if isinstance(s, torch.Tensor) else s) for s in state.values())
+    state = materialize({i: state.get(i, {}).get("step", 0) for i in range(n_sub)})
+    return tuple(float(s.item() if isinstance(s, Tensor) else s) for s in state.values())

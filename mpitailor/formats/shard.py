@@ -4,7 +4,7 @@
 `PartialShard` (partial_shard.py) for a partial one. In a full one the optimizer file is
 parsed without reading its big buffers (see rawio.py); the fp32 master weights and both Adam
 moments are then read slice by slice with `read_into`. The model-states file is small
-(placeholders, shapes, counters) and is memory-mapped.
+(placeholders, shapes, counters); its tensors are read when their values are needed.
 """
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from mpitailor.errors import CheckpointError
 from mpitailor.formats import rawio
+from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.layout import KINDS
 from mpitailor.formats.meta import CheckpointMeta
 from mpitailor.formats.partial_shard import open_partial_shard
 from mpitailor.formats.read import flat_mappings_agree
 from mpitailor.formats.safeload import load
 from mpitailor.formats.shard_protocol import Shard
+from mpitailor.formats.tensorref import Tensor
 from mpitailor.formats.verify import record_crcs, verify_records
 
 
@@ -62,7 +62,7 @@ def open_shard(meta: CheckpointMeta, rank: int) -> Shard:
     model = load(model_path, opaque_ok=True)
     if rank != 0 and not meta.files.flat:  # stage 1/2: one model-states file for all ranks
         _check_model_agrees(meta, model, model_path)
-    optim = load(optim_path, index_only=True)
+    optim = load(optim_path)
     if meta.layout.flat:
         _check_flat_rank(meta, optim, rank, optim_path)
     fd = os.open(optim_path, os.O_RDONLY)
@@ -70,7 +70,7 @@ def open_shard(meta: CheckpointMeta, rank: int) -> Shard:
         offsets = _flat_offsets(meta, optim, rank, os.fstat(fd).st_size, optim_path)
         flats = frozenset(id(flat_tensor(optim, kind, g, meta.layout.flat))
                           for kind, g in offsets)
-        optim = rawio.materialize(optim, fd, flats)
+        optim = rawio.copied(optim, fd, flats)
         if rank != 0:
             _check_same_save(meta, optim, optim_path)
         return RankShard(meta, rank, model, optim, fd, offsets)
@@ -120,7 +120,7 @@ def _check_same_save(meta: CheckpointMeta, optim: dict, path) -> None:
 
 
 def _scalar(value) -> float:
-    return value.item() if isinstance(value, torch.Tensor) else value
+    return value.item() if isinstance(value, Tensor) else value
 
 
 def _check_flat_rank(meta: CheckpointMeta, optim: dict, rank: int, path) -> None:
@@ -137,7 +137,7 @@ def _check_flat_rank(meta: CheckpointMeta, optim: dict, rank: int, path) -> None
                               f"parameter placement); files from different runs?")
 
 
-def flat_tensor(optim: dict, kind: str, g: int, flat: bool = False) -> torch.Tensor:
+def flat_tensor(optim: dict, kind: str, g: int, flat: bool = False) -> Tensor:
     """Sub-group g's flat buffer of kind fp32/exp_avg/exp_avg_sq in a loaded optim dict
     (flat: a stage 1/2 file)."""
     osd = optim["optimizer_state_dict"]
@@ -172,6 +172,11 @@ def _adam_state(optim: dict, flat: bool) -> bool:
         return True
 
 
+def _torch_name(dtype: str) -> str:
+    """torch's spelling of a dtype, as messages have always named it ("torch.bfloat16")."""
+    return f"torch.{DTYPES[dtype].torch}"
+
+
 def _flat_offsets(meta: CheckpointMeta, optim: dict, rank: int, size: int, path) -> dict:
     """Byte offset of every flat buffer, checked against the layout and the file size."""
     offsets = {}
@@ -185,11 +190,11 @@ def _flat_offsets(meta: CheckpointMeta, optim: dict, rank: int, size: int, path)
             for kind in KINDS:
                 n = meta.layout.buffer_size(kind, g, rank)
                 t = flat_tensor(optim, kind, g, meta.layout.flat)
-                if t.dtype != torch.float32 or t.numel() != n:
+                if t.dtype != "fp32" or t.numel() != n:  # not a tensor: AttributeError
                     raise CheckpointError(
-                        f"{path}: sub-group {g} {kind} is {t.dtype} x {t.numel()}, expected "
-                        f"float32 x {n}; files from different runs?")
-                offsets[kind, g] = rawio.file_offset(t)
+                        f"{path}: sub-group {g} {kind} is {_torch_name(t.dtype)} x "
+                        f"{t.numel()}, expected float32 x {n}; files from different runs?")
+                offsets[kind, g] = t.file_offset
                 if offsets[kind, g] + n * 4 > size:
                     raise CheckpointError(f"{path}: sub-group {g} {kind} lies past the end of "
                                           f"the file; the file is truncated")

@@ -13,9 +13,6 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
-
-import torch
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats import rawio
@@ -71,17 +68,18 @@ class Shard(ABC):
         return osd["base_optimizer_state"] if self.meta.layout.flat else osd["optimizer_state_dict"]
 
     def states(self) -> ShardStates:
-        return ShardStates(self.model, self.optim)
+        """The states with every tensor's bytes in memory but the flat buffers'."""
+        return ShardStates(rawio.materialize(self.model), self.optim)
 
     def path_of(self, fd: int) -> str:
         """The file behind one of this shard's descriptors (for error messages)."""
         return str(self.data_path)
 
-    def read_into(self, kind: str, g: int, start: int, out: torch.Tensor) -> None:
-        """Fill fp32 `out` with elements [start, start + out.numel()) of sub-group g's
-        flat buffer of kind fp32/exp_avg/exp_avg_sq."""
+    def read_into(self, kind: str, g: int, start: int, out) -> None:
+        """Fill the float32 numpy array `out` with elements [start, start + out.size) of
+        sub-group g's flat buffer of kind fp32/exp_avg/exp_avg_sq."""
         pos = 0
-        for fd, offset, nbytes in self.byte_ranges(kind, g, start, out.numel()):
+        for fd, offset, nbytes in self.byte_ranges(kind, g, start, out.size):
             try:
                 rawio.read_into(fd, offset, out[pos: pos + nbytes // 4])
             except (OSError, EOFError) as e:
@@ -89,9 +87,11 @@ class Shard(ABC):
                                       f"damaged or truncated") from None
             pos += nbytes // 4
 
-    def read(self, kind: str, g: int, start: int = 0, length: int | None = None) -> torch.Tensor:
+    def read(self, kind: str, g: int, start: int = 0, length: int | None = None):
+        """Those elements as a new float32 numpy array."""
+        import numpy as np
         size = self.meta.layout.buffer_size(kind, g, self.rank)
-        out = torch.empty(size - start if length is None else length, dtype=torch.float32)
+        out = np.empty(size - start if length is None else length, dtype=np.float32)
         self.read_into(kind, g, start, out)
         return out
 
@@ -106,7 +106,7 @@ class Shard(ABC):
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Shard:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,40 +1,37 @@
-"""Write a safetensors file straight from tensor memory, hashing as it goes.
+"""Write a safetensors file straight from memory, hashing as it goes.
 
 `safetensors.torch.save_file` wants tensors that own their storage (so slices of one flat
 buffer must be cloned first) and returns no checksum. The format is simple (8-byte header
-length, JSON header, raw little-endian bytes), so this writes views in place: no copy, one
-pass, fsynced, and the manifest record (size, CRC-32) comes out of the same pass.
+length, JSON header, raw little-endian bytes), so this writes the callers' buffers in place:
+no copy, one pass, fsynced, and the manifest record (size, CRC-32) comes out of the same pass.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
-import torch
-
-from mpitailor.formats.dtypes import DTYPES, name_of
+from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.filerecord import FileRecord
 from mpitailor.formats.safetensors_header import header_prefix
 
+# name -> (dtype name of dtypes.py, shape, the tensor's bytes, contiguous)
+Tensors = dict[str, tuple[str, tuple[int, ...], memoryview]]
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> dict:
-    """Write contiguous CPU tensors to a new file; return its manifest record."""
-    prefix = header_prefix([(name, DTYPES[name_of(t.dtype)].safetensors, t.shape,
-                             t.numel() * t.element_size())
-                            for name, t in tensors.items()], metadata)
+
+def write_safetensors(path: Path, tensors: Tensors, metadata: dict[str, str] | None = None
+                      ) -> dict:
+    """Write the tensors to a new file; return its manifest record."""
+    for name, (dtype, shape, data) in tensors.items():
+        if len(data) != math.prod(shape) * DTYPES[dtype].itemsize:
+            raise ValueError(f"internal error: {name}: {len(data)} bytes for {dtype} x {shape}")
+    prefix = header_prefix([(name, DTYPES[dtype].safetensors, shape, len(data))
+                            for name, (dtype, shape, data) in tensors.items()], metadata)
     rec = FileRecord()
     with open(path, "xb") as f:
-        for chunk in (prefix, *(as_bytes(t) for t in tensors.values())):
+        for chunk in (prefix, *(data for _, _, data in tensors.values())):
             rec.update(chunk)
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
     return rec.record()
-
-
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("write_safetensors needs contiguous CPU tensors")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")

@@ -11,21 +11,28 @@ reads its parameters' byte ranges a chunk at a time.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.errors import UserError
-from mpitailor.formats import KINDS, CheckpointMeta
+from mpitailor.errors import CheckpointError, UserError
+from mpitailor.formats import KINDS, CheckpointMeta, rawio
+from mpitailor.formats.boundedio import open_regular, shown
+from mpitailor.formats.casts import cast
 from mpitailor.formats.consolidate import frozen_tensor, read_range
+from mpitailor.formats.dtypes import DTYPES, from_safetensors
 from mpitailor.formats.extras import weight_files
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.safeload import load
+from mpitailor.formats.safetensors_header import read_header
 from mpitailor.formats.shard import open_all_shards
 from mpitailor.formats.state_equal import same_values
+from mpitailor.formats.tensorref import Tensor, numpy_dtype
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
 CHUNK = 1 << 20  # elements compared at a time
@@ -59,16 +66,134 @@ class Diff:
                 "rel_norm_diff": rel}
 
 
-def compare(a: torch.Tensor, b: torch.Tensor) -> Diff:
-    """Bit-for-bit and numeric difference of two tensors of one shape and dtype."""
+def compare(a: np.ndarray, b: np.ndarray, dtype: str | None = None) -> Diff:
+    """Bit-for-bit and numeric difference of two arrays of one shape and numpy dtype. `dtype`
+    names what the arrays hold where numpy's dtype does not say it: "bf16" for bf16's bits
+    (uint16); the numbers are then the bf16 values."""
     a, b = a.reshape(-1), b.reshape(-1)
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    differing = int((a.view(ints) != b.view(ints)).sum())
+    ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[a.itemsize]
+    differing = int(np.count_nonzero(a.view(ints) != b.view(ints)))
+    a64 = _float64(a, dtype)
     if not differing:
-        return Diff(a.numel(), 0, 0.0, 0.0, float(a.double().square().sum()))
-    d = a.double() - b.double()
-    return Diff(a.numel(), differing, float(d.abs().max()), float(d.square().sum()),
-                float(a.double().square().sum()))
+        return Diff(a.size, 0, 0.0, 0.0, _sum(np.square(a64)))
+    d = a64 - _float64(b, dtype)
+    return Diff(a.size, differing, float(np.abs(d).max()), _sum(np.square(d)),
+                _sum(np.square(a64)))
+
+
+def _float64(x: np.ndarray, dtype: str | None) -> np.ndarray:
+    """The values of x (1-D) as float64, exactly (bf16's bits and fp16 through casts.py)."""
+    if dtype in ("bf16", "fp16"):
+        x = cast(x, dtype, "fp32")
+    return x.astype(np.float64)
+
+
+# ---- sums of float64 arrays, added up as torch's CPU sum adds them ---------------------
+# The report's sums were torch's `.sum()`; numpy adds in another order, and the last bits of
+# `rel_norm_diff` (printed whole by --json) would differ. torch's kernel (ATen SumKernel.cpp,
+# cascade_sum, the AVX2 build, which AVX-512 machines run too) splits an array of at least
+# GRAIN_SIZE elements into one contiguous part per thread, sums each part in 4 x 4 lanes
+# (vectors of 4 doubles, 4 at a time), each lane a cascade of sequential sums of 2^k rows
+# (k >= 4), then joins lanes and parts in a fixed order. Replayed here block-wise.
+
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: fewer elements are summed by one thread
+_VEC = 4        # doubles per vector in the kernel torch runs (AVX2's 256 bits)
+
+
+def _sum(x: np.ndarray) -> float:
+    """sum(x) of a 1-D float64 array, bit for bit what torch's CPU sum gives."""
+    n, threads = len(x), _threads()
+    if n < _GRAIN or threads == 1:
+        return 0.0 + _serial_sum(x)
+    parts = min(threads, -(-n // _GRAIN))
+    step = -(-n // parts)
+    partial = np.zeros(threads)  # one slot per thread, unused ones 0
+    for i, lo in enumerate(range(0, n, step)):
+        partial[i] = 0.0 + _serial_sum(x[lo:lo + step])
+    return 0.0 + _serial_sum(partial)
+
+
+def _serial_sum(x: np.ndarray) -> float:
+    """One thread's sum (vectorized_inner_sum; under 4 elements row_sum on scalars)."""
+    n = len(x)
+    if n < _VEC:
+        return float(_row_sum(x, 1)[0])
+    acc = 0.0
+    for v in x[n // _VEC * _VEC:].tolist():  # the elements after the last whole vector
+        acc += v
+    for v in _row_sum(x, _VEC).tolist():     # then the lanes, one after another
+        acc += v
+    return acc
+
+
+def _row_sum(x: np.ndarray, width: int) -> np.ndarray:
+    """row_sum over x's whole vectors of `width`: the (width,) lane sums."""
+    nvec = len(x) // width
+    rows = nvec // 4  # 4 vectors side by side (ilp_factor)
+    p = _multi_row_sum(x[:rows * 4 * width].reshape(rows, 4 * width)).reshape(4, width)
+    p0 = p[0].copy()
+    for v in range(rows * 4, nvec):
+        p0 += x[v * width:(v + 1) * width]
+    return ((p0 + p[1]) + p[2]) + p[3]
+
+
+def _multi_row_sum(rows: np.ndarray) -> np.ndarray:
+    """multi_row_sum: column sums of rows, in 4 levels: level 0 sums 2^k rows, level 1 2^k
+    of those, level 2 2^k of level 1's, level 3 all of level 2's; the rows after the last
+    whole block go to level 0; then levels 0 + 1 + 2 + 3."""
+    size, lanes = rows.shape
+    step = 1 << max(4, (size - 1).bit_length() // 4 if size > 1 else 0)
+    levels = []
+    for _ in range(3):
+        whole = len(rows) // step * step
+        levels.append(_seq(rows[whole:][None])[0])
+        rows = _seq(rows[:whole].reshape(-1, step, lanes))
+    levels.append(_seq(rows[None])[0])
+    return ((levels[0] + levels[1]) + levels[2]) + levels[3]
+
+
+def _seq(a: np.ndarray) -> np.ndarray:
+    """Sums over axis 1 of a (k, n, lanes) array, adding one row after another to 0."""
+    out = np.zeros((a.shape[0], a.shape[2]))
+    for j in range(a.shape[1]):
+        out += a[:, j]
+    return out
+
+
+@functools.cache
+def _threads() -> int:
+    """How many threads torch's sum used: MKL's count, which torch adopts. MKL_NUM_THREADS,
+    else OMP_NUM_THREADS, at most the physical cores; else 1 under an MPI launcher (MKL's
+    rule; Hydra's mpiexec sets MPI_LOCALNRANKS); else the physical cores this process may
+    run on."""
+    cores = _physical_cores()
+    for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        first = os.environ.get(var, "").split(",")[0].strip()
+        if first.isdigit() and int(first) > 0:
+            return min(int(first), cores)
+    return 1 if "MPI_LOCALNRANKS" in os.environ else cores
+
+
+def _physical_cores() -> int:
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+    cores, cpu, phys = set(), None, "0"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu, phys = int(value), "0"
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id" and cpu in cpus:
+                    cores.add((phys, value))
+    except (OSError, ValueError):
+        pass
+    return len(cores) or len(cpus) or 1
 
 
 def diff(comm: Comm, path_a: str | Path, path_b: str | Path) -> dict:
@@ -148,8 +273,9 @@ def _compare_params(ma: CheckpointMeta, mb: CheckpointMeta, mine: list[tuple[str
         for name, kind in mine:
             key = (classify(name), kind)
             if kind == "frozen":
-                d = compare(frozen_tensor(sa, name, frozen[name]),
-                            frozen_tensor(sb, name, frozen[name]))
+                dtype, bits_a = frozen_tensor(sa, name, frozen[name])
+                _, bits_b = frozen_tensor(sb, name, frozen[name])
+                d = compare(bits_a, bits_b, dtype)
             else:
                 d = _compare_slices(sa, slots_a[name], sb, slots_b[name], kind)
             out[key] = out.get(key, Diff()) + d
@@ -158,8 +284,8 @@ def _compare_params(ma: CheckpointMeta, mb: CheckpointMeta, mine: list[tuple[str
 
 def _compare_slices(sa, slot_a, sb, slot_b, kind: str) -> Diff:
     d = Diff()
-    a = torch.empty(min(CHUNK, slot_a.numel), dtype=torch.float32)
-    b = torch.empty_like(a)
+    a = np.empty(min(CHUNK, slot_a.numel), dtype=np.float32)
+    b = np.empty_like(a)
     for lo in range(0, slot_a.numel, CHUNK):
         n = min(CHUNK, slot_a.numel - lo)
         read_range(sa, slot_a, kind, lo, a[:n])
@@ -175,15 +301,15 @@ def _compare_rest(ma: CheckpointMeta, mb: CheckpointMeta, classify, held: set[st
     for s in ma.layout.slots:
         key = classify(s.name)
         if key in held:
-            d = compare(torch.tensor([ma.subgroup_steps[s.subgroup]], dtype=torch.float64),
-                        torch.tensor([steps_b[s.name]], dtype=torch.float64))
+            d = compare(np.array([ma.subgroup_steps[s.subgroup]], dtype=np.float64),
+                        np.array([steps_b[s.name]], dtype=np.float64))
             layers.setdefault(key, {})["adam_step"] = \
                 layers.get(key, {}).get("adam_step", Diff()) + d
-    for name, ta, tb in _weights16(ma, mb):
+    for name, dtype, ta, tb in _weights16(ma, mb):
         key = classify(name)
         if key in held:
             layers.setdefault(key, {})["16bit"] = \
-                layers.get(key, {}).get("16bit", Diff()) + compare(ta, tb)
+                layers.get(key, {}).get("16bit", Diff()) + compare(ta(), tb(), dtype)
     model_a = load(ma.files.model_path(0), opaque_ok=True)
     model_b = load(mb.files.model_path(0), opaque_ok=True)
     counters = {c: {"a": model_a.get(c), "b": model_b.get(c),
@@ -198,8 +324,9 @@ def _compare_rest(ma: CheckpointMeta, mb: CheckpointMeta, classify, held: set[st
 
 
 def _weights16(ma: CheckpointMeta, mb: CheckpointMeta):
-    """(name, A's, B's) of the 16-bit weights both checkpoints carry, one tensor at a time:
-    the whole model of a stage 1/2 model-states file, else HF's safetensors weights."""
+    """(name, dtype, A's, B's) of the 16-bit weights both checkpoints carry, one tensor at a
+    time, A's and B's as functions that read the values (numpy; bf16 as its bits): the whole
+    model of a stage 1/2 model-states file, else HF's safetensors weights."""
     if ma.layout.flat and mb.layout.flat:
         mod_a = load(ma.files.model_path(0), opaque_ok=True)["module"]
         mod_b = load(mb.files.model_path(0), opaque_ok=True)["module"]
@@ -207,30 +334,86 @@ def _weights16(ma: CheckpointMeta, mb: CheckpointMeta):
             ta, tb = mod_a.get(s.name), mod_b.get(s.name)
             if ta is not None and tb is not None and ta.shape == tb.shape \
                     and ta.dtype == tb.dtype:
-                yield s.name, ta, tb
+                yield s.name, ta.dtype, functools.partial(_values, ta), \
+                    functools.partial(_values, tb)
         return
-    from safetensors import safe_open
-
-    from mpitailor.formats.safetensors_header import read_header
     files_a = [p for p in weight_files(ma) if p.suffix == ".safetensors"]
     files_b = [p for p in weight_files(mb) if p.suffix == ".safetensors"]
     if not files_a or not files_b:
         return
-    for p in (*files_a, *files_b):  # a crafted header is refused, naming the file, before
-        read_header(p, "a 16-bit weights file")  # safetensors' own parser meets it
+    # every header read (a crafted one refused, naming the file) before any tensor is
+    tensors = {p: _safetensors_tensors(p) for p in (*files_a, *files_b)}
     where_b = {}
     for p in files_b:
-        with safe_open(str(p), "pt") as f:
-            where_b.update({k: p for k in f.keys()})
+        where_b.update({k: p for k in tensors[p]})
     for p in files_a:
-        with safe_open(str(p), "pt") as fa:
-            for name in fa.keys():
-                if name not in where_b:
-                    continue
-                with safe_open(str(where_b[name]), "pt") as fb:
-                    ta, tb = fa.get_tensor(name), fb.get_tensor(name)
-                if ta.shape == tb.shape and ta.dtype == tb.dtype:
-                    yield name, ta, tb
+        for name, (dtype, shape, at_a) in tensors[p].items():
+            if name not in where_b:
+                continue
+            dtype_b, shape_b, at_b = tensors[where_b[name]][name]
+            if shape == shape_b and dtype == dtype_b:
+                yield name, dtype, functools.partial(_read_at, p, dtype, at_a), \
+                    functools.partial(_read_at, where_b[name], dtype, at_b)
+
+
+def _values(t: Tensor) -> np.ndarray:
+    """A tensor's elements in index order, flat (bf16: its bits)."""
+    if t.is_contiguous():
+        return t.raw()
+    if t.numel() == 0:
+        return np.empty(0, dtype=numpy_dtype(t.dtype))
+    item, span = t.itemsize, 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
+    data = np.frombuffer(t.storage.read(t.storage_offset * item, span * item),
+                         dtype=numpy_dtype(t.dtype))
+    return np.lib.stride_tricks.as_strided(data, t.shape, [st * item for st in t.stride],
+                                           writeable=False).reshape(-1)
+
+
+def _safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]:
+    """{name: (dtype, shape, (byte offset in the file, byte count))} of a safetensors file's
+    tensors, in name order (safetensors' own), those of a dtype outside dtypes.py left out;
+    CheckpointError naming the file where its header is not one."""
+    header = read_header(path, "a 16-bit weights file")
+    fd = open_regular(path, "a 16-bit weights file")
+    try:
+        data = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")  # where the tensors start
+        size = os.fstat(fd).st_size - data
+    finally:
+        os.close(fd)
+    out = {}
+    try:
+        for name in sorted(header):
+            if name == "__metadata__":
+                continue
+            rec = header[name]
+            dtype, shape, (a, b) = from_safetensors(rec["dtype"]), tuple(rec["shape"]), \
+                rec["data_offsets"]
+            if not all(type(n) is int and n >= 0 for n in (*shape, a, b)) or \
+                    not a <= b <= size:
+                raise ValueError(f"tensor {name!r}: shape {rec['shape']}, bytes {a}-{b}")
+            if dtype is None:
+                continue
+            if b - a != math.prod(shape) * DTYPES[dtype].itemsize:
+                raise ValueError(f"tensor {name!r}: {b - a} bytes for {dtype} x {list(shape)}")
+            out[name] = (dtype, shape, (data + a, b - a))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{shown(path)}: not a readable safetensors file ({e}); a 16-bit "
+                              f"weights file is damaged") from None
+    return out
+
+
+def _read_at(path: Path, dtype: str, at: tuple[int, int]) -> np.ndarray:
+    """The elements at (byte offset, byte count) of file path, flat (bf16: its bits)."""
+    out = np.empty(at[1] // DTYPES[dtype].itemsize, dtype=numpy_dtype(dtype))
+    fd = open_regular(path, "a 16-bit weights file")
+    try:
+        rawio.read_into(fd, at[0], out)
+    except (OSError, EOFError) as e:
+        raise CheckpointError(f"{shown(path)}: cannot read a tensor ({e}); a 16-bit weights "
+                              f"file is damaged or truncated") from None
+    finally:
+        os.close(fd)
+    return out
 
 
 def _lr(sched) -> object:

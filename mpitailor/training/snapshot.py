@@ -20,6 +20,7 @@ import torch
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import MpitailorError, UserError
+from mpitailor.formats.dtypes import name_of
 from mpitailor.formats.files import PARTIAL_MANIFEST, partial_files
 from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest
 from mpitailor.formats.stwrite import write_safetensors
@@ -47,6 +48,13 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slices.values())
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("internal error: a partial save writes contiguous CPU tensors")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def torch_bytes(obj) -> bytes:
@@ -176,8 +184,9 @@ def _write_rank(snap: Snapshot, root: Path) -> dict:
     _failpoint("partial-write", snap.final)
     records = {name: write_synced(root / name, data) for name, data in snap.blobs.items()}
     name = partial_files(snap.rank)["layers"]
-    records[name] = write_safetensors(root / name, snap.slices,
-                                      metadata={"format": PARTIAL_FORMAT})
+    records[name] = write_safetensors(
+        root / name, {k: (name_of(t.dtype), tuple(t.shape), as_bytes(t))
+                      for k, t in snap.slices.items()}, metadata={"format": PARTIAL_FORMAT})
     return records
 
 

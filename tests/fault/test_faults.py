@@ -18,6 +18,7 @@ from ckpt_fixtures import build
 from conftest import tree_digest
 from merge_check import assert_same, check_merge, parity
 from merging import MPIEXEC, RECIPES, run_cli
+from torch_files import torch_load
 
 from mpitailor.formats.safeload import load
 
@@ -152,7 +153,7 @@ def test_pickle_payload_in_an_rng_state_is_refused(tmp_path):
 def test_wrong_dtype_in_a_flat_buffer(run, tmp_path):
     root, env = run
     victim = root / "global_step5" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
-    obj = load(victim, mmap=False)
+    obj = torch_load(victim)
     groups = obj["optimizer_state_dict"]["fp32_flat_groups"]
     groups[1] = groups[1].detach().to(torch.bfloat16)
     torch.save(obj, victim)

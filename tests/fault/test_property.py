@@ -17,9 +17,9 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch_files import torch_load
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.formats.safeload import load
 from mpitailor.jobs.merge import plan_recipe, write_merge
 from mpitailor.planning.recipe import parse_recipe
 
@@ -105,7 +105,7 @@ def write_source(root: Path, shapes, subs, groups, world, step, gen) -> dict:
 
 
 def rebuild(tag_dir: Path, shapes, subs, world) -> dict:
-    flats = [load(tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", mmap=False)
+    flats = [torch_load(tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
              ["optimizer_state_dict"] for r in range(world)]
     out = {k: {} for k in KINDS}
     for g, names in enumerate(subs):

@@ -1,0 +1,194 @@
+"""Tensors as the merge side sees them: references to bytes, never torch tensors.
+
+A merge moves bytes; it never computes with a tensor. So a checkpoint's tensors are read
+(formats/torchpickle.py) as `Tensor`s: a `Storage` (dtype, element count, and where its
+bytes are: a record of a file, bytes in memory, or nowhere yet, for a placeholder whose
+bytes the copy step writes) plus torch's view fields (storage offset, shape, stride,
+requires_grad). Written back, a `Tensor` pickles exactly as torch pickles a tensor with
+those fields. Values are read only where a decision needs them (`raw`, `item`), with numpy,
+which is imported then and only then.
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections import OrderedDict
+from pathlib import Path
+
+from mpitailor.formats.dtypes import DTYPES
+
+# numpy's name for the bits of each dtype; bf16 has no numpy type: its bits are uint16.
+_NUMPY = {"fp32": "<f4", "fp16": "<f2", "bf16": "<u2", "f64": "<f8", "i64": "<i8",
+          "i32": "<i4", "i16": "<i2", "i8": "i1", "u8": "u1", "bool": "?"}
+_STRUCT = {"fp32": "<f", "fp16": "<e", "f64": "<d", "i64": "<q", "i32": "<i", "i16": "<h",
+           "i8": "b", "u8": "B", "bool": "?"}
+
+
+def numpy_dtype(dtype: str) -> str:
+    """numpy's name for the bits of a dtype of dtypes.py (bf16: "<u2")."""
+    return _NUMPY[dtype]
+
+
+class Storage:
+    """A storage: `numel` elements of `dtype`, whose bytes lie in file `path` at `offset`,
+    or in memory (`data`), or nowhere yet (a placeholder: the copy step writes them)."""
+
+    __slots__ = ("dtype", "numel", "path", "offset", "data")
+
+    def __init__(self, dtype: str, numel: int, *, path: Path | None = None,
+                 offset: int | None = None, data: bytes | bytearray | memoryview | None = None):
+        self.dtype, self.numel, self.path, self.offset, self.data = \
+            dtype, numel, path, offset, data
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def read(self, start: int = 0, nbytes: int | None = None) -> bytes | memoryview:
+        """Bytes [start, start + nbytes) of the storage (all of it by default)."""
+        nbytes = self.nbytes - start if nbytes is None else nbytes
+        if nbytes == 0:
+            return b""
+        if self.data is not None:
+            return memoryview(self.data)[start: start + nbytes]
+        if self.path is None:
+            raise RuntimeError("internal error: a placeholder's bytes were read")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            out = bytearray(nbytes)
+            view, done = memoryview(out), 0
+            while done < nbytes:
+                n = os.preadv(fd, [view[done:]], self.offset + start + done)
+                if n <= 0:
+                    raise EOFError(f"{self.path}: file ends {nbytes - done} bytes early")
+                done += n
+            return out
+        finally:
+            os.close(fd)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's strides of a new tensor of this shape (sizes of 0 count as 1)."""
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(out))
+
+
+class Tensor:
+    """A view of a storage, as torch's `_rebuild_tensor_v2` describes one."""
+
+    __slots__ = ("storage", "storage_offset", "shape", "stride", "requires_grad", "metadata",
+                 "wrapper")
+
+    def __init__(self, storage: Storage, storage_offset: int, shape: tuple[int, ...],
+                 stride: tuple[int, ...], requires_grad: bool = False, metadata=None):
+        self.storage, self.storage_offset = storage, storage_offset
+        self.shape, self.stride = tuple(shape), tuple(stride)
+        self.requires_grad, self.metadata = requires_grad, metadata
+        # (type, attribute dict) of a tensor saved with attributes of its own or as a
+        # subclass (torch's _rebuild_from_type_v2); None for a plain one.
+        self.wrapper = None
+
+    # ---- made here ------------------------------------------------------------------
+    @classmethod
+    def empty(cls, numel: int, dtype: str = "fp32") -> Tensor:
+        """A 1-D placeholder: its bytes are written by someone else (the copy step)."""
+        return cls(Storage(dtype, numel), 0, (numel,), (1,))
+
+    @classmethod
+    def of_bytes(cls, data: bytes | bytearray | memoryview, dtype: str,
+                 shape: tuple[int, ...]) -> Tensor:
+        """A new contiguous tensor holding these bytes."""
+        numel = math.prod(shape)
+        if len(data) != numel * DTYPES[dtype].itemsize:
+            raise ValueError(f"{len(data)} bytes for {dtype} x {shape}")
+        return cls(Storage(dtype, numel, data=bytes(data)), 0, shape, contiguous_stride(shape))
+
+    @classmethod
+    def scalar(cls, value, dtype: str) -> Tensor:
+        """A 0-d tensor (what torch.tensor(value, dtype=...) makes)."""
+        return cls.of_bytes(struct.pack(_STRUCT[dtype], value), dtype, ())
+
+    # ---- facts ----------------------------------------------------------------------
+    @property
+    def dtype(self) -> str:
+        return self.storage.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype in ("fp32", "bf16", "fp16", "f64")
+
+    def is_contiguous(self) -> bool:
+        return self.stride == contiguous_stride(self.shape) or self.numel() <= 1
+
+    @property
+    def file_offset(self) -> int:
+        """Byte offset of the first element in its file."""
+        if self.storage.offset is None:
+            raise RuntimeError("internal error: the file offset of a tensor not in a file")
+        return self.storage.offset + self.storage_offset * self.itemsize
+
+    # ---- values (read on demand) -----------------------------------------------------
+    def raw_bytes(self, start: int = 0, count: int | None = None) -> bytes | memoryview:
+        """The bytes of elements [start, start + count) in storage order (contiguous only)."""
+        self._need_contiguous()
+        count = self.numel() - start if count is None else count
+        return self.storage.read((self.storage_offset + start) * self.itemsize,
+                                 count * self.itemsize)
+
+    def raw(self, start: int = 0, count: int | None = None):
+        """Elements [start, start + count) as a flat numpy array (bf16: its uint16 bits)."""
+        import numpy as np
+        return np.frombuffer(self.raw_bytes(start, count), dtype=_NUMPY[self.dtype])
+
+    def item(self):
+        """The value of a one-element tensor, as a Python number."""
+        if self.numel() != 1:
+            raise ValueError(f"item() of a tensor of {self.numel()} elements")
+        data = bytes(self.raw_bytes())
+        if self.dtype == "bf16":
+            return struct.unpack("<f", b"\0\0" + data)[0]
+        return struct.unpack(_STRUCT[self.dtype], data)[0]
+
+    def _need_contiguous(self) -> None:
+        if not self.is_contiguous():
+            raise ValueError(f"a non-contiguous tensor ({self.shape}, stride {self.stride})")
+
+    # ---- written as torch writes a tensor --------------------------------------------
+    def torch_reduce(self):
+        """What torch's pickler writes for a tensor with these fields (torchpickle.py writes
+        it; any other pickler, e.g. mpi4py's, carries the object as it is)."""
+        from mpitailor.formats.torchpickle import (
+            REBUILD_FROM_TYPE,
+            REBUILD_TENSOR,
+            TENSOR_TYPE,
+            StorageRef,
+        )
+        # Fresh tuples and hooks dict, as torch's Tensor.__reduce_ex__ makes them: the
+        # pickle's memo then shares exactly what torch's would.
+        args = (StorageRef(self.storage), self.storage_offset, tuple([*self.shape]),
+                tuple([*self.stride]), self.requires_grad, OrderedDict())
+        args += (self.metadata,) if self.metadata else ()
+        if self.wrapper is None or (self.wrapper[0] is TENSOR_TYPE and not self.wrapper[1]):
+            return REBUILD_TENSOR, args
+        return REBUILD_FROM_TYPE, (REBUILD_TENSOR, self.wrapper[0], args, self.wrapper[1])
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.dtype}, {list(self.shape)})"
