@@ -1,6 +1,6 @@
 """The commands that write checkpoints: merge, recover, export. Options in from argparse,
-the jobs run, one line out (rank 0). Jobs are imported when a command runs: `--help` and
-the commands that need no torch stay fast."""
+the jobs run, one line out (rank 0). Jobs are imported when a command runs, so that
+`--help` and argument errors cost no more than the parser."""
 from __future__ import annotations
 
 import argparse
@@ -70,7 +70,8 @@ def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace,
     from mpitailor.publish.staging import check_writable_file
 
     opts = merge_options(args)
-    opts.check(plan)
+    if args.dry_run:  # (a merge checks them in run_merge, before anything is written)
+        opts.check(plan)
     stats = Path(os.path.abspath(args.stats)) if args.stats else None  # links unresolved
     if stats is not None:  # written at the end: a bad path must fail before anything is merged
         comm.root_step(check_writable_file, stats, "--stats")

@@ -34,6 +34,7 @@ class Comm:
         self.rank = mpi_comm.Get_rank() if mpi_comm is not None else 0
         self.size = mpi_comm.Get_size() if mpi_comm is not None else 1
         self._errors = None  # set by world(): the communicator of same_everywhere
+        self.nodes = None    # set by nodes.Nodes.of: which host each rank is on
 
     @classmethod
     def world(cls) -> "Comm":
@@ -86,6 +87,10 @@ class Comm:
     def allgather(self, obj: T) -> list[T]:
         """Collective: every rank's obj, in rank order."""
         return [obj] if self._comm is None else self._mpi(self._comm.allgather, obj)
+
+    def gather(self, obj: T, root: int = 0) -> list[T] | None:
+        """Collective: every rank's obj, in rank order, on rank root (None elsewhere)."""
+        return [obj] if self._comm is None else self._mpi(self._comm.gather, obj, root=root)
 
     def bcast(self, obj: T, root: int = 0) -> T:
         """Collective: rank root's obj."""

@@ -33,13 +33,17 @@ class Nodes:
 
     @classmethod
     def of(cls, comm: Comm) -> "Nodes":
-        """Collective: ranks on the same host form a node."""
+        """Collective (the first time for a comm; then its answer again): ranks on the same
+        host form a node."""
+        if comm.nodes is not None:
+            return comm.nodes
         hosts = comm.allgather(socket.gethostname())
         names: list[str] = []
         for h in hosts:
             if h not in names:
                 names.append(h)
-        return cls(tuple(names), tuple(names.index(h) for h in hosts))
+        comm.nodes = cls(tuple(names), tuple(names.index(h) for h in hosts))
+        return comm.nodes
 
     def ranks(self, node: int) -> list[int]:
         return [r for r, n in enumerate(self.of_rank) if n == node]

@@ -41,17 +41,21 @@ class MergeResult:
     layer_source: tuple[tuple[str, str], ...] = ()  # layer key -> the source it came from
 
 
-def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta]:
+def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta] | None:
     """Collective: each source's metadata is read by one rank (round-robin; under node-local
-    storage, a rank on a node that holds the source's rank-0 files), then shared."""
+    storage, a rank on a node that holds the source's rank-0 files) and sent to rank 0,
+    which plans; the other ranks get None (the metadata reaches them once, in the plan)."""
     place = survey(comm, [Path(path) for _, path in recipe.sources])
     readers = comm.step(_meta_readers, comm, recipe, place)
 
     def mine() -> dict[str, CheckpointMeta]:
         return {name: read_meta(path, place.fs()) for name, path in recipe.sources
                 if readers[name] == comm.rank}
+    parts = comm.gather(comm.step(mine))
+    if parts is None:
+        return None
     metas: dict[str, CheckpointMeta] = {}
-    for part in comm.allgather(comm.step(mine)):
+    for part in parts:
         metas.update(part)
     return {name: metas[name] for name, _ in recipe.sources}
 

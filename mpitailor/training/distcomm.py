@@ -32,6 +32,11 @@ class TorchDistWorld:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather(self, obj, root: int = 0):
+        # an allgather, which every backend has (what the training side sends is small)
+        out = self.allgather(obj)
+        return out if dist.get_rank(self.group) == root else None
+
     def bcast(self, obj, root: int = 0):
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, root)
