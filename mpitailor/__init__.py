@@ -1,7 +1,7 @@
 """mpitailor: layer-wise composite checkpoints from DeepSpeed ZeRO-3 saves, merged with MPI.
 
 `from mpitailor import merge, recover` (mpitailor/api.py); loaded on first use, so that
-importing the package (or its torch-free planner) does not import torch.
+importing the package costs nothing. Nothing outside `mpitailor.training` imports torch.
 """
 
 from mpitailor.version import __version__  # noqa: F401 - re-exported

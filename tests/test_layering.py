@@ -6,6 +6,11 @@ below it, and the planner is pure.
 
 The arrows are read from the source (an AST walk, lazy imports inside functions included), so
 an upward import fails here whether or not it is ever executed.
+
+The same walk keeps the merge side torch-free (issue 33): only the training side
+(mpitailor/training, mpitailor/tinytrain, mpitailor/demo.py) imports torch, DeepSpeed,
+transformers, accelerate or h5py, which the core install (`pip install mpitailor`) lacks;
+tests/test_torch_free.py runs the commands to see that none of them is loaded at run time.
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ ORDER = ("base", "formats", "planning", "cluster", "publish", "engine", "jobs", 
 BASE = {"display", "errors", "failpoints", "version"}
 TOP = {"cli", "training", "api", "demo", "tinytrain", "__init__", "__main__"}
 HEAVY = ("torch", "mpi4py")
+# What only the training side may import (pyproject's [train] and [hf] extras), and where it is.
+TRAINING_ONLY = ("torch", "deepspeed", "transformers", "accelerate", "h5py")
+TRAINING_SIDE = ("mpitailor.training", "mpitailor.tinytrain", "mpitailor.demo")
 
 
 def layer(module: str) -> str | None:
@@ -50,20 +58,39 @@ def modules() -> list[tuple[str, Path]]:
     return out
 
 
-def imported(tree: ast.Module, module: str, is_package: bool) -> set[str]:
-    """Absolute names of the modules (or module attributes) a module imports."""
+def imports(tree: ast.Module, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute name) of each module (or module attribute) a module imports."""
     package = module if is_package else module.rsplit(".", 1)[0]
-    names = set()
+    out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
+            out.extend((node.lineno, a.name) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.rsplit(".", node.level - 1)[0]
                 base = f"{parent}.{base}" if base else parent
-            names.update(f"{base}.{a.name}" for a in node.names)
-    return names
+            out.extend((node.lineno, f"{base}.{a.name}") for a in node.names)
+    return out
+
+
+def imported(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """Absolute names of the modules (or module attributes) a module imports."""
+    return {name for _, name in imports(tree, module, is_package)}
+
+
+def on_training_side(module: str) -> bool:
+    return any(module == side or module.startswith(side + ".") for side in TRAINING_SIDE)
+
+
+def training_only_imports(tree: ast.Module, module: str, is_package: bool) -> list[str]:
+    """`module:line imports name` for each torch/DeepSpeed/... import of a module outside the
+    training side (top level or lazy, inside a function)."""
+    if on_training_side(module):
+        return []
+    return [f"{module}:{line} imports {name}"
+            for line, name in sorted(imports(tree, module, is_package))
+            if name.split(".")[0] in TRAINING_ONLY]
 
 
 def test_every_module_is_in_a_layer():
@@ -88,6 +115,46 @@ def test_only_cluster_comm_imports_mpi4py():
              if any(n == "mpi4py" or n.startswith("mpi4py.")
                     for n in imported(ast.parse(path.read_text()), module, False))]
     assert users == ["mpitailor.cluster.comm"], users
+
+
+def test_only_the_training_side_imports_torch_deepspeed_transformers_accelerate_h5py():
+    wrong = []
+    for module, path in modules():
+        wrong += training_only_imports(ast.parse(path.read_text()), module,
+                                       path.name == "__init__.py")
+    assert not wrong, ("the merge side (the core install: no [train], no [hf]) imports what "
+                       "only the training side may:\n" + "\n".join(wrong))
+
+
+def test_the_torch_rule_sees_top_level_and_lazy_imports_and_spares_the_training_side():
+    tree = ast.parse(textwrap.dedent("""
+        import os
+        import torch
+        from deepspeed.runtime import zero
+        import numpy as np
+
+        def f():
+            import torch.distributed as dist
+            from transformers import AutoConfig
+            from accelerate.utils import DistributedType
+            import h5py
+            from mpitailor.formats.read import read_meta
+            import torchvision  # not torch: another distribution
+    """))
+    assert training_only_imports(tree, "mpitailor.formats.read", False) == [
+        "mpitailor.formats.read:3 imports torch",
+        "mpitailor.formats.read:4 imports deepspeed.runtime.zero",
+        "mpitailor.formats.read:8 imports torch.distributed",
+        "mpitailor.formats.read:9 imports transformers.AutoConfig",
+        "mpitailor.formats.read:10 imports accelerate.utils.DistributedType",
+        "mpitailor.formats.read:11 imports h5py",
+    ]
+    for module in ("mpitailor.training.checkpointer", "mpitailor.training",
+                   "mpitailor.tinytrain.worker", "mpitailor.demo"):
+        assert training_only_imports(tree, module, module == "mpitailor.training") == []
+    for module in ("mpitailor.cli.main", "mpitailor.api", "mpitailor.trainingx",
+                   "mpitailor.demos"):
+        assert training_only_imports(tree, module, False), module
 
 
 def test_the_arrow_check_sees_an_upward_import():

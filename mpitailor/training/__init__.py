@@ -3,27 +3,66 @@
     from mpitailor.training import LayerwiseCheckpointer, Parity, per_layer_param_groups
     from mpitailor.training import LayerwiseTrainer      # HF Trainer (imports transformers)
     from mpitailor.training import AccelerateCheckpointer  # Accelerate (imports accelerate)
+
+It needs torch and DeepSpeed (`pip install 'mpitailor[train]'`; the core install, the merge
+side, has neither). The names are loaded on first use, so that `import mpitailor.training`
+and its torch-free parts (`stats plot`) work without them, and a missing one is named in one
+line when a name that needs it is asked for.
 """
 from __future__ import annotations
 
-from mpitailor.training.checkpointer import LayerwiseCheckpointer
-from mpitailor.training.groups import per_layer_param_groups
-from mpitailor.training.partial_save import save_layers
-from mpitailor.training.policies import Adaptive, Filter, Parity, Policy, make_policy
-from mpitailor.training.resume import recover_for_resume
+import importlib
 
 __all__ = ["AccelerateCheckpointer", "Adaptive", "Filter", "LayerwiseCheckpointer",
            "LayerwiseTrainer", "Parity", "Policy", "make_policy", "per_layer_param_groups",
            "recover_for_resume", "save_layers"]
 
+# name -> the submodule that defines it. LayerwiseTrainer subclasses transformers.Trainer,
+# AccelerateCheckpointer uses accelerate: a plain DeepSpeed loop needs neither.
+_WHERE = {
+    "LayerwiseCheckpointer": "checkpointer",
+    "per_layer_param_groups": "groups",
+    "save_layers": "partial_save",
+    "Adaptive": "policies", "Filter": "policies", "Parity": "policies", "Policy": "policies",
+    "make_policy": "policies",
+    "recover_for_resume": "resume",
+    "LayerwiseTrainer": "hf",
+    "AccelerateCheckpointer": "accel",
+}
+assert set(_WHERE) == set(__all__)
+
+# The training side's own dependencies (none of which the core install pulls) -> the extra
+# that brings it.
+_EXTRA = {"torch": "train", "deepspeed": "train", "h5py": "train", "transformers": "hf",
+          "accelerate": "hf"}
+
+
+def missing_message(missing: str, needed_by: str = "mpitailor.training") -> str:
+    """The one line that says which extra brings `missing` (a top-level module name)."""
+    extras = "train" if _EXTRA[missing] == "train" else "train,hf"
+    what = "torch and DeepSpeed" if extras == "train" else \
+        "torch, DeepSpeed, transformers and accelerate"
+    return (f"{needed_by} needs {what}, and {missing} is not installed: "
+            f"pip install 'mpitailor[{extras}]'")
+
 
 def __getattr__(name: str):
-    # LayerwiseTrainer subclasses transformers.Trainer, AccelerateCheckpointer uses
-    # accelerate: import them only when asked (a plain DeepSpeed loop needs neither).
-    if name == "LayerwiseTrainer":
-        from mpitailor.training.hf import LayerwiseTrainer
-        return LayerwiseTrainer
-    if name == "AccelerateCheckpointer":
-        from mpitailor.training.accel import AccelerateCheckpointer
-        return AccelerateCheckpointer
-    raise AttributeError(f"module 'mpitailor.training' has no attribute {name!r}")
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'mpitailor.training' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"mpitailor.training.{where}")
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in _EXTRA:
+            raise
+        needed_by = "mpitailor.training" if _EXTRA[top] == "train" else \
+            f"mpitailor.training.{name}"
+        raise ImportError(missing_message(top, needed_by), name=e.name) from None
+    value = getattr(module, name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

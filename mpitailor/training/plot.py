@@ -12,11 +12,12 @@ from mpitailor.errors import UserError
 
 
 def plot_stats(path: Path, out: Path) -> None:
-    import h5py
     try:
+        import h5py
         import matplotlib
-    except ImportError:
-        raise UserError("stats plot needs matplotlib: pip install 'mpitailor[plot]'") from None
+    except ImportError as e:
+        raise UserError(f"stats plot needs matplotlib and h5py ({e.name} is not installed): "
+                        "pip install 'mpitailor[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
