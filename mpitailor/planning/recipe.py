@@ -10,6 +10,9 @@ plus `embed`, `norm`, `lm_head`, `other` (parameters outside any layer) and `bas
 lr scheduler, rng states, trainer state, config, tokenizer; default: the newest source).
 Paths are relative to the recipe's own folder; `${VAR}` is expanded from the environment.
 Unknown keys are errors, reported with their YAML line.
+
+The YAML and its schema (recipe_schema.py: PyYAML, pydantic) are imported only where a recipe
+is read: on rank 0, which broadcasts the `Recipe`; the other ranks never pay for them.
 """
 from __future__ import annotations
 
@@ -18,10 +21,6 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.boundedio import TooLarge, read_small
@@ -29,52 +28,6 @@ from mpitailor.planning.layers import check_patterns
 
 MAX_RECIPE_BYTES = 4 << 20  # a recipe is a page of YAML; anything this big is the wrong file
 SELECTOR_RE = re.compile(r"(\d+)(?:-(\d+))?|even|odd|rest")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class SliceSource(_Strict):
-    model: str
-    layer_range: tuple[int, int]
-
-
-class Slice(_Strict):
-    sources: list[SliceSource] = Field(min_length=1)
-
-    @field_validator("sources")
-    @classmethod
-    def one_source(cls, v: list[SliceSource]) -> list[SliceSource]:
-        if len(v) != 1:
-            raise ValueError("a slice takes its layers from exactly one source (mpitailor "
-                             "selects layers, it does not blend them); split it into slices")
-        return v
-
-
-class OutputSpec(_Strict):
-    path: str
-    world_size: int | None = Field(default=None, ge=1)
-
-
-_BRANCHES = {"str", "OutputSpec"}  # pydantic names union branches in error locations
-
-
-class RecipeModel(_Strict):
-    merge_method: Literal["passthrough"] | None = None
-    dtype: str | None = None
-    sources: dict[str, str] | None = None
-    slices: list[Slice] | None = None
-    layers: dict[str, str] | None = None
-    embed: str | None = None
-    norm: str | None = None
-    lm_head: str | None = None
-    other: str | None = None
-    base: str | None = Field(default=None, alias="base_model")
-    adam_step: Literal["newest", "oldest", "base"] = "newest"
-    output: str | OutputSpec | None = None
-    layer_patterns: dict[str, str] | None = None
-    safe_globals: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,30 +75,10 @@ def load_recipe(path: Path | str, output: str | None = None,
 
 def parse_recipe(text: str, origin: str, base_dir: Path, output: str | None = None,
                  world_size: int | None = None) -> Recipe:
-    try:
-        node = yaml.compose(text, Loader=_UniqueKeyLoader)
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise UserError(f"{origin}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{origin}: a recipe is a YAML mapping (slices:/layers:, sources:, ...)")
-    try:
-        model = RecipeModel.model_validate(raw)
-    except ValidationError as e:
-        # A misspelt key also makes its correct spelling "missing": report the typo.
-        # Of a union's branches (output: a path, or {path, world_size}) the one that got
-        # deepest into the value says what is wrong; the branch's name is not a key.
-        err = sorted(e.errors(), key=lambda x: (x["type"] != "extra_forbidden",
-                                                -len(x["loc"])))[0]
-        loc = tuple(p for p in err["loc"] if p not in _BRANCHES)
-        key = ".".join(str(p) for p in loc) or "(top level)"
-        what = "unknown key (check its spelling)" if err["type"] == "extra_forbidden" \
-            else err["msg"].removeprefix("Value error, ")
-        raise UserError(f"{origin}{_line_of(node, loc)}: {key}: {what}") from None
+    from mpitailor.planning.recipe_schema import line_of, parse
+    model, node = parse(text, origin)
     if model.layer_patterns:
-        check_patterns(model.layer_patterns, where=f"{origin}{_line_of(node, ('layer_patterns',))}"
+        check_patterns(model.layer_patterns, where=f"{origin}{line_of(node, ('layer_patterns',))}"
                                                    f": layer_patterns")
     return _with_world_size(_resolve(model, text, origin, base_dir, output), world_size)
 
@@ -156,11 +89,9 @@ def recipe_from(doc: dict, origin: str, header: str = "",
     file is. Its paths are absolute and taken literally: a `$` in a save dir's name is a
     `$`, never an environment variable. `text` is the YAML a user could have written (header:
     comment lines before it), for the manifest and `--emit-recipe`."""
-    text = header + yaml.safe_dump(doc, sort_keys=False)
-    try:
-        model = RecipeModel.model_validate(doc)
-    except ValidationError as e:
-        raise UserError(f"{origin}: {e.errors()[0]['msg']}") from None
+    from mpitailor.planning.recipe_schema import dump, validate
+    text = header + dump(doc)
+    model = validate(doc, origin)
     if model.layer_patterns:
         check_patterns(model.layer_patterns, where=f"{origin}: layer_patterns")
     return _with_world_size(_resolve(model, text, origin, Path("/"), None, literal=True),
@@ -175,22 +106,7 @@ def _with_world_size(recipe: Recipe, world_size: int | None) -> Recipe:
     return dataclasses.replace(recipe, world_size=world_size)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice (PyYAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}: give each key once",
-                    key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
+def _resolve(m, text: str, origin: str, base_dir: Path,
              output: str | None, literal: bool = False) -> Recipe:
     if (m.slices is None) == (m.layers is None):
         raise UserError(f"{origin}: give exactly one of `slices:` (MergeKit form) or `layers:`")
@@ -218,8 +134,8 @@ def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
     base = ref(m.base, "base") if m.base is not None else None
     if output is not None and not output.strip():
         raise UserError("-o/--output: an empty path; give the output directory to create")
-    out = output if output is not None else (
-        m.output.path if isinstance(m.output, OutputSpec) else m.output)
+    spec = None if isinstance(m.output, str) else m.output  # {path, world_size} or None
+    out = output if output is not None else (spec.path if spec is not None else m.output)
     out_path = None
     if out is not None:
         out_path = Path(out) if output is not None or literal else \
@@ -231,11 +147,11 @@ def _resolve(m: RecipeModel, text: str, origin: str, base_dir: Path,
     return Recipe(origin=origin, text=text, sources=tuple(sources.items()), layer_rules=rules,
                   aux=aux, base=base, adam_step=m.adam_step, output=out_path,
                   layer_patterns=tuple((m.layer_patterns or {}).items()), dtype=m.dtype,
-                  world_size=m.output.world_size if isinstance(m.output, OutputSpec) else None,
+                  world_size=spec.world_size if spec is not None else None,
                   safe_globals=tuple(m.safe_globals or ()))
 
 
-def _slices_to_rules(slices: list[Slice], origin: str) -> list[tuple[str, str]]:
+def _slices_to_rules(slices: list, origin: str) -> list[tuple[str, str]]:
     """MergeKit slices -> inclusive range selectors; layers must keep their positions."""
     rules, expect = [], 0
     for i, sl in enumerate(slices):
@@ -264,24 +180,3 @@ def _path(value: str, base_dir: Path, origin: str, key: str, literal: bool = Fal
                         f"not set")
     p = Path(expanded).expanduser()
     return (p if p.is_absolute() else base_dir / p).resolve()
-
-
-def _line_of(node, loc) -> str:
-    """' line N' of the YAML node at pydantic location `loc`, as far as it can be followed."""
-    line = None
-    for part in loc:
-        if node is None:
-            break
-        line = node.start_mark.line + 1
-        if isinstance(node, yaml.MappingNode):
-            match = [(k, v) for k, v in node.value if k.value == str(part)]
-            node = match[0][1] if match else None
-            if match:
-                line = match[0][0].start_mark.line + 1
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
-                and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            node = None
-    return f" line {line}" if line else ""
