@@ -11,7 +11,6 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
-import regex  # user patterns: its matches can be time-boxed, the standard library's cannot
 
 from mpitailor.errors import UserError
 
@@ -45,6 +44,11 @@ _WRAPPERS = re.compile(r"^(?:module\.|_orig_mod\.)+")
 
 def check_patterns(patterns: Mapping[str, str], where: str = "layer_patterns") -> list:
     """User patterns compiled, or a UserError naming the pattern and the fix."""
+    if not patterns:
+        return []
+    # `regex`, not `re`: its matches can be time-boxed, the standard library's cannot.
+    # Imported here: only user patterns need it, and every rank imports this module.
+    import regex
     compiled = []
     for pattern, key in patterns.items():
         if key not in PATTERN_KEYS:
