@@ -254,9 +254,9 @@ def merge_run_options(p: argparse.ArgumentParser, world_size_why: str) -> None:
 
 def trust_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--safe-globals", metavar="MODULE.NAME,...",
-                   help="classes in the checkpoints' client state to import and build for "
-                        "real (you trust them). Without it, objects outside mpitailor's "
-                        "allow-list are carried through unbuilt, exactly as written")
+                   help="classes outside mpitailor's allow-list to accept in every file (you "
+                        "trust them); like client state, they are carried through unbuilt, "
+                        "exactly as written")
 
 
 def placement_option(p: argparse.ArgumentParser) -> None:

@@ -9,8 +9,8 @@ Reading (`unpickle`): Python's unpickler with `find_class` as the only gate. Eve
 the pickle names resolves to a stand-in (opaque.py) or is refused; tensors become
 `tensorref.Tensor`s whose storages point at their records' bytes in the file, which are not
 read. Nothing from a file is ever imported or run: the stand-ins record the arguments and
-state the pickle gives them and do nothing else; only classes the user names with
-`--safe-globals` (safeload.trust) are built for real.
+state the pickle gives them and do nothing else. Names the user allows with `--safe-globals`
+(safeload.trust) are accepted where they would be refused, and are stand-ins too.
 
 Writing (`dumps`): the pure-Python pickler, protocol 2, with torch's `persistent_id`: a
 `Tensor` reduces as torch's tensor does, a stand-in writes back its original GLOBAL, REDUCE,

@@ -45,7 +45,7 @@ class Recipe:
     layer_patterns: tuple[tuple[str, str], ...]
     dtype: str | None
     world_size: int | None = None                # reshard the output to this world size
-    safe_globals: tuple[str, ...] = ()           # client-state classes to build for real
+    safe_globals: tuple[str, ...] = ()           # classes to accept (safeload.trust)
 
     def source_path(self, name: str) -> Path:
         return dict(self.sources)[name]
