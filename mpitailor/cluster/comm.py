@@ -43,7 +43,10 @@ class Comm:
         global _ERRORS_COMM
         try:
             from mpi4py import MPI
-        except ImportError:
+        except (ImportError, RuntimeError):
+            # no mpi4py, or no MPI library for it to load (a core install on a machine
+            # without MPI, no [mpi] extra): one process, which is all a plain run needs; a
+            # launcher that started several is caught below
             comm = cls(None)
         else:
             comm = cls(MPI.COMM_WORLD)
