@@ -369,3 +369,19 @@ def test_every_fixture_file_written_back_is_the_same(tmp_path):
                                               opaque_ok=True))
         assert _records(out) == _records(src), src
         out.unlink()
+
+
+def test_containers_nested_past_the_bound_are_refused_in_one_line(tmp_path):
+    """A crafted pickle nests lists 100000 deep (the unpickler itself does not recurse, but
+    copying and re-pickling would): refused by name at load, not a RecursionError later."""
+    from mpitailor.errors import CheckpointError
+    n = 100_000
+    path = tmp_path / "deep.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02" + b"]" * n + b"a" * (n - 1) + b".")
+    with pytest.raises(CheckpointError, match=r"deep\.pt: containers nested over 200 levels"):
+        safe_load(path)
+    shallow = tmp_path / "shallow.pt"
+    with zipfile.ZipFile(shallow, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02" + b"]" * 150 + b"a" * 149 + b".")
+    assert isinstance(safe_load(shallow), list)

@@ -71,8 +71,10 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
                                              f"{numel} elements of {dtype}")
             return Storage(dtype, numel, path=path, offset=offset)
 
-        return torchpickle.unpickle(data, allowed=allowed, opaque_ok=opaque_ok,
-                                    storage=storage)
+        obj = torchpickle.unpickle(data, allowed=allowed, opaque_ok=opaque_ok,
+                                   storage=storage)
+        _check_depth(obj, path)
+        return obj
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except torchpickle.Refused as e:
@@ -88,6 +90,32 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
         raise CheckpointError(
             f"{path}: unreadable or truncated checkpoint file ({first}); "
             f"re-copy it from the original save") from None
+
+
+MAX_DEPTH = 200  # DeepSpeed's and HF's states nest < 10 deep; client state a little more
+
+
+def _check_depth(obj, path: Path) -> None:
+    """Refuse containers nested deeper than MAX_DEPTH: everything after the load (copies,
+    the pickler) walks them recursively. Iterative, each object once."""
+    seen, stack = set(), [(obj, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, dict):
+            children = [*x.keys(), *x.values()]
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            children = list(x)
+        elif isinstance(x, opaque.Opaque):
+            children = [x._args, x._state]
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise CheckpointError(f"{path}: containers nested over {MAX_DEPTH} levels deep; not "
+                                  f"a checkpoint mpitailor reads (a damaged or crafted file)")
+        stack.extend((c, depth + 1) for c in children)
 
 
 def require_regular(path: Path) -> None:
