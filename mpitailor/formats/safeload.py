@@ -22,6 +22,7 @@ from typing import Any
 
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import opaque, ptzip, torchpickle
+from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.tensorref import Storage
 
 _trusted: set[str] = set()  # names the user allowed with --safe-globals
@@ -66,7 +67,7 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
             if name not in records:
                 raise pickle.UnpicklingError(f"no record {name}")
             offset, size, _ = records[name]
-            if size != numel * Storage(dtype, 0).itemsize:
+            if size != numel * DTYPES[dtype].itemsize:
                 raise pickle.UnpicklingError(f"record {name} holds {size} bytes, not "
                                              f"{numel} elements of {dtype}")
             return Storage(dtype, numel, path=path, offset=offset)

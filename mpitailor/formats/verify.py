@@ -8,26 +8,18 @@ dry-run shows) and refuses a record whose CRC does not match: flipped bits, a to
 from __future__ import annotations
 
 import os
-import struct
-import zipfile
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
+from mpitailor.formats import ptzip
 from mpitailor.formats.crc import crc32
-
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
 
 
 def record_crcs(path: Path, fd: int) -> dict[int, tuple[int, int]]:
-    """Data offset -> (CRC-32, size) of every record of the zip archive at `path`."""
-    out = {}
-    with zipfile.ZipFile(path) as z:
-        for info in z.infolist():
-            head = os.pread(fd, _LOCAL_HEADER.size, info.header_offset)
-            name_len, extra_len = _LOCAL_HEADER.unpack(head)[-2:]
-            start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-            out[start] = (info.CRC, info.file_size)
-    return out
+    """Data offset -> (CRC-32, size) of every record of the zip archive open as `fd` (the
+    file at `path`)."""
+    with os.fdopen(os.dup(fd), "rb") as f:  # zipfile seeks; the shard's fd is read by pread
+        return {start: (crc, size) for start, size, crc in ptzip.read_records(f).values()}
 
 
 def verify_records(path: Path, fd: int, offsets: set[int]) -> None:
