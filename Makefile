@@ -48,7 +48,7 @@ test-slurm: install
 test-cluster: install
 	rc=0; bash slurm/start-cluster.sh --nodes 3 >/dev/null || rc=$$?; \
 	if [ $$rc -eq 0 ] || [ $$rc -eq 3 ]; then \
-		rc=0; MPITAILOR_CLUSTER_TESTS=1 timeout 600 $(PYTEST) tests/test_cluster.py --durations=10 || rc=$$?; \
+		rc=0; MPITAILOR_CLUSTER_TESTS=1 timeout 900 $(PYTEST) --timeout=300 tests/test_cluster.py --durations=10 || rc=$$?; \
 	fi; \
 	bash slurm/stop-cluster.sh --nodes 3; exit $$rc
 

@@ -61,6 +61,15 @@ def cluster():
         stop_cluster(found)
 
 
+@pytest.fixture(autouse=True)
+def nodes_up(cluster):
+    """Every node in service before a test: srun on a node that is down waits for it rather
+    than failing, so a node an earlier test left down would hang this one until its timeout."""
+    down = {n: s for n in (f"n{i}" for i in range(1, NODES + 1))
+            if (s := node_state(n, cluster)).startswith(("down", "drain", "fail"))}
+    assert not down, f"nodes out of service before the test: {down}\n{cluster.logs()}"
+
+
 def ok(r: subprocess.CompletedProcess, cluster: Cluster) -> str:
     """r's stdout; if r failed, fail with its output and the daemons' logs."""
     if r.returncode != 0:
@@ -544,7 +553,9 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
     and the collective reaches the dead ranks (no line from it; srun says "Segmentation
     fault"); srun then ends rank 0, which removes its staging dir and prints one line. With
     OFI (MPIR_CVAR_CH4_NETMOD=ofi) MPI returns an error instead, which mpitailor turns into
-    one line and exit 1 (comm.CommFailed) rather than a traceback and MPI's error stack.
+    one line and exit 1 (comm.CommFailed) rather than a traceback and MPI's error stack, on
+    whichever survivor meets the dead ranks first. n2 is brought back even when an assertion
+    fails, so the tests after this one find it in service.
     Then n2's slurmd comes back (start-cluster.sh), n2 returns to idle, and the same merge
     run again succeeds, reclaiming the staging dir the dead node left."""
     run = node_local_run
@@ -558,42 +569,49 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
         ["srun", "--kill-on-bad-exit=1", "-N", "2", "-w", "n1,n2", "-n", "4", "--ntasks-per-node=2",
          *merge_cmd(recipe)], env={**cluster, **mpi, "MPITAILOR_FAILPOINT": "commit:0:sleep=10"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    killed: list[int] = []
     try:
-        # Both nodes staged their part; rank 0 now sleeps for 10 s before publishing.
-        wait_for("both nodes staged", lambda: all(p.exists() for p in staged), 120, 0.05)
-        killed = kill_node(2)
-        t_kill = time.monotonic()
-        out, err = merge.communicate(timeout=120)
-        after_kill = time.monotonic() - t_kill
+        try:
+            # Both nodes staged their part; rank 0 now sleeps for 10 s before publishing.
+            wait_for("both nodes staged", lambda: all(p.exists() for p in staged), 120, 0.05)
+            killed = kill_node(2)
+            t_kill = time.monotonic()
+            out, err = merge.communicate(timeout=120)
+            after_kill = time.monotonic() - t_kill
+        finally:
+            if merge.poll() is None:
+                merge.kill()
+                merge.communicate()
+        ends = srun_task_ends(err)
+        print(f"killed n2 ({len(killed)} processes); srun exited {merge.returncode} "
+              f"{after_kill:.1f} s later; srun on the tasks: {ends}\n{err}")
+        assert len(killed) >= 4, killed  # slurmd, slurmstepd, ranks 2 and 3
+        assert merge.returncode != 0 and after_kill < 90, (merge.returncode, after_kill, err)
+        assert {0, 1} <= ends.keys(), err  # both survivors ended, and srun saw them end
+        lines = re.findall(r"^\[rank (\d+)\] mpitailor: .*$", err, re.M)
+        assert all(lines.count(r) <= 1 for r in ("0", "1")), err
+        assert not {"2", "3"} & set(lines), err  # the dead ranks said nothing
+        assert "Traceback" not in err and "error stack" not in err, err
+        if netmod == "ofi":  # MPI's error, as one line of mpitailor's, and exit 1
+            # from whichever survivor's collective reached a dead rank first (a race: rank
+            # 1's allgather with rank 3, or rank 0's once it wakes); srun ends the other
+            failed = [r for r in (0, 1) if ends[r] == "Exited with exit code 1" and re.search(
+                rf"^\[rank {r}\] mpitailor: error: MPI communication failed on rank {r} ",
+                err, re.M)]
+            assert failed, err
+        assert "merged" not in out, out
+        # Nothing published anywhere: no output on any node (n2's staging dir may be left).
+        for i in (1, 2, 3):
+            assert not (host[i] / name).exists(), i
+        assert not (host[1] / f".{name}.mpitailor-staging").exists()  # rank 0 removed its own
     finally:
-        if merge.poll() is None:
-            merge.kill()
-            merge.communicate()
-    ends = srun_task_ends(err)
-    print(f"killed n2 ({len(killed)} processes); srun exited {merge.returncode} "
-          f"{after_kill:.1f} s later; srun on the tasks: {ends}\n{err}")
-    assert len(killed) >= 4, killed  # slurmd, slurmstepd, ranks 2 and 3
-    assert merge.returncode != 0 and after_kill < 90, (merge.returncode, after_kill, err)
-    assert {0, 1} <= ends.keys(), err  # both survivors ended, and srun saw them end
-    lines = re.findall(r"^\[rank (\d+)\] mpitailor: .*$", err, re.M)
-    assert all(lines.count(r) <= 1 for r in ("0", "1")), err
-    assert not {"2", "3"} & set(lines), err  # the dead ranks said nothing
-    assert "Traceback" not in err and "error stack" not in err, err
-    if netmod == "ofi":  # MPI's error, as one line of mpitailor's, and exit 1
-        assert ends[1] == "Exited with exit code 1", err
-        assert re.search(r"^\[rank 1\] mpitailor: error: MPI communication failed on rank 1 ",
-                         err, re.M), err
-    assert "merged" not in out, out
-    # Nothing published anywhere: no output on any node (n2's staging dir may be left).
-    for i in (1, 2, 3):
-        assert not (host[i] / name).exists(), i
-    assert not (host[1] / f".{name}.mpitailor-staging").exists()  # rank 0 removed its own
-
-    # n2 comes back (as after a reboot, its disk as it was) and returns to service.
-    restarted, start = start_cluster(NODES)
-    assert restarted is not None and start.returncode == 0, start.stderr
-    assert "started slurmd of n2" in start.stderr, start.stderr
-    wait_for("n2 idle", lambda: node_state("n2", cluster) == "idle", 60, 0.5)
+        # n2 comes back (as after a reboot, its disk as it was) and returns to service, also
+        # when an assertion above failed: a node left down would hang the tests after this one.
+        if killed:
+            restarted, start = start_cluster(NODES)
+            assert restarted is not None and start.returncode == 0, start.stderr
+            assert "started slurmd of n2" in start.stderr, start.stderr
+            wait_for("n2 idle", lambda: node_state("n2", cluster) == "idle", 60, 0.5)
     # The same merge again: published on both nodes, the stale staging dir reclaimed.
     ok(cluster.srun(["--kill-on-bad-exit=1", "-N", 2, "-w", "n1,n2", "-n", 4,
                      "--ntasks-per-node", 2,
