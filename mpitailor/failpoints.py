@@ -8,7 +8,8 @@ write as a full disk does (ACTION "enospc": OSError ENOSPC).
 POINT may name a detail too, "POINT/DETAIL" (a partial save's tag): then only there.
 Points: "read" (sources opened, nothing copied), "write" (an optimizer file written, its
 model-states file not), "export" (a parameter's Universal files written, the rest not),
-"commit" (rank 0, staged tree complete, not yet published), "partial-write" (a partial
+"commit" (a leader of any output: staged tree and manifest complete, not yet published;
+detail: the output's name), "partial-write" (a partial
 save's rank files about to be written), "partial-publish" (every rank's files written, the
 manifest not), "full-save" (a training loop's full save begun and not finished: the plain loop's before
 DeepSpeed's files, Accelerate's in its empty checkpoint dir, HF's before the optimizer and

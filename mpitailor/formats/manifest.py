@@ -56,6 +56,11 @@ class Manifest:
         return self.fields.get(key, default)
 
     @property
+    def file_name(self) -> str:
+        """The file it is written to: a partial save's has a name of its own."""
+        return PARTIAL_MANIFEST if self.kind == "partial" else MANIFEST
+
+    @property
     def bytes_written(self) -> int:
         return sum(int(r["bytes"]) for r in self.files.values())
 

@@ -34,14 +34,14 @@ from mpitailor.formats.boundedio import shown
 from mpitailor.formats.extras import extras_dir
 from mpitailor.formats.files import PARTIAL_MANIFEST, is_tag_dir, resolve
 from mpitailor.formats.hf_side import given_dir_files, read_config
-from mpitailor.formats.manifest import MANIFEST, Manifest
+from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.export_nodes import export_on_nodes
 from mpitailor.jobs.merge import MergeOptions, check_shard_size, plan_recipe, run_merge
 from mpitailor.jobs.recover import recover_recipe
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.recipe import Recipe, recipe_from
-from mpitailor.publish.staging import Staging, holding, write_synced
+from mpitailor.publish.staging import Staging, holding
 
 FORMATS = ("hf", "fp32", "universal")
 
@@ -170,10 +170,5 @@ def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
         root = comm.root_step(staging.acquire, None)
         files = export(comm, base, sources, root)
 
-        def finish() -> int:
-            m = manifest(files)
-            write_synced(root / MANIFEST, m.to_json())
-            staging.publish()
-            return m.bytes_written
-        written = comm.root_step(finish)
+        written = comm.root_step(lambda: staging.commit(manifest(files)))
     return ExportResult(plan.output, written, time.perf_counter() - t0)

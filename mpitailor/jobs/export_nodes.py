@@ -18,14 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, output_is_shared
 from mpitailor.engine.replicate import drop_gathered, gather_sources, replicate
 from mpitailor.formats import CheckpointMeta
-from mpitailor.formats.manifest import MANIFEST, Manifest
+from mpitailor.formats.manifest import Manifest
 from mpitailor.planning.plan import MergePlan
-from mpitailor.publish.staging import Staging, holding, write_synced
+from mpitailor.publish.staging import Staging, commit_on_leaders, holding
 
 SCRATCH = ".mpitailor-sources"  # under the staging dir, removed before it is published
 
@@ -64,13 +63,4 @@ def export_on_nodes(comm: Comm, place: Placement, plan: MergePlan,
             replicate(comm, nodes, root, made, {f: node for f in made},
                       {f: others for f in made})
 
-        def stage() -> int:
-            if comm.rank not in leaders:
-                return 0
-            m = manifest(made)
-            write_synced(root / MANIFEST, m.to_json())
-            return m.bytes_written
-        written = comm.bcast(comm.step(stage), leaders[0])
-        comm.step(lambda: failpoints.hit("commit") if comm.rank in leaders else None)
-        comm.step(lambda: staging.publish() if comm.rank in leaders else None)
-    return written
+        return commit_on_leaders(comm, staging, leaders, lambda: manifest(made))

@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, output_is_shared, survey
 from mpitailor.engine.execute import write_partitions
@@ -20,13 +19,13 @@ from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.extras import Extras, extras_dir, read_extras
 from mpitailor.formats.files import resolve
-from mpitailor.formats.manifest import MANIFEST, Manifest
+from mpitailor.formats.manifest import Manifest
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.safeload import trust
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan, make_plan
 from mpitailor.planning.recipe import Recipe, load_recipe
-from mpitailor.publish.staging import Staging, holding, write_synced
+from mpitailor.publish.staging import Staging, commit_on_leaders, holding, write_synced
 
 log = logging.getLogger(__name__)
 
@@ -208,24 +207,19 @@ def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
 def _finish(plan: MergePlan, staging: Staging, files: dict, extras: Extras,
             recipe_text: str, ranks: int) -> int:
     """Rank 0: the metadata files, then publish."""
-    written = _write_metadata(plan, staging.dir, files, extras, recipe_text, ranks)
-    failpoints.hit("commit")
-    staging.publish()
-    return written
+    return staging.commit(_write_metadata(plan, staging.dir, files, extras, recipe_text, ranks))
 
 
 def _write_metadata(plan: MergePlan, root: Path, files: dict, extras: Extras,
-                    recipe_text: str, ranks: int, **more) -> int:
-    """The extras (read_extras), `latest`, then the manifest (last: the commit marker) into
-    the staged output; returns the bytes of every file the manifest records."""
+                    recipe_text: str, ranks: int, **more) -> Manifest:
+    """The extras (read_extras) and `latest` into the staged output; returns the manifest
+    that records them and every other file (written last, by the commit)."""
     files = dict(files)
     for name, data in extras.files:
         files[name] = write_synced(root / name, data)
     files["latest"] = write_synced(root / "latest", plan.base_meta.files.tag.encode())
-    manifest = merge_manifest(plan, files, recipe_text, ranks, left_out=list(extras.left_out),
-                              **more)
-    write_synced(root / MANIFEST, manifest.to_json())
-    return manifest.bytes_written
+    return merge_manifest(plan, files, recipe_text, ranks, left_out=list(extras.left_out),
+                          **more)
 
 
 def _output_nodes(comm: Comm, plan: MergePlan, place: Placement,
@@ -259,16 +253,11 @@ def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Sta
                                if not f.startswith("zero/"))
                   for i, name in enumerate(nodes.names)}
 
-    def stage() -> int:
-        if comm.rank not in leaders:
-            return 0
+    def manifest() -> Manifest:
         return _write_metadata(plan, staging.dir, files, extras, recipe_text, comm.size,
                                node_local={"node": nodes.names[nodes.of_rank[comm.rank]],
                                            "files_of_node": node_files})
-    written = comm.step(stage)
-    comm.step(lambda: failpoints.hit("commit") if comm.rank in leaders else None)
-    comm.step(lambda: staging.publish() if comm.rank in leaders else None)
-    return written
+    return commit_on_leaders(comm, staging, leaders, manifest)
 
 
 def merge_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,

@@ -1,8 +1,12 @@
-"""Staging, locking and atomic publication of a merge's or an export's output. Called by
-the ranks that write its metadata (rank 0, or every node's leader under node-local storage).
+"""Staging, locking and atomic publication of every output mpitailor writes: a merge, an
+export, a partial save. Called by the ranks that write its metadata (rank 0, or every node's
+leader under node-local storage).
 
-Output is written into a hidden staging dir beside the target, fsynced, and published by
-one rename: readers see the old state or the whole new checkpoint, never a part of it. A
+Output is written into a hidden staging dir beside the target; `Staging.commit` (or
+`commit_on_leaders`, when every node keeps its own copy) is the one way it is published:
+the manifest written last, the tree fsynced, one rename, the parent fsynced. Readers see
+the old state or the whole new output, never a part of it. A single file (the save record
+of a full save, a tombstone, --stats) is published by `write_replacing`. A
 lock file beside the target keeps two merges from writing the same output. What a killed
 run left beside its output (publish/leftovers.py) is reclaimed by the next run that writes
 in the same directory, whatever its output.
@@ -16,11 +20,15 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from mpitailor import failpoints
+from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
 from mpitailor.errors import MergeFailed, UserError
 from mpitailor.formats.filerecord import FileRecord
+from mpitailor.formats.manifest import Manifest
 from mpitailor.publish import interrupt, leftovers
 from mpitailor.publish.leftovers import DISCARD, LOCK, OLD, STAGING, path_of
 
@@ -92,7 +100,19 @@ class Staging:
             raise UserError(f"{self.output}: output already exists; remove it or choose "
                             f"another output path (mpitailor never overwrites)")
 
-    def publish(self) -> None:
+    def commit(self, manifest: Manifest) -> int:
+        """Publish the staged output: its manifest written last (the commit marker), then
+        `_publish`. Returns the bytes the manifest records."""
+        written = self._stage(manifest)
+        failpoints.hit("commit", self.output.name)
+        self._publish()
+        return written
+
+    def _stage(self, manifest: Manifest) -> int:
+        write_synced(self.dir / manifest.file_name, manifest.to_json())
+        return manifest.bytes_written
+
+    def _publish(self) -> None:
         """fsync the staged tree, then rename it to the output in one step (not once a signal
         has come: its clean-up removes the staging dir instead)."""
         fsync_tree(self.dir)
@@ -142,6 +162,19 @@ class Staging:
         paths = (self.dir, path_of(self.output, DISCARD), self.lock_path)
         while any(os.path.lexists(p) for p in paths) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def commit_on_leaders(comm: Comm, staging: Staging, leaders: list[int],
+                      manifest: Callable[[], Manifest]) -> int:
+    """Collective: Staging.commit where every node keeps its own copy of the output. Each
+    leader (one a node) builds and writes its node's manifest; only once every leader has
+    does each publish its copy, so that a node that failed to stage leaves no node with a
+    published output. Returns the bytes the first leader's manifest records."""
+    mine = comm.rank in leaders
+    written = comm.step(lambda: staging._stage(manifest()) if mine else 0)
+    comm.step(lambda: failpoints.hit("commit", staging.output.name) if mine else None)
+    comm.step(lambda: staging._publish() if mine else None)
+    return comm.bcast(written, leaders[0])
 
 
 def _replace(staged: Path, output: Path) -> None:

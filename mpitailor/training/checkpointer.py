@@ -43,7 +43,7 @@ from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
 from mpitailor.jobs.prune import prune
 from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.publish.leftovers import DISCARD, discard, path_of
-from mpitailor.publish.staging import fsync_dir, write_synced
+from mpitailor.publish.staging import write_replacing
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
 from mpitailor.training.policies import Decision, Policy
@@ -337,9 +337,4 @@ def write_save_record(tag_dir: Path, lineage: Lineage, global_steps: int,
     the layer patterns the run saves with."""
     record = {"format": "mpitailor-save", **lineage.to_json(), "global_steps": global_steps,
               "layer_patterns": layer_patterns}
-    tmp = tag_dir / f".{SAVE_RECORD}.tmp"
-    if tmp.exists():
-        tmp.unlink()
-    write_synced(tmp, json.dumps(record, indent=2).encode())
-    os.replace(tmp, tag_dir / SAVE_RECORD)
-    fsync_dir(tag_dir)
+    write_replacing(tag_dir / SAVE_RECORD, json.dumps(record, indent=2).encode())

@@ -21,7 +21,7 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import MpitailorError, UserError
 from mpitailor.formats.dtypes import name_of
-from mpitailor.formats.files import PARTIAL_MANIFEST, partial_files
+from mpitailor.formats.files import partial_files
 from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest
 from mpitailor.formats.stwrite import write_safetensors
 from mpitailor.publish.staging import Staging, holding, write_synced
@@ -172,8 +172,7 @@ def write(snap: Snapshot, comm: Comm) -> Path:
         def publish() -> None:
             _failpoint("partial-publish", snap.final)
             if snap.leader:
-                write_synced(staging.dir / PARTIAL_MANIFEST, manifest.to_json())
-                staging.publish()
+                staging.commit(manifest)
                 if snap.on_published is not None:
                     snap.on_published()
         agree(comm, publish)
