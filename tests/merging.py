@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.jobs.merge import plan_merge, write_merge
+from mpitailor.jobs.merge import MergeOptions, plan_merge, run_merge
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -28,8 +28,7 @@ def merge_in_process(recipe: str | Path, env: dict[str, str], monkeypatch, comm=
         monkeypatch.setenv(k, v)
     comm = comm or Comm(None)
     path = recipe if Path(recipe).is_absolute() else RECIPES / recipe
-    _, plan = plan_merge(comm, str(path), world_size=world_size)
-    return write_merge(comm, plan, progress=False)
+    return run_merge(comm, *plan_merge(comm, str(path), world_size=world_size), MergeOptions())
 
 
 def run_cli(args: list[str], env: dict[str, str], ranks: int = 1, timeout: float = 180):

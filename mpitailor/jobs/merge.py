@@ -88,18 +88,21 @@ def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
     return recipe, comm.root_step(make_plan, recipe, metas)
 
 
-def write_merge(comm: Comm, plan: MergePlan, recipe_text: str = "", progress: bool = True,
-                verify: bool = False, export_dtype: str | None = None,
-                universal: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                ranks_per_node: int | None = None) -> MergeResult:
-    """Collective: write the merged checkpoint and publish it atomically.
-    verify: check source records against their CRC-32 first (reads them whole).
-    export_dtype: also write consolidated HF safetensors weights in this dtype to OUT/hf/.
-    max_shard_size: the export's shards hold at most this many bytes (HF's rule).
-    universal: also write DeepSpeed's Universal layout into OUT/TAG/zero/.
-    ranks_per_node: with node-local output, output rank r's files go to the (r //
-    ranks_per_node)-th node (default: where rank r of this job runs, at the same world
-    size; else consecutive blocks)."""
+def _write_merge(comm: Comm, plan: MergePlan, recipe_text: str,
+                 opts: MergeOptions) -> MergeResult:
+    """Collective: write the merged checkpoint and publish it atomically, as opts say (checked
+    by run_merge): verify the source records against their CRC-32 first (reads them whole);
+    export consolidated HF safetensors weights to OUT/hf/ (in opts.export_dtype, default the
+    sources'; shards of at most opts.max_shard_size bytes, HF's rule); write DeepSpeed's
+    Universal layout into OUT/TAG/zero/; with node-local output, put output rank r's files
+    on the (r // opts.ranks_per_node)-th node (default: where rank r of this job runs, at
+    the same world size; else consecutive blocks)."""
+    verify, progress, ranks_per_node = opts.verify, opts.progress, opts.ranks_per_node
+    universal = "universal" in opts.export
+    export_dtype = (opts.export_dtype or plan.base_meta.dtype) \
+        if "safetensors" in opts.export else None
+    max_shard_size = DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None \
+        else opts.max_shard_size
     t0 = time.perf_counter()
     place = survey(comm, [m.path for _, m in plan.sources])
     out_nodes = comm.step(_output_nodes, comm, plan, place, ranks_per_node)
@@ -330,13 +333,9 @@ def check_shard_size(max_shard_size: int | None) -> None:
 
 
 def run_merge(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
-    """Collective: check the options against the plan, then merge as they say."""
+    """Collective: the one way into a merge (the CLI, the API, export, the in-job resume):
+    check the options against the plan, then merge as they say."""
     opts.check(plan)
     if "safetensors" in opts.export:
         comm.root_step(_warn_without_config, plan.base_meta)
-    export_dtype = (opts.export_dtype or plan.base_meta.dtype) \
-        if "safetensors" in opts.export else None
-    return write_merge(comm, plan, recipe.text, progress=opts.progress, verify=opts.verify,
-                 export_dtype=export_dtype, universal="universal" in opts.export,
-                 max_shard_size=DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None
-                 else opts.max_shard_size, ranks_per_node=opts.ranks_per_node)
+    return _write_merge(comm, plan, recipe.text, opts)

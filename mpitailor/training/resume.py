@@ -16,7 +16,7 @@ from pathlib import Path
 from mpitailor.errors import CheckpointError, NothingToRecover
 from mpitailor.formats.manifest import MANIFEST, read_manifest
 from mpitailor.jobs.clean import clean
-from mpitailor.jobs.merge import plan_recipe, write_merge
+from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.prune import RESUME_DIR
 from mpitailor.jobs.recovery import find_saves, plan_recovery
 from mpitailor.formats.read import read_meta
@@ -99,8 +99,7 @@ def _written_once(comm, out: Path, base, world: int, recipe_of) -> bool:
     if comm.root_step(_is_recovery_of, out, base, world):
         return True
     recipe = comm.root_step(recipe_of)
-    _, plan = plan_recipe(comm, recipe)
-    write_merge(comm, plan, recipe.text, progress=False)
+    run_merge(comm, *plan_recipe(comm, recipe), MergeOptions())
     return False
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch_files import torch_load
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.jobs.merge import plan_recipe, write_merge
+from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.planning.recipe import parse_recipe
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -151,8 +151,7 @@ def test_merge_round_trips_random_layouts(tmp_path_factory, layout):
     text += f"embed: s{choice['embed']}\nnorm: s{choice['norm']}\noutput: out\n"
     recipe = parse_recipe(text, origin="property", base_dir=tmp)
     comm = Comm(None)
-    _, plan = plan_recipe(comm, recipe)
-    write_merge(comm, plan, text, progress=False)
+    run_merge(comm, *plan_recipe(comm, recipe), MergeOptions())
 
     base = n_sources - 1  # newest
     got, got_steps = rebuild(tmp / "out" / f"global_step{steps[base]}", shapes, subs, world)
