@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("recipe")
     ap.add_argument("--stats", required=True)
     args = ap.parse_args()
-    _, plan = plan_merge(Comm(None), args.recipe)
+    plan = plan_merge(Comm(None), args.recipe).plan
     before, t0 = snapshot(), time.perf_counter()
     out = plan.output / plan.base_meta.files.tag
     out.mkdir(parents=True)

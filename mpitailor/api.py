@@ -29,9 +29,8 @@ def merge(recipe: str | os.PathLike, output: str | os.PathLike | None = None, *,
     """
     comm = comm or Comm.world()
     opts = _options(export, export_dtype, max_shard_size, verify, progress)
-    recipe_, plan = plan_merge(comm, str(recipe), None if output is None else str(output),
-                               world_size)
-    return run_merge(comm, recipe_, plan, opts)
+    return run_merge(comm, plan_merge(comm, str(recipe), None if output is None
+                                      else str(output), world_size), opts)
 
 
 def recover(save_dir: str | os.PathLike, output: str | os.PathLike, *,
@@ -44,8 +43,8 @@ def recover(save_dir: str | os.PathLike, output: str | os.PathLike, *,
     --layer-pattern; by default the patterns the saves recorded."""
     comm = comm or Comm.world()
     opts = _options(export, export_dtype, max_shard_size, verify, progress)
-    recipe, plan = plan_recover(comm, save_dir, output, layer_patterns, world_size)
-    return run_merge(comm, recipe, plan, opts)
+    return run_merge(comm, plan_recover(comm, save_dir, output, layer_patterns, world_size),
+                     opts)
 
 
 def _options(export, export_dtype, max_shard_size, verify, progress) -> MergeOptions:

@@ -28,7 +28,7 @@ def merge_in_process(recipe: str | Path, env: dict[str, str], monkeypatch, comm=
         monkeypatch.setenv(k, v)
     comm = comm or Comm(None)
     path = recipe if Path(recipe).is_absolute() else RECIPES / recipe
-    return run_merge(comm, *plan_merge(comm, str(path), world_size=world_size), MergeOptions())
+    return run_merge(comm, plan_merge(comm, str(path), world_size=world_size), MergeOptions())
 
 
 def run_cli(args: list[str], env: dict[str, str], ranks: int = 1, timeout: float = 180):

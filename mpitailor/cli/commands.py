@@ -17,8 +17,7 @@ from mpitailor.errors import UserError
 def cmd_merge(args: argparse.Namespace) -> int:
     from mpitailor.jobs.merge import plan_merge
     comm: Comm = args.comm
-    return run_planned(comm, *plan_merge(comm, args.recipe, args.output, args.world_size),
-                       args)
+    return run_planned(comm, plan_merge(comm, args.recipe, args.output, args.world_size), args)
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
@@ -48,8 +47,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         out = save_dir.parent / f"{save_dir.name}-recovered"
     recipe, chain = recover_chain(comm, save_dir, out, patterns, "--layer-pattern",
                                   args.world_size)
-    recipe, plan = plan_recipe(comm, recipe)
-    return run_planned(comm, recipe, plan, args, lambda: recovered(plan, chain))
+    planned = plan_recipe(comm, recipe)
+    return run_planned(comm, planned, args, lambda: recovered(planned.plan, chain))
 
 
 
@@ -60,7 +59,7 @@ def merge_options(args: argparse.Namespace):
                         args.verify, not args.no_progress, getattr(args, "ranks_per_node", None))
 
 
-def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace,
+def run_planned(comm: Comm, planned, args: argparse.Namespace,
                 more: Callable[[], str] | None = None) -> int:
     """Collective: dry-run report or merge + summary, as the command line says; `more`,
     a second line of summary (rank 0)."""
@@ -69,7 +68,7 @@ def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace,
     from mpitailor.planning.plan_report import format_plan
     from mpitailor.publish.staging import check_writable_file
 
-    opts = merge_options(args)
+    opts, plan = merge_options(args), planned.plan
     if args.dry_run:  # (a merge checks them in run_merge, before anything is written)
         opts.check(plan)
     stats = Path(os.path.abspath(args.stats)) if args.stats else None  # links unresolved
@@ -83,7 +82,7 @@ def run_planned(comm: Comm, recipe, plan, args: argparse.Namespace,
                 print("universal    " + ("; ".join(limits) if limits else
                                          "load_universal restores it exactly"))
         return 0
-    result = run_merge(comm, recipe, plan, opts)
+    result = run_merge(comm, planned, opts)
     if comm.rank == 0:
         gb = result.bytes_written / 1e9
         print(f"mpitailor: merged {len(plan.layer_source)} layers from {len(plan.sources)} "

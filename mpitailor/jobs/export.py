@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.cluster.nodes import survey
 from mpitailor.engine.hf_weights import export_hf, has_config
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
@@ -36,10 +35,9 @@ from mpitailor.formats.files import PARTIAL_MANIFEST, is_tag_dir, resolve
 from mpitailor.formats.hf_side import given_dir_files, read_config
 from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.export_nodes import export_on_nodes
-from mpitailor.jobs.merge import MergeOptions, check_shard_size, plan_recipe, run_merge
+from mpitailor.jobs.merge import MergeOptions, Planned, check_shard_size, plan_recipe, run_merge
 from mpitailor.jobs.recover import recover_recipe
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
-from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.recipe import Recipe, recipe_from
 from mpitailor.publish.staging import Staging, holding
 
@@ -100,16 +98,17 @@ def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | No
     if fmt == "fp32" and dtype not in (None, "fp32"):
         raise UserError(f"--format fp32 writes fp32; --dtype {dtype} goes with --format hf")
     recipe = source_recipe(comm, source, output)
-    _, plan = plan_recipe(comm, recipe)
+    planned = plan_recipe(comm, recipe)
+    plan = planned.plan
     if fmt == "universal":
         if dtype is not None or max_shard_size is not None:
             raise UserError("--dtype and --max-shard-size go with --format hf or fp32")
-        result = run_merge(comm, recipe, plan, MergeOptions(
+        result = run_merge(comm, planned, MergeOptions(
             frozenset({"universal"}), verify=verify, progress=progress))
         return ExportResult(result.output, result.bytes_written, time.perf_counter() - t0)
     if fmt == "hf" and config is None:
         comm.root_step(_require_config, source, plan.base_meta)
-    return _export_weights(comm, plan, fmt, dtype, max_shard_size, t0, config, verify)
+    return _export_weights(comm, planned, fmt, dtype, max_shard_size, t0, config, verify)
 
 
 def check_config(config: Path) -> None:
@@ -140,9 +139,10 @@ def _require_config(source: Path, base: CheckpointMeta) -> None:
                         f"needs one; pass --config with the model's config.json or model dir")
 
 
-def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
+def _export_weights(comm: Comm, planned: Planned, fmt: str, dtype: str | None,
                     max_shard_size: int | None, t0: float, config: Path | None,
                     verify: bool) -> ExportResult:
+    plan, place = planned.plan, planned.place
     base = plan.base_meta
     dtype = "fp32" if fmt == "fp32" else (dtype or base.dtype)
     sources = {name: plan.meta(src)
@@ -161,7 +161,6 @@ def _export_weights(comm: Comm, plan: MergePlan, fmt: str, dtype: str | None,
                         for name, m in plan.sources},
             "layers": {k: s for k, s in plan.layer_source},
             "mpi_ranks": comm.size})
-    place = survey(comm, [m.path for _, m in plan.sources])
     if place.node_local:  # no node holds every rank's files: made on one (export_nodes.py)
         written = export_on_nodes(comm, place, plan, sources, export, manifest)
         return ExportResult(plan.output, written, time.perf_counter() - t0)

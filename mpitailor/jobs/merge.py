@@ -40,11 +40,21 @@ class MergeResult:
     layer_source: tuple[tuple[str, str], ...] = ()  # layer key -> the source it came from
 
 
-def read_sources(comm: Comm, recipe: Recipe) -> dict[str, CheckpointMeta] | None:
+@dataclass(frozen=True)
+class Planned:
+    """A merge planned, as every rank holds it: the recipe, the plan (made by rank 0, sent
+    once) and where the sources' files lie (surveyed once, by every node together)."""
+
+    recipe: Recipe
+    plan: MergePlan
+    place: Placement
+
+
+def read_sources(comm: Comm, recipe: Recipe,
+                 place: Placement) -> dict[str, CheckpointMeta] | None:
     """Collective: each source's metadata is read by one rank (round-robin; under node-local
     storage, a rank on a node that holds the source's rank-0 files) and sent to rank 0,
     which plans; the other ranks get None (the metadata reaches them once, in the plan)."""
-    place = survey(comm, [Path(path) for _, path in recipe.sources])
     readers = comm.step(_meta_readers, comm, recipe, place)
 
     def mine() -> dict[str, CheckpointMeta]:
@@ -75,21 +85,21 @@ def _meta_readers(comm: Comm, recipe: Recipe, place: Placement) -> dict[str, int
 
 
 def plan_merge(comm: Comm, recipe_path: str, output: str | None = None,
-               world_size: int | None = None) -> tuple[Recipe, MergePlan]:
+               world_size: int | None = None) -> Planned:
     """Collective: load and validate the recipe, read the sources, compute the plan."""
     return plan_recipe(comm, comm.root_step(load_recipe, recipe_path, output, world_size))
 
 
-def plan_recipe(comm: Comm, recipe: Recipe) -> tuple[Recipe, MergePlan]:
-    """Collective: read the recipe's sources and compute the plan."""
+def plan_recipe(comm: Comm, recipe: Recipe) -> Planned:
+    """Collective: survey where the recipe's sources lie, read them, compute the plan."""
     if recipe.safe_globals:
         comm.step(trust, recipe.safe_globals)
-    metas = read_sources(comm, recipe)
-    return recipe, comm.root_step(make_plan, recipe, metas)
+    place = survey(comm, [Path(path) for _, path in recipe.sources])
+    metas = read_sources(comm, recipe, place)
+    return Planned(recipe, comm.root_step(make_plan, recipe, metas), place)
 
 
-def _write_merge(comm: Comm, plan: MergePlan, recipe_text: str,
-                 opts: MergeOptions) -> MergeResult:
+def _write_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResult:
     """Collective: write the merged checkpoint and publish it atomically, as opts say (checked
     by run_merge): verify the source records against their CRC-32 first (reads them whole);
     export consolidated HF safetensors weights to OUT/hf/ (in opts.export_dtype, default the
@@ -97,6 +107,7 @@ def _write_merge(comm: Comm, plan: MergePlan, recipe_text: str,
     Universal layout into OUT/TAG/zero/; with node-local output, put output rank r's files
     on the (r // opts.ranks_per_node)-th node (default: where rank r of this job runs, at
     the same world size; else consecutive blocks)."""
+    plan, place, recipe_text = planned.plan, planned.place, planned.recipe.text
     verify, progress, ranks_per_node = opts.verify, opts.progress, opts.ranks_per_node
     universal = "universal" in opts.export
     export_dtype = (opts.export_dtype or plan.base_meta.dtype) \
@@ -104,7 +115,6 @@ def _write_merge(comm: Comm, plan: MergePlan, recipe_text: str,
     max_shard_size = DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None \
         else opts.max_shard_size
     t0 = time.perf_counter()
-    place = survey(comm, [m.path for _, m in plan.sources])
     out_nodes = comm.step(_output_nodes, comm, plan, place, ranks_per_node)
     # Who writes the files every node needs (latest, manifest, extras): each node's first
     # rank when every node keeps its own copy of the output, else rank 0.
@@ -332,10 +342,10 @@ def check_shard_size(max_shard_size: int | None) -> None:
                         f"one byte; give a size such as 5GB or 500MB")
 
 
-def run_merge(comm: Comm, recipe: Recipe, plan: MergePlan, opts: MergeOptions) -> MergeResult:
+def run_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResult:
     """Collective: the one way into a merge (the CLI, the API, export, the in-job resume):
     check the options against the plan, then merge as they say."""
-    opts.check(plan)
+    opts.check(planned.plan)
     if "safetensors" in opts.export:
-        comm.root_step(_warn_without_config, plan.base_meta)
-    return _write_merge(comm, plan, recipe.text, opts)
+        comm.root_step(_warn_without_config, planned.plan.base_meta)
+    return _write_merge(comm, planned, opts)

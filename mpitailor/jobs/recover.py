@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.jobs.merge import plan_recipe
+from mpitailor.jobs.merge import Planned, plan_recipe
 from mpitailor.jobs.recovery import plan_recovery
 from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.plan import MergePlan
@@ -40,7 +40,7 @@ def recover_chain(comm: Comm, save_dir: str | os.PathLike, output: str | os.Path
 def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike,
                  layer_patterns: Mapping[str, str] | None = None,
                  world_size: int | None = None,
-                 where: str = "layer_patterns") -> tuple[Recipe, MergePlan]:
+                 where: str = "layer_patterns") -> Planned:
     """Collective: the recipe and plan of `recover`."""
     return plan_recipe(comm, recover_recipe(comm, save_dir, output, layer_patterns, where,
                                             world_size))

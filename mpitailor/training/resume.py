@@ -99,7 +99,7 @@ def _written_once(comm, out: Path, base, world: int, recipe_of) -> bool:
     if comm.root_step(_is_recovery_of, out, base, world):
         return True
     recipe = comm.root_step(recipe_of)
-    run_merge(comm, *plan_recipe(comm, recipe), MergeOptions())
+    run_merge(comm, plan_recipe(comm, recipe), MergeOptions())
     return False
 
 

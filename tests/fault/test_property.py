@@ -151,7 +151,7 @@ def test_merge_round_trips_random_layouts(tmp_path_factory, layout):
     text += f"embed: s{choice['embed']}\nnorm: s{choice['norm']}\noutput: out\n"
     recipe = parse_recipe(text, origin="property", base_dir=tmp)
     comm = Comm(None)
-    run_merge(comm, *plan_recipe(comm, recipe), MergeOptions())
+    run_merge(comm, plan_recipe(comm, recipe), MergeOptions())
 
     base = n_sources - 1  # newest
     got, got_steps = rebuild(tmp / "out" / f"global_step{steps[base]}", shapes, subs, world)
