@@ -10,7 +10,7 @@ MPIEXEC := $(BIN)/mpiexec
 # Every pytest run has a wall-clock bound, and every test its own (pytest-timeout).
 PYTEST  := $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=600
 
-.PHONY: install fixtures test demo bench clean
+.PHONY: install fixtures test demo bench clean docs
 
 install: $(STAMP)
 
@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 
 fixtures: install
 	$(BIN)/python tests/ckpt_fixtures.py
+	# the Python 3.10 venv of tests/test_python310.py (core install only; ~20 s once, cached)
+	$(BIN)/python tests/test_python310.py
 
 test: fixtures
+	$(MAKE) docs
 	timeout 2400 $(PYTEST) -n 2 tests --durations=15
 	timeout 900 $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m mpi tests
 	timeout 900 $(MPIEXEC) -n 3 $(PYTEST) --with-mpi -m mpi tests
@@ -54,6 +57,11 @@ test-cluster: install
 
 demo: install
 	$(BIN)/python -m mpitailor.demo
+
+# The documentation site (docs/, mkdocs.yml) into build/site/, offline: a broken link, a broken
+# anchor or a page left out of the nav fails (mkdocs' strict mode and `validation:` settings).
+docs: install
+	$(BIN)/mkdocs build --strict
 
 # Benchmarks (minutes; not part of make test): tables on stdout, JSON and PNG in bench/out/.
 bench: install

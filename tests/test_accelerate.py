@@ -1,5 +1,6 @@
-"""The README's Accelerate loop runs as written: on 2 CPU processes it saves layer-wise, is
-killed, and run again it recovers and resumes with `accelerator.load_state`, rng included.
+"""The Accelerate loop of docs/training.md runs as written: on 2 CPU processes it saves
+layer-wise, is killed, and run again it recovers and resumes with `accelerator.load_state`, rng
+included.
 
 Then run again on 1 and on 3 processes (a job requeued on another number of GPUs): it
 resumes from a composite written for its own size. And killed in its first save, it starts
@@ -14,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from readme_scripts import assert_same_checkpoint, copy_run, readme_script, run_ranks
+from doc_scripts import assert_same_checkpoint, copy_run, doc_script, run_ranks
 from torch_files import torch_load
 
 from mpitailor import recover
@@ -34,7 +35,7 @@ def rng(path: Path) -> tuple:
 def killed(tmp_path_factory):
     """The job that failed: rank 0 killed (kill -9) while publishing its step-8 save."""
     root = tmp_path_factory.mktemp("accelerate-killed")
-    (root / "train.py").write_text(readme_script("accelerate-example"))
+    (root / "train.py").write_text(doc_script("accelerate-example"))
     codes = run_ranks(root / "train.py", root, {"MPITAILOR_FAILPOINT": KILL_AT_8})
     assert codes[0] == -9, (root / "rank0.log").read_text()[-3000:]
     saves = root / "run"
@@ -91,7 +92,7 @@ def test_the_readme_accelerate_loop_resumes_at_another_size(killed, tmp_path, wo
 
 
 def test_the_readme_accelerate_loop_killed_in_its_first_save_starts_afresh(tmp_path):
-    (tmp_path / "train.py").write_text(readme_script("accelerate-example"))
+    (tmp_path / "train.py").write_text(doc_script("accelerate-example"))
     codes = run_ranks(tmp_path / "train.py", tmp_path,
                       {"MPITAILOR_FAILPOINT": "full-save/checkpoint-2:0"})
     assert codes[0] == -9, (tmp_path / "rank0.log").read_text()[-3000:]

@@ -182,8 +182,8 @@ def test_resume_from_asynchronous_saves(tmp_path):
 
 
 def test_end_cpu_training_waits_for_the_save_in_flight(tmp_path):
-    """The README's last line right after an asynchronous save (the writer of step 8 still
-    sleeping): the save is published before the process ends, exit 0."""
+    """The last line of the docs' training scripts, right after an asynchronous save (the
+    writer of step 8 still sleeping): the save is published before the process ends, exit 0."""
     root = tmp_path / "run"
     spec = replace(spec_for("w2_parity_async", root), stats=None,
                    extra={"end": "end_cpu_training",

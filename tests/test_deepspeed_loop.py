@@ -1,6 +1,6 @@
-"""The README's plain DeepSpeed loop runs as written: on 2 CPU processes it saves layer-wise and
-is killed (kill -9, rank 0, publishing its step-8 save); requeued on 1, 2 or 3 processes it
-resumes at step 6 from a composite written for its own world size: byte for byte what
+"""The plain DeepSpeed loop of docs/training.md runs as written: on 2 CPU processes it saves
+layer-wise and is killed (kill -9, rank 0, publishing its step-8 save); requeued on 1, 2 or 3
+processes it resumes at step 6 from a composite written for its own world size: byte for byte what
 `mpiexec -n 2 python -m mpitailor recover run -o OUT --world-size N` writes offline, and once
 loaded the engine holds exactly that composite's weights and Adam moments. A run killed in its
 first save (a full DeepSpeed save) starts from scratch when run again, with one warning.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from merge_check import Ckpt, check_merge
 from merging import run_cli
-from readme_scripts import readme_script, run_ranks
+from doc_scripts import doc_script, run_ranks
 
 MARKER = "deepspeed-example"
 KILL_AT_8 = "partial-publish/global_step8:0"  # rank 0, publishing its step-8 partial save
@@ -62,10 +62,10 @@ def files(d: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> Path:
-    """The README's script run on 2 processes, rank 0 killed publishing its step-8 save: the
+    """The docs' script run on 2 processes, rank 0 killed publishing its step-8 save: the
     dir holding its run/ (never written to again: each resume works on its own copy)."""
     cwd = tmp_path_factory.mktemp("killed")
-    (cwd / "train.py").write_text(readme_script(MARKER))
+    (cwd / "train.py").write_text(doc_script(MARKER))
     codes = run_ranks(cwd / "train.py", cwd, {"MPITAILOR_FAILPOINT": KILL_AT_8})
     assert codes[0] == -9, tail(cwd)
     run = cwd / "run"
@@ -79,11 +79,11 @@ def killed(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_requeued_on_n_processes_it_resumes_from_the_composite_recover_writes(
         killed, tmp_path, world):
-    # One line more than the README's: the engine as loaded, saved where the test can read it.
+    # One line more than the docs': the engine as loaded, saved where the test can read it.
     code, n = re.subn(r"^(    engine\.load_checkpoint\(resume\).*\n)",
-                      r'\1    engine.save_checkpoint("loaded")\n', readme_script(MARKER),
+                      r'\1    engine.save_checkpoint("loaded")\n', doc_script(MARKER),
                       flags=re.M)
-    assert n == 1, "the README's script no longer loads `resume` on a line of its own"
+    assert n == 1, "the docs' script no longer loads `resume` on a line of its own"
     (tmp_path / "train.py").write_text(code)
     run = tmp_path / "run"
     shutil.copytree(killed / "run", run, symlinks=True)
@@ -129,7 +129,7 @@ def test_requeued_on_n_processes_it_resumes_from_the_composite_recover_writes(
 
 
 def test_killed_in_its_first_save_it_starts_from_scratch_with_one_warning(tmp_path):
-    (tmp_path / "train.py").write_text(readme_script(MARKER))
+    (tmp_path / "train.py").write_text(doc_script(MARKER))
     (tmp_path / "killed_in_first_save.py").write_text(KILLED_IN_FIRST_SAVE)
     codes = run_ranks(tmp_path / "killed_in_first_save.py", tmp_path)
     assert codes[0] == -9, tail(tmp_path)

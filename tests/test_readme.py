@@ -1,12 +1,12 @@
-"""The README's HF Trainer script runs as written: on 2 CPU processes it trains with layer-wise
-saves, is killed (kill -9) in a save, and run again it recovers and resumes by itself — on 2
-processes, and on 1 or 3 (a job requeued on another number of GPUs)."""
+"""The HF Trainer script of docs/training.md runs as written: on 2 CPU processes it trains
+with layer-wise saves, is killed (kill -9) in a save, and run again it recovers and resumes by
+itself — on 2 processes, and on 1 or 3 (a job requeued on another number of GPUs)."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from readme_scripts import assert_same_checkpoint, copy_run, readme_script, run_ranks
+from doc_scripts import assert_same_checkpoint, copy_run, doc_script, run_ranks
 
 from mpitailor import recover
 from mpitailor.formats.read import read_meta
@@ -16,7 +16,7 @@ from mpitailor.formats.read import read_meta
 def killed(tmp_path_factory):
     """The job that failed: rank 0 killed (kill -9) while publishing its step-8 partial save."""
     root = tmp_path_factory.mktemp("hf-killed")
-    code = readme_script("hf-trainer-example")
+    code = doc_script("hf-trainer-example")
     assert "max_steps=8" in code and "resume_from_checkpoint=" in code
     (root / "train.py").write_text(code)
     codes = run_ranks(root / "train.py", root,
@@ -58,7 +58,7 @@ def test_the_readme_hf_trainer_example_killed_in_its_first_save_starts_afresh(tm
     """Killed in its first save (a full one: DeepSpeed's files written, `latest` too, but
     not HF's trainer state), the script run again starts from scratch with one warning, and
     removes what the killed save left, instead of failing on every restart."""
-    (tmp_path / "train.py").write_text(readme_script("hf-trainer-example"))
+    (tmp_path / "train.py").write_text(doc_script("hf-trainer-example"))
     codes = run_ranks(tmp_path / "train.py", tmp_path,
                       {"MPITAILOR_FAILPOINT": "full-save/checkpoint-2:0"})
     assert codes[0] == -9, (tmp_path / "rank0.log").read_text()[-3000:]

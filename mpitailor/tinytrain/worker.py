@@ -145,7 +145,7 @@ def run(spec: TrainSpec, result_path: str) -> None:
         on_save = lambda engine, spec, step: ckpt.save(  # noqa: E731
             tag=f"global_step{step}", client_state=client_state(spec, step))
     losses = train(spec, engine, first, on_save)
-    # extra["end"] == "end_cpu_training": end as the README's script does, with no wait of
+    # extra["end"] == "end_cpu_training": end as the script in docs/training.md does, with no wait of
     # its own (end_cpu_training must wait for the save in flight)
     end_now = spec.extra.get("end") == "end_cpu_training"
     if spec.policy is not None and not end_now:

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 # The oldest release that works with torch 2.13 (pyproject's floor) and one in the middle;
 # the main .venv's release (the Makefile's DS) is what `make test` checks. Older ones fail
-# here for DeepSpeed's own reasons (README, Tests): 0.14.0 wants intel_extension_for_pytorch
+# here for DeepSpeed's own reasons (docs/testing.md): 0.14.0 wants intel_extension_for_pytorch
 # on CPU, 0.14.1-0.14.3 import a torch private removed in torch 2.4, 0.14.4-0.15.x cannot
 # load their own checkpoints under torch >= 2.6 (torch.load without weights_only=False).
 VERSIONS = ("0.16.0", "0.17.6")

@@ -1,5 +1,5 @@
-"""The README's training scripts, run as written on CPU processes (tests/test_readme.py,
-tests/test_accelerate.py)."""
+"""The training scripts of docs/training.md, run as written on CPU processes
+(tests/test_deepspeed_loop.py, tests/test_readme.py, tests/test_accelerate.py)."""
 from __future__ import annotations
 
 import re
@@ -9,14 +9,14 @@ from pathlib import Path
 
 from mpitailor.tinytrain.launch import free_port, worker_env
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 
 
-def readme_script(marker: str) -> str:
-    """The python block between `<!-- marker -->` and `<!-- /marker -->` in the README."""
+def doc_script(marker: str) -> str:
+    """The python block between `<!-- marker -->` and `<!-- /marker -->` in docs/training.md."""
     m = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```\n<!-- /{marker} -->",
-                  README.read_text(), re.S)
-    assert m, f"the README lost its {marker}"
+                  PAGE.read_text(), re.S)
+    assert m, f"docs/training.md lost its {marker}"
     return m.group(1)
 
 
