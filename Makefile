@@ -56,7 +56,7 @@ test-cluster: install
 	bash slurm/stop-cluster.sh --nodes 3; exit $$rc
 
 demo: install
-	$(BIN)/python -m mpitailor.demo
+	$(BIN)/python -m dev.demo
 
 # The documentation site (docs/, mkdocs.yml) into build/site/, offline: a broken link, a broken
 # anchor or a page left out of the nav fails (mkdocs' strict mode and `validation:` settings).

@@ -4,7 +4,7 @@ rules understand, without `layer_patterns`.
     python -m bench.arch_sweep [--timeout 60]
 
 Every model type of transformers' causal-LM auto mapping is built tiny from its config (3
-layers, hidden 64, random init; `mpitailor.tinytrain.model.tiny_config`), each in a process
+layers, hidden 64, random init; `dev.tinytrain.model.tiny_config`), each in a process
 of its own with a time limit (a config that ignores the tiny sizes can allocate for minutes). An architecture passes when every trainable parameter gets a layer
 key other than `other`, the layers found are numbered 0..K-1 with none missing (per-layer
 parameter counts may differ: hybrid and MoE models mix block kinds), and the embeddings are
@@ -36,8 +36,8 @@ def check(arch: str) -> dict:
 
     transformers.logging.set_verbosity_error()
     from mpitailor.planning.layers import classify, layer_index
-    from mpitailor.tinytrain.model import build_model
-    from mpitailor.tinytrain.spec import TrainSpec
+    from dev.tinytrain.model import build_model
+    from dev.tinytrain.spec import TrainSpec
 
     try:
         model = build_model(TrainSpec(save_dir="unused", arch=arch, layers=LAYERS))

@@ -4,7 +4,7 @@
         [--keep] [--json NAME]
 
 Input: two saves (steps 1 and 2) of a Llama trained with real DeepSpeed ZeRO-3 on CPU (bf16,
-world size W) by mpitailor.tinytrain, built under --root (default .cache/big) and removed
+world size W) by dev.tinytrain, built under --root (default .cache/big) and removed
 at the end unless --keep:
   1b     TinyLlama-1.1B's shape (22 layers, hidden 2048, intermediate 5632, 32 heads, 4 KV
          heads, vocab 32000): 1.1B parameters, 13.2 GB of ZeRO-3 state per save, 26.4 GB
@@ -122,7 +122,7 @@ def build(root: Path, size: str, world: int, swap_gb: int) -> Path:
     pair = root / f"llama-{size}-w{world}"
     if (pair / "DONE").exists():
         return pair
-    from mpitailor.tinytrain import TrainSpec, launch
+    from dev.tinytrain import TrainSpec, launch
 
     shutil.rmtree(pair, ignore_errors=True)
     t = time.perf_counter()

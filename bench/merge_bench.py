@@ -67,7 +67,7 @@ def checkpoints(world: int, quick: bool) -> Path:
     name, model = model_for(world, quick)
     root = CACHE / name
     if not (root / "DONE").exists():
-        from mpitailor.tinytrain import TrainSpec, launch  # from --engine's tree when given
+        from dev.tinytrain import TrainSpec, launch  # from --engine's tree when given
 
         shutil.rmtree(root, ignore_errors=True)
         t = time.perf_counter()

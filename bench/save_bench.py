@@ -23,7 +23,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from mpitailor.tinytrain import TrainSpec, launch
+from dev.tinytrain import TrainSpec, launch
 
 OUT = Path(__file__).resolve().parent / "out"
 

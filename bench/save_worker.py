@@ -18,8 +18,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mpitailor.publish.staging import fsync_tree
-from mpitailor.tinytrain.spec import TrainSpec
-from mpitailor.tinytrain.worker import build_engine, shutdown, train
+from dev.tinytrain.spec import TrainSpec
+from dev.tinytrain.worker import build_engine, shutdown, train
 from mpitailor.training.partial_save import all_slices_elements, save_layers, take
 from mpitailor.training.policies import Filter, Parity
 from mpitailor.training.stats import model_layer_keys

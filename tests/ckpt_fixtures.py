@@ -1,6 +1,6 @@
 """Real DeepSpeed ZeRO-3 checkpoints for the tests, built once and cached on disk.
 
-Every variant is a real multi-process DeepSpeed run (`mpitailor.tinytrain`) that saves at
+Every variant is a real multi-process DeepSpeed run (`dev.tinytrain`) that saves at
 steps 5 and 10. The cache key is the run's spec plus FIXTURE_VERSION, so changing a spec
 rebuilds just that variant. `python tests/ckpt_fixtures.py` builds them all (the Makefile
 does this before the MPI tests, whose ranks must not race to build).
@@ -16,13 +16,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from mpitailor.tinytrain import TrainSpec, launch
+from dev.tinytrain import TrainSpec, launch
 
 FIXTURE_VERSION = 4  # 2: saves record their lineage; 3: resume guards, HF per-layer groups
 CACHE = Path(os.environ.get("MPITAILOR_FIXTURES",
                             Path(__file__).resolve().parents[1] / ".cache" / "fixtures"))
 FROZEN = ("model.layers.1.mlp.up_proj.weight",)
-HF_MODULE = "mpitailor.tinytrain.hf_worker"
+HF_MODULE = "dev.tinytrain.hf_worker"
 
 # name -> (spec overrides, worker module)
 VARIANTS: dict[str, tuple[dict, str | None]] = {
@@ -108,7 +108,7 @@ def build(name: str) -> Path:
         raise RuntimeError(f"fixture {name} is not built; run `make fixtures` first")
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    launch(spec_for(name, tmp), module=VARIANTS[name][1] or "mpitailor.tinytrain.worker")
+    launch(spec_for(name, tmp), module=VARIANTS[name][1] or "dev.tinytrain.worker")
     (tmp / "DONE").write_text("ok\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpitailor.tinytrain.launch import free_port, worker_env
+from dev.tinytrain.launch import free_port, worker_env
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 

@@ -19,8 +19,8 @@ from stats_check import check_norms, read_log
 from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
 from mpitailor.formats.safeload import load
 from mpitailor.formats.tensorref import Tensor
-from mpitailor.tinytrain import launch
-from mpitailor.tinytrain.launch import TrainFailed
+from dev.tinytrain import launch
+from dev.tinytrain.launch import TrainFailed
 
 LAYERWISE_STEPS = (4, 6, 8)  # partial saves of the fixtures (2 is the full one)
 

@@ -37,7 +37,7 @@ from cluster_util import (
 )
 
 from mpitailor.formats.manifest import MANIFEST
-from mpitailor.tinytrain import TrainSpec
+from dev.tinytrain import TrainSpec
 
 NODES = 3
 PY = sys.executable  # the venv: on the shared file system, so every node runs the same one
@@ -154,7 +154,7 @@ def node_local_run(cluster, tmp_path_factory) -> NodeLocalRun:
     shared = tmp_path_factory.mktemp("node-local-run")  # /tmp: every node sees it
     spec.write(shared / "spec.json")
     r = cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2, PY, "-m",
-                      "mpitailor.tinytrain.slurm_worker", shared / "spec.json",
+                      "dev.tinytrain.slurm_worker", shared / "spec.json",
                       shared / "result.json"], timeout=300)
     ok(r, cluster)
     run = NodeLocalRun(save_dir=spec.save_dir, tag="global_step2",
@@ -353,7 +353,7 @@ def test_node_local_reshard_to_three_nodes_resumes_like_a_shared_copy(
                              save_at=(), load_dir=load_dir, node_local_storage=local)
             spec.write(work / f"resume-{where}.json")
             ok(cluster.srun(["-N", 3, "-n", 6, "--ntasks-per-node", 2, PY, "-m",
-                             "mpitailor.tinytrain.slurm_worker", work / f"resume-{where}.json",
+                             "dev.tinytrain.slurm_worker", work / f"resume-{where}.json",
                              work / f"resume-{where}-result.json"], timeout=300), cluster)
             result = json.loads((work / f"resume-{where}-result.json").read_text())
             assert result["first_step"] == 2 and result["world_size"] == 6
@@ -682,7 +682,7 @@ def node_local_layerwise_run(cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("node-local-layerwise")
     spec.write(work / "spec.json")
     ok(cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2, PY, "-m",
-                     "mpitailor.tinytrain.slurm_worker", work / "spec.json",
+                     "dev.tinytrain.slurm_worker", work / "spec.json",
                      work / "result.json"], timeout=300), cluster)
     node_dirs = {i: cluster.node_dir(i) / name for i in (1, 2)}
     assert (node_dirs[2] / "global_step2" / "rank_2_layers.safetensors").exists()

@@ -36,7 +36,7 @@ def test_hf_export_of_a_layerwise_run_equals_exporting_its_recovery(tmp_path):
     no composite written first, the same bytes as recover + --export safetensors."""
     from ckpt_fixtures import spec_for
 
-    from mpitailor.tinytrain.model import tiny_config
+    from dev.tinytrain.model import tiny_config
     save = build("w2_parity")
     tiny_config(spec_for("w2_parity", tmp_path)).save_pretrained(tmp_path / "model")
     r = run_cli(["export", str(save), "-o", str(tmp_path / "direct"), "--dtype", "bf16",
@@ -121,7 +121,7 @@ def test_hf_export_of_a_plain_deepspeed_save_needs_config_and_loads_with_it(tmp_
     from ckpt_fixtures import spec_for
     from test_merge_errors import expect_clean_failure
 
-    from mpitailor.tinytrain.model import tiny_config
+    from dev.tinytrain.model import tiny_config
     save = build("w2_bf16_per_layer")
     assert not (save / "config.json").exists()
     out = tmp_path / "hf"

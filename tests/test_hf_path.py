@@ -11,8 +11,8 @@ import pytest
 from ckpt_fixtures import HF_MODULE, build, spec_for
 from merging import run_cli
 
-from mpitailor.tinytrain import launch
-from mpitailor.tinytrain.launch import TrainFailed
+from dev.tinytrain import launch
+from dev.tinytrain.launch import TrainFailed
 
 NAME = "hf_w2_parity"  # LayerwiseTrainer: full save at 2, partial saves at 4, 6, 8
 

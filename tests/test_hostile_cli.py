@@ -259,8 +259,8 @@ def test_max_host_bytes_is_refused_when_the_checkpointer_is_made(tmp_path):
 
     from ckpt_fixtures import spec_for
 
-    from mpitailor.tinytrain import launch
-    from mpitailor.tinytrain.launch import TrainFailed
+    from dev.tinytrain import launch
+    from dev.tinytrain.launch import TrainFailed
     root = tmp_path / "run"
     spec = replace(spec_for("w2_parity_async", root), stats=None, max_host_bytes=-1)
     with pytest.raises(TrainFailed) as failed:

@@ -2,13 +2,16 @@
 below it, and the planner is pure.
 
     display, errors, failpoints, version  <  formats  <  planning  <  cluster  <  publish  <  engine  <  jobs
-    <  cli, training, api, demo, tinytrain (the top: they may import each other)
+    <  cli, training, api (the top: they may import each other)
+
+The repo's own tools (dev/: tinytrain, the demo) sit outside the package, above it: the
+package never imports them, and the wheel leaves them out.
 
 The arrows are read from the source (an AST walk, lazy imports inside functions included), so
 an upward import fails here whether or not it is ever executed.
 
 The same walk keeps the merge side torch-free (issue 33): only the training side
-(mpitailor/training, mpitailor/tinytrain, mpitailor/demo.py) imports torch, DeepSpeed,
+(mpitailor/training; and dev/, outside the package) imports torch, DeepSpeed,
 transformers, accelerate or h5py, which the core install (`pip install mpitailor`) lacks;
 tests/test_torch_free.py runs the commands to see that none of them is loaded at run time.
 """
@@ -25,11 +28,11 @@ import mpitailor
 PACKAGE = Path(mpitailor.__file__).parent
 ORDER = ("base", "formats", "planning", "cluster", "publish", "engine", "jobs", "top")
 BASE = {"display", "errors", "failpoints", "version"}
-TOP = {"cli", "training", "api", "demo", "tinytrain", "__init__", "__main__"}
+TOP = {"cli", "training", "api", "__init__", "__main__"}
 HEAVY = ("torch", "mpi4py")
 # What only the training side may import (pyproject's [train] and [hf] extras), and where it is.
 TRAINING_ONLY = ("torch", "deepspeed", "transformers", "accelerate", "h5py")
-TRAINING_SIDE = ("mpitailor.training", "mpitailor.tinytrain", "mpitailor.demo")
+TRAINING_SIDE = ("mpitailor.training",)
 
 
 def layer(module: str) -> str | None:
@@ -110,6 +113,14 @@ def test_imports_point_only_down():
     assert not wrong, "imports that point up the layers:\n" + "\n".join(wrong)
 
 
+def test_the_package_never_imports_the_repos_dev_tools():
+    wrong = [f"{module} imports {name}" for module, path in modules()
+             for name in sorted(imported(ast.parse(path.read_text()), module,
+                                         path.name == "__init__.py"))
+             if name.split(".")[0] == "dev"]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_only_cluster_comm_imports_mpi4py():
     users = [module for module, path in modules()
              if any(n == "mpi4py" or n.startswith("mpi4py.")
@@ -149,8 +160,7 @@ def test_the_torch_rule_sees_top_level_and_lazy_imports_and_spares_the_training_
         "mpitailor.formats.read:10 imports accelerate.utils.DistributedType",
         "mpitailor.formats.read:11 imports h5py",
     ]
-    for module in ("mpitailor.training.checkpointer", "mpitailor.training",
-                   "mpitailor.tinytrain.worker", "mpitailor.demo"):
+    for module in ("mpitailor.training.checkpointer", "mpitailor.training"):
         assert training_only_imports(tree, module, module == "mpitailor.training") == []
     for module in ("mpitailor.cli.main", "mpitailor.api", "mpitailor.trainingx",
                    "mpitailor.demos"):

@@ -5,8 +5,8 @@ import pytest
 import transformers
 
 from mpitailor.planning.layers import LayerClassifier, classify, layer_index, sort_keys
-from mpitailor.tinytrain.model import build_model
-from mpitailor.tinytrain.spec import TrainSpec
+from dev.tinytrain.model import build_model
+from dev.tinytrain.spec import TrainSpec
 
 # Decoder-only architectures, built tiny from their HF configs (random init, no download).
 ARCHS = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",

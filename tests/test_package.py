@@ -1,5 +1,6 @@
 """The built wheel, installed into a fresh venv outside the checkout, has everything the
-README names: the `mpitailor` command, the demo, the recipes and the Slurm prologue.
+README names: the `mpitailor` command, the recipes and the Slurm prologue; and nothing of the
+repo's own tools (dev/: the tiny trainer, the demo).
 
 Offline: the wheel is built here, and the fresh venv finds the dependencies (torch,
 DeepSpeed, ...) through a .pth file pointing at this venv's site-packages, which does not
@@ -10,6 +11,7 @@ import os
 import site
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -45,11 +47,11 @@ def installed(tmp_path_factory):
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{dev}:{os.environ['PATH']}",
            "LD_LIBRARY_PATH": str(dev.parent / "lib")}
     env.pop("PYTHONPATH", None)
-    return venv, away, env, lib
+    return venv, away, env, lib, next(wheels.glob("mpitailor-*.whl"))
 
 
 def test_the_command_names_itself_and_finds_its_files(installed):
-    venv, away, env, lib = installed
+    venv, away, env, lib, _ = installed
     r = sh([venv / "bin" / "mpitailor", "--help"], cwd=away, env=env)
     assert r.returncode == 0 and r.stdout.startswith("usage: mpitailor "), r.stdout
     r = sh([venv / "bin" / "mpitailor", "paths"], cwd=away, env=env)
@@ -62,16 +64,18 @@ def test_the_command_names_itself_and_finds_its_files(installed):
     assert Path(r.stdout.strip()).is_relative_to(lib), r.stdout  # the wheel's, not the repo's
 
 
-def test_the_demo_runs_from_the_installed_package(installed):
-    venv, away, env, _ = installed
-    r = sh([venv / "bin" / "python", "-m", "mpitailor.demo", "--out", away / "demo"],
-           cwd=away, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "resumed" in r.stdout.lower(), r.stdout
+def test_the_wheel_leaves_the_repos_dev_tools_out(installed):
+    venv, away, env, _, wheel = installed
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mpitailor/training/checkpointer.py" in names  # the training side ships
+    assert not [n for n in names if n.startswith(("dev/", "mpitailor/tinytrain/"))
+                or n == "mpitailor/demo.py"], names
+    r = sh([venv / "bin" / "python", "-c", "import dev.tinytrain"], cwd=away, env=env)
+    assert r.returncode != 0 and "No module named 'dev'" in r.stderr, r.stderr
 
 
 def test_the_prologue_runs_from_the_installed_package(installed):
-    venv, away, env, _ = installed
+    venv, away, env, _, _ = installed
     save = build("w2_parity")
     env = {**env, "MPITAILOR_LAUNCH": f"{Path(sys.executable).parent / 'mpiexec'} -n 2"}
     r = sh([venv / "bin" / "mpitailor", "slurm-prologue", save, away / "resume"], cwd=away,

@@ -22,7 +22,7 @@ from merging import run_cli
 from mpitailor.formats.files import Lineage
 from mpitailor.planning.recovery import Pruned, Save, choose, follow
 from mpitailor.planning.retention import Composite, plan_retention
-from mpitailor.tinytrain import launch
+from dev.tinytrain import launch
 
 AUX = frozenset({"embed", "norm", "lm_head"})
 ODD, EVEN = frozenset({"layers.1", "layers.3"}) | AUX, frozenset({"layers.0", "layers.2"}) | AUX

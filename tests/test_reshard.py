@@ -12,7 +12,7 @@ from merging import RECIPES, merge_in_process, recipe_env, run_cli
 
 from mpitailor.formats.consolidate import consolidate
 from mpitailor.formats.read import read_meta
-from mpitailor.tinytrain import launch
+from dev.tinytrain import launch
 
 
 @pytest.mark.parametrize("name,world", [("w2_bf16_small_subgroups_tied_frozen", 3),

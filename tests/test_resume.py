@@ -8,7 +8,7 @@ import pytest
 from ckpt_fixtures import HF_MODULE, VARIANTS, spec_for
 from merging import merge_in_process, recipe_env
 
-from mpitailor.tinytrain import launch
+from dev.tinytrain import launch
 
 
 def resume(name: str, load_dir, tmp_path, steps: int = 13) -> dict:
@@ -18,7 +18,7 @@ def resume(name: str, load_dir, tmp_path, steps: int = 13) -> dict:
                    load_dir=str(load_dir), load_tag=None if hf else "global_step10")
     if hf:  # HF Trainer saves on its own schedule: give it one past the end
         spec = replace(spec, save_at=(1000,))
-    return launch(spec, module=VARIANTS[name][1] or "mpitailor.tinytrain.worker")
+    return launch(spec, module=VARIANTS[name][1] or "dev.tinytrain.worker")
 
 
 # One fixture per layout family a resume can trip on: one group (parity mixes sources inside

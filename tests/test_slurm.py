@@ -20,8 +20,8 @@ import ckpt_fixtures
 import pytest
 from cluster_util import wait_for
 
-from mpitailor.tinytrain import TrainSpec
-from mpitailor.tinytrain.worker import client_state, shown_client_state
+from dev.tinytrain import TrainSpec
+from dev.tinytrain.worker import client_state, shown_client_state
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"

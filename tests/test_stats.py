@@ -12,7 +12,7 @@ from ckpt_fixtures import build, spec_for
 from stats_check import check_norms, read_log
 
 from mpitailor.formats.read import read_meta
-from mpitailor.tinytrain import launch
+from dev.tinytrain import launch
 from mpitailor.training.plot import plot_stats
 from mpitailor.training.stats import StatsLog
 

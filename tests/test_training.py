@@ -18,7 +18,7 @@ from merging import run_cli
 
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.shard import open_shard
-from mpitailor.tinytrain import launch
+from dev.tinytrain import launch
 
 AUX = ("embed", "norm", "lm_head")
 
@@ -50,7 +50,7 @@ def test_recover_takes_the_newest_copy_of_every_layer_and_resumes(tmp_path, name
                    save_at=(1000,) if hf else (), stats=None,
                    policy=VARIANTS[name][0]["policy"] if hf else None,
                    load_dir=str(out), load_tag=None if hf else "global_step8")
-    result = launch(spec, module=VARIANTS[name][1] or "mpitailor.tinytrain.worker")
+    result = launch(spec, module=VARIANTS[name][1] or "dev.tinytrain.worker")
     assert result["global_steps"] == 11
     assert len(result["losses"][-3:]) == 3 and all(math.isfinite(x)
                                                    for x in result["losses"][-3:])

@@ -17,8 +17,8 @@ from torch_files import torch_load
 
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.safeload import load
-from mpitailor.tinytrain import launch
-from mpitailor.tinytrain.worker import client_state, shown_client_state
+from dev.tinytrain import launch
+from dev.tinytrain.worker import client_state, shown_client_state
 
 AUX = ("embed", "norm", "lm_head")
 CLIENT_GLOBALS = {"argparse.Namespace", "numpy._core.multiarray.scalar", "numpy.dtype",

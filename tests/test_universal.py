@@ -21,7 +21,7 @@ from merging import RECIPES, recipe_env, run_cli
 from mpitailor.engine.universal import min_single_subgroup_world
 from mpitailor.formats.read import read_meta
 from mpitailor.planning.reshard import target_layout
-from mpitailor.tinytrain import launch
+from dev.tinytrain import launch
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from bench.quality import corpus, report
 from bench.quality.spec import POLICIES, Job, Model, Saver
 from bench.quality.study import WORKER, Plan, run_seed, save_json
-from mpitailor.tinytrain import launch
+from dev.tinytrain import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = ROOT / "bench" / "out" / "quality"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.quality.spec import Job, Model, Resume, Saver
-from mpitailor.tinytrain import launch
+from dev.tinytrain import launch
 
 log = logging.getLogger(__name__)
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")

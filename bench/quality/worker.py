@@ -22,9 +22,9 @@ import torch
 
 from bench.quality import corpus as text
 from bench.quality.spec import POLICIES, Job, SaveLog, Saver
-from mpitailor.tinytrain.model import build_model
-from mpitailor.tinytrain.spec import TrainSpec
-from mpitailor.tinytrain.worker import shutdown, skip_shm_build
+from dev.tinytrain.model import build_model
+from dev.tinytrain.spec import TrainSpec
+from dev.tinytrain.worker import shutdown, skip_shm_build
 from mpitailor.training import LayerwiseCheckpointer, make_policy, per_layer_param_groups
 
 VOCAB = 256  # bytes

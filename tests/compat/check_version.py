@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 
 from mpitailor.formats.consolidate import consolidate
 from mpitailor.formats.read import read_meta
-from mpitailor.tinytrain import TrainSpec, launch
+from dev.tinytrain import TrainSpec, launch
 
 RESHARD_TO = 3
 

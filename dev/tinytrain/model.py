@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from mpitailor.tinytrain.spec import TrainSpec
+from dev.tinytrain.spec import TrainSpec
 
 
 def tiny_config(spec: TrainSpec):

@@ -1,7 +1,7 @@
 """`make demo`: train a tiny model with real DeepSpeed, merge two saves by parity with MPI,
 resume DeepSpeed from the composite, and say what happened.
 
-    python -m mpitailor.demo [--out demo-out] [--ranks 2]
+    python -m dev.demo [--out demo-out] [--ranks 2]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mpitailor.cli.shipped import shipped_dir
 from mpitailor.planning.plan_report import human
-from mpitailor.tinytrain import TrainSpec, launch
+from dev.tinytrain import TrainSpec, launch
 
 RECIPE = shipped_dir("recipes") / "parity.yml"
 

@@ -6,7 +6,7 @@ that every checkpoint mpitailor reads in its own tests was written by DeepSpeed 
 """
 from __future__ import annotations
 
-from mpitailor.tinytrain.launch import TrainFailed, launch
-from mpitailor.tinytrain.spec import TrainSpec
+from dev.tinytrain.launch import TrainFailed, launch
+from dev.tinytrain.spec import TrainSpec
 
 __all__ = ["TrainFailed", "TrainSpec", "launch"]

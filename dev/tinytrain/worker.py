@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpitailor.tinytrain.model import build_model, held_out_loss, task_batch
-from mpitailor.tinytrain.spec import TrainSpec
+from dev.tinytrain.model import build_model, held_out_loss, task_batch
+from dev.tinytrain.spec import TrainSpec
 from mpitailor.training.groups import decay_param_groups, per_layer_param_groups
 
 

@@ -1,6 +1,6 @@
-"""One rank of the tiny DeepSpeed run (mpitailor.tinytrain.worker), started by srun:
+"""One rank of the tiny DeepSpeed run (dev.tinytrain.worker), started by srun:
 
-    srun -N 2 -n 4 python -m mpitailor.tinytrain.slurm_worker spec.json result.json
+    srun -N 2 -n 4 python -m dev.tinytrain.slurm_worker spec.json result.json
 
 The rank, world and local sizes come from the Slurm step; the rendezvous (gloo, env://) is the
 first node of the step, on a port derived from the job and step ids. Rank 0 writes the result.
@@ -51,7 +51,7 @@ def rank_env(environ: dict[str, str]) -> dict[str, str]:
 def main(spec_path: str, result_path: str) -> None:
     # No GLOO_SOCKET_IFNAME needed: gloo takes the address the node's hostname resolves to.
     os.environ.update(rank_env(dict(os.environ)))
-    from mpitailor.tinytrain import worker  # after OMP_NUM_THREADS: it imports torch
+    from dev.tinytrain import worker  # after OMP_NUM_THREADS: it imports torch
 
     worker.main(spec_path, result_path)
 

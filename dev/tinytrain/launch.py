@@ -10,11 +10,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from mpitailor.tinytrain.spec import TrainSpec
+from dev.tinytrain.spec import TrainSpec
 
 # Variables that would make a child believe it is part of an outer MPI job (pytest under
 # mpiexec): the training ranks find each other through RANK/WORLD_SIZE instead.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "SLURM_")
+# dev/ is no installed package: a worker finds it through the repo root on its path,
+# wherever it is started from.
+REPO = Path(__file__).resolve().parents[2]
 
 
 class TrainFailed(RuntimeError):
@@ -34,11 +37,12 @@ def worker_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
         OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH")))),
     )
     return env
 
 
-def launch(spec: TrainSpec, *, module: str = "mpitailor.tinytrain.worker",
+def launch(spec: TrainSpec, *, module: str = "dev.tinytrain.worker",
            timeout: float = 300.0) -> dict:
     """Run `spec` on spec.world_size processes; return rank 0's result record.
 

@@ -1,12 +1,12 @@
 """Command line for a tiny training run, for job scripts (slurm/train.sbatch).
 
-    python -m mpitailor.tinytrain --save-dir D --world-size 2 --steps 12 --save-at 3,6,9,12 \
+    python -m dev.tinytrain --save-dir D --world-size 2 --steps 12 --save-at 3,6,9,12 \
         --policy parity [--resume-from DIR [--resume-tag TAG]] [--grouping per_layer]
 
 Starts the world_size training processes itself (one Slurm task runs this launcher) and
 prints rank 0's result as one JSON line: losses, first_step, global_steps, world_size.
 With --slurm-ranks every task of an srun step is one training rank instead, on any number of
-nodes (`srun -N 2 -n 4 python -m mpitailor.tinytrain --slurm-ranks --world-size 4 ...`);
+nodes (`srun -N 2 -n 4 python -m dev.tinytrain --slurm-ranks --world-size 4 ...`);
 rank 0 prints the result.
 Exit codes: 0 ok, 1 the training failed, 2 bad arguments.
 """
@@ -17,8 +17,8 @@ import json
 import signal
 import sys
 
-from mpitailor.tinytrain.launch import TrainFailed, launch
-from mpitailor.tinytrain.spec import GROUPINGS, TrainSpec
+from dev.tinytrain.launch import TrainFailed, launch
+from dev.tinytrain.spec import GROUPINGS, TrainSpec
 
 
 def steps_list(text: str) -> tuple[int, ...]:
@@ -29,7 +29,7 @@ def steps_list(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mpitailor.tinytrain",
+    p = argparse.ArgumentParser(prog="python -m dev.tinytrain",
                                 description="Train a tiny model with real DeepSpeed ZeRO-3 "
                                             "on CPU, saving and resuming checkpoints.")
     p.add_argument("--save-dir", required=True, help="where checkpoints are saved")
@@ -89,7 +89,7 @@ def run_slurm_rank(spec: TrainSpec) -> int:
     """One rank of the run, in this process (the srun step is the world)."""
     import os
 
-    from mpitailor.tinytrain import slurm_worker
+    from dev.tinytrain import slurm_worker
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS")
     if "SLURM_PROCID" not in os.environ or tasks != str(spec.world_size):
         print(f"tinytrain: error: --slurm-ranks runs as the tasks of an srun step of "
@@ -97,7 +97,7 @@ def run_slurm_rank(spec: TrainSpec) -> int:
               file=sys.stderr)
         return 2
     os.environ.update(slurm_worker.rank_env(dict(os.environ)))
-    from mpitailor.tinytrain import worker  # after OMP_NUM_THREADS: it imports torch
+    from dev.tinytrain import worker  # after OMP_NUM_THREADS: it imports torch
     worker.run(spec, "-")  # exits the process
     return 0
 

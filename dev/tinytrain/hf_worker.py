@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from mpitailor.tinytrain.model import batch, build_model
-from mpitailor.tinytrain.spec import TrainSpec
-from mpitailor.tinytrain.worker import shutdown
+from dev.tinytrain.model import batch, build_model
+from dev.tinytrain.spec import TrainSpec
+from dev.tinytrain.worker import shutdown
 from mpitailor.training.cpu import enable_cpu_training
 
 
