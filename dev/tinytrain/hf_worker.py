@@ -15,7 +15,7 @@ import torch
 from dev.tinytrain.model import batch, build_model
 from dev.tinytrain.spec import TrainSpec
 from dev.tinytrain.worker import shutdown
-from mpitailor.training.cpu import enable_cpu_training
+from mpitailor.training import enable_cpu_training
 
 
 class TokenData(torch.utils.data.Dataset):

@@ -163,7 +163,7 @@ def run(spec: TrainSpec, result_path: str) -> None:
         else:
             Path(result_path).write_text(result)
     if end_now:
-        from mpitailor.training.cpu import end_cpu_training
+        from mpitailor.training import end_cpu_training
         end_cpu_training()
     shutdown()
 

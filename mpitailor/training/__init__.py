@@ -3,6 +3,7 @@
     from mpitailor.training import LayerwiseCheckpointer, Parity, per_layer_param_groups
     from mpitailor.training import LayerwiseTrainer      # HF Trainer (imports transformers)
     from mpitailor.training import AccelerateCheckpointer  # Accelerate (imports accelerate)
+    from mpitailor.training import enable_cpu_training, end_cpu_training  # without GPUs
 
 It needs torch and DeepSpeed (`pip install 'mpitailor[train]'`; the core install, the merge
 side, has neither). The names are loaded on first use, so that `import mpitailor.training`
@@ -14,8 +15,8 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["AccelerateCheckpointer", "Adaptive", "Filter", "LayerwiseCheckpointer",
-           "LayerwiseTrainer", "Parity", "Policy", "make_policy", "per_layer_param_groups",
-           "recover_for_resume", "save_layers"]
+           "LayerwiseTrainer", "Parity", "Policy", "enable_cpu_training", "end_cpu_training",
+           "make_policy", "per_layer_param_groups", "recover_for_resume", "save_layers"]
 
 # name -> the submodule that defines it. LayerwiseTrainer subclasses transformers.Trainer,
 # AccelerateCheckpointer uses accelerate: a plain DeepSpeed loop needs neither.
@@ -28,6 +29,7 @@ _WHERE = {
     "recover_for_resume": "resume",
     "LayerwiseTrainer": "hf",
     "AccelerateCheckpointer": "accel",
+    "enable_cpu_training": "cpu", "end_cpu_training": "cpu",
 }
 assert set(_WHERE) == set(__all__)
 
