@@ -93,7 +93,7 @@ def like_base(names: Sequence[str], weight_map: dict[str, str]) -> list[tuple[st
 
 
 @dataclass(frozen=True, slots=True)
-class Piece:
+class FileTensor:
     """One tensor in one output file."""
 
     name: str
@@ -110,7 +110,7 @@ class Piece:
 class OutFile:
     name: str
     prefix: bytes  # header length and JSON header, padded: the bytes before the data
-    pieces: tuple[Piece, ...]  # in model order, which is also their order in the file
+    pieces: tuple[FileTensor, ...]  # in model order, which is also their order in the file
     size: int
 
 
@@ -155,13 +155,13 @@ def _plan_file(name: str, entries: list[tuple[str, tuple[int, ...], int]],
                             for n, shape, _ in entries], metadata={"format": "pt"})
     pieces, offset = [], len(prefix)
     for n, shape, start in entries:
-        pieces.append(Piece(n, shape, start, offset))
+        pieces.append(FileTensor(n, shape, start, offset))
         offset += math.prod(shape) * size
     return OutFile(name, prefix, tuple(pieces), offset)
 
 
 def share(plan: WeightsPlan, rank: int, size: int
-          ) -> Iterator[tuple[OutFile, list[tuple[Piece, int, int]]]]:
+          ) -> Iterator[tuple[OutFile, list[tuple[FileTensor, int, int]]]]:
     """Rank `rank`'s elements [rank*N//size, (rank+1)*N//size) of the model-order stream, by
     file: (file, [(piece, first, end element within the piece)]), in file byte order."""
     lo, hi = rank * plan.elements // size, (rank + 1) * plan.elements // size
