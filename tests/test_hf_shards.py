@@ -20,9 +20,10 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine import storage
+from mpitailor.formats.layout import ELEMENT
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.read import read_meta
-from mpitailor.jobs.merge import plan_merge, write_merge
+from mpitailor.jobs.merge import MergeOptions, plan_merge, run_merge
 from mpitailor.planning.hf_layout import (
     INDEX,
     like_base,
@@ -31,7 +32,6 @@ from mpitailor.planning.hf_layout import (
     share,
     size_shards,
 )
-from mpitailor.planning.program import ELEMENT
 
 NAME = "hf_w3_bf16_weights_tied"
 RANKS = (1, 2, 3, 5)
@@ -121,11 +121,11 @@ def test_max_shard_size_cuts_as_save_pretrained_and_loads(exports, ckpt, tmp_pat
     assert {p.name for p in sharded.glob("model*.safetensors")} == set(oracle.filename_to_tensors)
     # The reference: one file (the default size), in-process, cast and written 1000 elements
     # at a time, so every parameter is read in several chunks.
-    monkeypatch.setattr(storage, "CHUNK", 1000 * ELEMENT)
+    monkeypatch.setattr(storage, "COPY_CHUNK", 1000 * ELEMENT)
     for k, v in recipe_env(new, old, tmp_path / "one").items():
         monkeypatch.setenv(k, v)
-    _, plan = plan_merge(Comm(None), str(RECIPES / "parity.yml"))
-    write_merge(Comm(None), plan, progress=False, export_dtype="bf16")
+    run_merge(Comm(None), plan_merge(Comm(None), str(RECIPES / "parity.yml")),
+              MergeOptions(export=frozenset({"safetensors"}), export_dtype="bf16"))
     one = tmp_path / "one"
     assert {p.name for p in (one / "hf").glob("model*")} == {"model.safetensors"}
     assert (one / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from mpitailor.cluster.comm import Comm
 
-CHUNK = 4 << 20   # bytes of one message item: a request is sent in pieces of this size
+MESSAGE_PIECE = 4 << 20  # bytes of one message item: a request is sent in pieces of this size
 ROUND = 64 << 20  # bytes a rank sends per round, all destinations together
 
 
@@ -47,9 +47,9 @@ def exchange(comm: Comm, wanted: dict[int, list[Request]],
     n bytes of `what` from offset (on the reader). write(key, offset, data) -> the running
     CRC-32 after data (on the writer, which keeps it)."""
     asked = comm.alltoall([wanted.get(r, []) for r in range(comm.size)])
-    queue = [(writer, req.key, req.what, off, min(CHUNK, req.nbytes - off))
+    queue = [(writer, req.key, req.what, off, min(MESSAGE_PIECE, req.nbytes - off))
              for writer, reqs in enumerate(asked) for req in reqs
-             for off in range(0, req.nbytes, CHUNK)]
+             for off in range(0, req.nbytes, MESSAGE_PIECE)]
     rounds = _rounds(queue)
     n_rounds = max(comm.allgather(len(rounds)))
     out = Exchanged({})

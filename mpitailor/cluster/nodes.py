@@ -20,7 +20,7 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.boundedio import open_regular
-from mpitailor.formats.crc import crc32
+from mpitailor.formats.fileio import crc32_of
 from mpitailor.formats.fsview import LINK, LOCAL, Entry, UnionView, listing
 
 
@@ -168,9 +168,9 @@ def _check_copies(comm: Comm, nodes: Nodes, union: dict[str, Entry],
 _CRCS: dict[tuple, int] = {}  # (path, size, mtime, inode, device) -> CRC-32: once per job
 
 
-def file_crc(path: Path, chunk: int = 4 << 20) -> int:
-    """CRC-32 of a whole file (a link followed), read `chunk` bytes at a time into one
-    buffer; -1 if it cannot be read (the copies then differ, or fail when read)."""
+def file_crc(path: Path) -> int:
+    """CRC-32 of a whole file (a link followed; fileio.crc32_of); -1 if it cannot be read
+    (the copies then differ, or fail when read)."""
     try:
         fd = open_regular(path, "a checkpoint file", follow=True)
     except CheckpointError:
@@ -180,11 +180,8 @@ def file_crc(path: Path, chunk: int = 4 << 20) -> int:
         key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         if key in _CRCS:
             return _CRCS[key]
-        crc, buf = 0, bytearray(chunk)
-        view = memoryview(buf)
         with os.fdopen(fd, "rb", closefd=False) as f:
-            while n := f.readinto(buf):
-                crc = crc32(view[:n], crc)
+            crc = crc32_of(f)
         _CRCS[key] = crc
         return crc
     except OSError:

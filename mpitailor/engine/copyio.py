@@ -16,7 +16,7 @@ from mpitailor.engine.storage import (
     write_out,
 )
 from mpitailor.formats.crc import crc32
-from mpitailor.planning.program import ELEMENT
+from mpitailor.formats.layout import ELEMENT
 
 
 def sync_close(copier: Copier, outs: dict[str, int]) -> None:
@@ -26,13 +26,13 @@ def sync_close(copier: Copier, outs: dict[str, int]) -> None:
 
 
 class Copier:
-    """Moves chunks of storage.CHUNK bytes, double-buffered: while a writer thread pwrites one
-    chunk, this thread reads (and casts) the next and takes its CRC (preadv, the cast, the CRC
-    and pwrite all release the GIL), so that one rank keeps two cores busy. Memory: two
-    chunks, and two more for the casts once cast() is used."""
+    """Moves chunks of storage.COPY_CHUNK bytes, double-buffered: while a writer thread
+    pwrites one chunk, this thread reads (and casts) the next and takes its CRC (preadv, the
+    cast, the CRC and pwrite all release the GIL), so that one rank keeps two cores busy.
+    Memory: two chunks, and two more for the casts once cast() is used."""
 
     def __init__(self) -> None:
-        self.chunk = storage.CHUNK
+        self.chunk = storage.COPY_CHUNK
         self.raw = [bytearray(self.chunk) for _ in range(2)]
         self.bufs = [memoryview(b) for b in self.raw]
         self.pending: list[Future | None] = [None, None]

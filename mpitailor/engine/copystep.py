@@ -16,14 +16,14 @@ from mpitailor.cluster.exchange import Exchanged, Request, exchange
 from mpitailor.cluster.nodes import Placement, shard_paths
 from mpitailor.engine.copyio import Copier, copy_unchanged, sync_close
 from mpitailor.engine.progress import Progress
-from mpitailor.engine.storage import CrcWriter, pread_exact
+from mpitailor.engine.storage import CrcWriter, open_output, pread_exact
 from mpitailor.formats.crc import crc32_combine, crc32_zeros
 from mpitailor.formats.files import optim_file
+from mpitailor.formats.layout import ELEMENT
 from mpitailor.formats.shard import open_shard
 from mpitailor.formats.shard_protocol import Shard
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
-from mpitailor.planning.program import ELEMENT
 
 
 class Shards:
@@ -143,7 +143,7 @@ class Copy:
 
     def _out(self, name: str) -> int:
         if name not in self.outs:
-            self.outs[name] = os.open(self.tag_dir / name, os.O_WRONLY)
+            self.outs[name] = open_output(self.tag_dir / name)
         return self.outs[name]
 
     def run(self, moved: Exchanged, bar: Progress | None) -> tuple[dict, tuple[int, int]]:

@@ -37,11 +37,12 @@ from mpitailor.engine.partition_states import (
     resharded_optim,
 )
 from mpitailor.engine.progress import Progress
-from mpitailor.engine.storage import pwrite_all
+from mpitailor.engine.storage import create_sized, pwrite_all, pwrite_synced
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import ptzip
 from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.files import STAGE12_MODEL, model_file
+from mpitailor.formats.layout import ELEMENT
 from mpitailor.formats.shard_protocol import ShardStates
 from mpitailor.formats.tensorref import Tensor
 from mpitailor.planning import program
@@ -184,7 +185,7 @@ def _lay_out(plan: MergePlan, bufs, mine: list[int], tag_dir: Path, shards: Shar
     for u in mine:
         b = bufs[first[u]]
         if not program.is_partition(b):
-            flats = {(b.kind, -1): Tensor.empty(b.nbytes // program.ELEMENT, "fp32")}
+            flats = {(b.kind, -1): Tensor.empty(b.nbytes // ELEMENT, "fp32")}
             make_dirs_under(tag_dir, tag_dir / "zero" / b.param)
             out[u] = _lay_out_one(bufs, u, tag_dir / output_file(plan, b), flats,
                                   flats[b.kind, -1], None, universal=True)
@@ -241,9 +242,8 @@ def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | No
     index = {(b.kind, b.subgroup): i for i, b in enumerate(bufs) if b.unit == unit}
     crcs: list[int | None] = [None] * len(tf.records)
     flat_records = {}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = create_sized(path, layout.size)
     try:
-        os.ftruncate(fd, layout.size)
         for i, rec in enumerate(tf.records):
             key = by_storage.get(id(rec.storage)) if rec.storage is not None else None
             if key is not None:
@@ -267,13 +267,7 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
         crcs = list(lay.crcs)
         for b, i in lay.flat_records.items():
             crcs[i] = _join(joined.get(b, []), bufs[b].nbytes, lay.name)
-        fd = os.open(tag_dir / lay.name, os.O_WRONLY)
-        try:
-            for offset, data in lay.layout.pieces(crcs):
-                pwrite_all(fd, data, offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        pwrite_synced(tag_dir / lay.name, lay.layout.pieces(crcs))
         records[lay.name] = {"bytes": lay.layout.size, "crc32": f"{lay.layout.file_crc(crcs):08x}"}
         if lay.name.startswith("zero/"):  # a Universal file
             failpoints.hit("export")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine.copyio import Copier, sync_close
-from mpitailor.engine.storage import close_all, create_sized, fsync_close
+from mpitailor.engine.storage import close_all, create_sized, fsync_close, open_output
 from mpitailor.errors import CheckpointError, MergeFailed
 from mpitailor.formats import CheckpointMeta, Slot
 from mpitailor.formats.boundedio import MAX_INDEX_BYTES, MAX_SIDE_FILE_BYTES, read_json, \
@@ -32,6 +31,7 @@ from mpitailor.formats.consolidate import read_range
 from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.dtypes import DTYPES, from_safetensors
 from mpitailor.formats.extras import weight_files
+from mpitailor.formats.fileio import write_synced
 from mpitailor.formats.hf_side import (  # noqa: F401 - has_config: the jobs' import point
     NO_CONFIG_HINT,
     has_config,
@@ -51,7 +51,6 @@ from mpitailor.planning.hf_layout import (
     plan_weights,
     share,
 )
-from mpitailor.publish.staging import write_synced
 
 _SHARD_FILE = re.compile(r"\w[\w.-]*\.safetensors")
 
@@ -169,7 +168,7 @@ def _write_share(meta: CheckpointMeta, plan: WeightsPlan, dest: Path, rank: int,
         stack.callback(copier.close)
         for f, runs in work:
             first = runs[0][0].offset + runs[0][1] * plan.itemsize
-            outs[f.name] = fd = os.open(dest / f.name, os.O_WRONLY)
+            outs[f.name] = fd = open_output(dest / f.name)
             pos, crc = first, 0
             for piece, a, b in runs:
                 shards = opened[str(sources.get(piece.name, meta).path)]

@@ -26,11 +26,9 @@ from mpitailor.errors import CheckpointError, MergeFailed
 from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.boundedio import open_regular
 from mpitailor.formats.crc import crc32
-from mpitailor.formats.filerecord import FileRecord
+from mpitailor.formats.fileio import copy_synced
 from mpitailor.formats.files import partial_files
 from mpitailor.publish.staging import make_dirs_under
-
-CHUNK = 4 << 20  # bytes a local copy holds at a time
 
 
 def replicate(comm: Comm, nodes: Nodes, root: Path, files: dict[str, dict],
@@ -150,27 +148,20 @@ def drop_gathered(scratch: Path) -> None:
 
 def copy_file(src: Path, dst: Path, what: str = "a checkpoint file",
               follow: bool = False) -> dict:
-    """Copy regular file src (a link refused unless follow) to the new file dst, fsynced,
-    CHUNK bytes at a time; its manifest record."""
+    """Copy regular file src (a link refused unless follow) to the new file dst
+    (fileio.copy_synced: fsynced, a bounded chunk at a time); its manifest record."""
     fd = open_regular(src, what, follow=follow)
-    rec = FileRecord()
     try:
-        with os.fdopen(fd, "rb", closefd=False) as fi, open(dst, "xb") as fo:
-            buf = memoryview(bytearray(CHUNK))
-            while n := fi.readinto(buf):
-                rec.update(buf[:n])
-                fo.write(buf[:n])
-            fo.flush()
-            os.fsync(fo.fileno())
+        with os.fdopen(fd, "rb", closefd=False) as fi:
+            return copy_synced(fi, dst)
     finally:
         os.close(fd)
-    return rec.record()
 
 
 def carry_files(comm: Comm, place: Placement, root: Path, names: tuple[str, ...],
                 folder: Path | None, reader: int, on_nodes: bool) -> dict[str, dict]:
     """Collective: files `names` of the base's save dir `folder` (Accelerate's: as large as
-    the run made them) into root, the staging dir, copied as files CHUNK bytes at a time:
+    the run made them) into root, the staging dir, copied as files a bounded chunk at a time:
     never whole in memory, never sent to every rank. reader: the rank that listed them. A
     shared output (on_nodes False): copied by `reader`. Node-local output: every node's
     leader copies its node's own copy (the same path), and a node without one gets the

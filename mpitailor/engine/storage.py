@@ -1,5 +1,5 @@
 """The engine's one storage seam: every read, write, kernel copy and fsync of the executor and
-the exports goes through these few calls, with one chunk size.
+the exports goes through these few calls, with one chunk size (COPY_CHUNK).
 
 Kept apart from the copy engine (copyio.Copier) so that the rules of the file system live in
 one place: a pread or pwrite may move fewer bytes than asked (loop), a short read means a
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mpitailor.engine import writeback
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.crc import crc32
 
-CHUNK = 512 << 10  # bytes per read/write, the copy engine's whole buffer: small enough that
-# what preadv brings in is still in the CPU's L2 cache when the CRC and pwrite read it (8 MiB
-# chunks made a 1-rank merge 1.5-3x slower on the development machine: three passes
-# through RAM). Read as storage.CHUNK when a Copier is made, so a test can shrink it.
+COPY_CHUNK = 512 << 10  # bytes per read/write, the copy engine's whole buffer: small enough
+# that what preadv brings in is still in the CPU's L2 cache when the CRC and pwrite read it
+# (8 MiB chunks made a 1-rank merge 1.5-3x slower on the development machine: three passes
+# through RAM). Read as storage.COPY_CHUNK when a Copier is made, so a test can shrink it.
 KERNEL_CHUNK = 64 << 20  # bytes per copy_file_range call: large, yet writeback starts early
 _NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
@@ -98,6 +98,22 @@ def create_sized(path: Path, size: int, head: bytes = b"") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_output(path: Path) -> int:
+    """An output file made earlier (create_sized), open for writing more of it."""
+    return os.open(path, os.O_WRONLY)
+
+
+def pwrite_synced(path: Path, pieces: Iterable[tuple[int, bytes]]) -> None:
+    """Write each (offset, data) of pieces into the output file at path, then fsync it."""
+    fd = open_output(path)
+    try:
+        for offset, data in pieces:
+            pwrite_all(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_close(fds: dict) -> None:

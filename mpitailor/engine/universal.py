@@ -21,16 +21,16 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.formats import CheckpointMeta
+from mpitailor.formats.fileio import write_synced
+from mpitailor.formats.files import LATEST_UNIVERSAL
 from mpitailor.formats.ptzip import write_torch_file
 from mpitailor.formats.shard import open_shard, without_flat_buffers
 from mpitailor.formats.state_equal import same_values
 from mpitailor.formats.tensorref import Tensor
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.reshard import close_subgroups
-from mpitailor.publish.staging import write_synced
 
 log = logging.getLogger(__name__)
-LATEST = "latest_universal"
 OPTIMIZER_STATE = "optimizer_state.pt"
 
 
@@ -41,7 +41,7 @@ def export_universal(comm: Comm, staged: CheckpointMeta, root: Path) -> dict:
     records = comm.root_step(_write_optimizer_state, staged, staged.path / "zero")
     tag = staged.files.tag
     out = {f"{tag}/zero/{name}": rec for name, rec in records.items()}
-    out[LATEST] = comm.root_step(write_synced, root / LATEST, tag.encode())
+    out[LATEST_UNIVERSAL] = comm.root_step(write_synced, root / LATEST_UNIVERSAL, tag.encode())
     return out
 
 
@@ -66,8 +66,8 @@ def _write_optimizer_state(staged: CheckpointMeta, zero: Path) -> dict[str, dict
 def loader_limits(meta: CheckpointMeta, rank0, steps: Sequence[float]) -> list[str]:
     """Why DeepSpeed 0.19.8's ZeRO-3 `load_universal` would not restore a checkpoint with
     meta's parameters, rank0's (an open rank-0 shard's) param groups and buffers, and these
-    sub-group Adam steps exactly (read from its code; the step sharing measured, see the
-    README). It gives every sub-group sub-group 0's Adam step, and with torch Adam the very
+    sub-group Adam steps exactly (read from its code; the step sharing measured, see
+    docs/resharding.md). It gives every sub-group sub-group 0's Adam step, and with torch Adam the very
     same step tensor, which then advances once per sub-group per step; it gives every param
     group group 0's hyper-parameters; it restores neither frozen parameters nor buffers."""
     groups = rank0.inner["param_groups"]

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from mpitailor.formats.files import CheckpointFiles, resolve
 from mpitailor.formats.layout import (
-    BYTES_PER_ELEMENT,
+    ELEMENT,
     KINDS,
     MOMENTS,
+    OPTIM_BYTES_PER_ELEMENT,
     Layout,
     Slot,
     compute_layout,
 )
 from mpitailor.formats.meta import CheckpointMeta
 
-__all__ = ["BYTES_PER_ELEMENT", "KINDS", "MOMENTS", "CheckpointFiles", "CheckpointMeta",
-           "Layout", "Slot", "compute_layout", "resolve"]
+__all__ = ["ELEMENT", "KINDS", "MOMENTS", "OPTIM_BYTES_PER_ELEMENT", "CheckpointFiles",
+           "CheckpointMeta", "Layout", "Slot", "compute_layout", "resolve"]

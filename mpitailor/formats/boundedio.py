@@ -19,6 +19,7 @@ from typing import Any
 
 from mpitailor.display import shown  # noqa: F401 - names in messages, escaped (re-exported)
 from mpitailor.errors import CheckpointError
+from mpitailor.formats.fileio import FILE_CHUNK
 
 # Limits, each far above what a real file of its kind holds, and far below what would hurt.
 # A manifest (partial save, merge, export): a record (~100 bytes) per file of the output
@@ -95,7 +96,7 @@ def read_small(path: Path | str, limit: int, what: str, *, follow: bool = False)
             raise too_large(path, size, limit, what)
         chunks, got = [], 0
         while got <= limit:  # a file growing while read stops at limit + 1 bytes
-            chunk = os.read(fd, min(limit + 1 - got, 1 << 22))
+            chunk = os.read(fd, min(limit + 1 - got, FILE_CHUNK))
             if not chunk:
                 break
             chunks.append(chunk)

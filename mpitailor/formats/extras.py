@@ -21,7 +21,7 @@ from pathlib import Path
 from mpitailor.errors import CheckpointError
 from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.boundedio import MAX_SIDE_FILE_BYTES, read_small
-from mpitailor.formats.files import read_latest
+from mpitailor.formats.files import LATEST, LATEST_UNIVERSAL, read_latest
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.safeload import load
 
@@ -49,7 +49,7 @@ ACCELERATE_FILE = re.compile(
     r"random_states_\d+\.pkl|(scheduler|sampler|dl_state_dict)(_\d+)?\.bin|scaler\.pt|"
     r"custom_checkpoint_\d+\.pkl")
 TORCH_SUFFIXES = (".pt", ".pth")
-OURS = {"latest", "latest_universal", MANIFEST}  # ours name our tags, not the base's
+OURS = {LATEST, LATEST_UNIVERSAL, MANIFEST}  # ours name our tags, not the base's
 
 
 def extras_dir(base: CheckpointMeta) -> Path | None:
@@ -59,7 +59,7 @@ def extras_dir(base: CheckpointMeta) -> Path | None:
     if base.files.save_dir is not None:
         return base.files.save_dir
     parent = base.files.tag_dir.parent
-    latest = parent / "latest"
+    latest = parent / LATEST
     if latest.is_file() and (base.files.partial or _names(latest) == base.files.tag):
         return parent
     return None

@@ -41,6 +41,10 @@ MP_RANK_RE = re.compile(r"(?:.*_)?mp_rank_(\d+)_.*\.pt")
 # Written by mpitailor's checkpointer beside a full save's rank files: the save's place in a
 # timeline. A partial checkpoint keeps the same record in its manifest, under "lineage".
 SAVE_RECORD = "mpitailor_save.json"
+# In a save dir: the file that names its tag dir to resume from (DeepSpeed's `latest`), and
+# the one that names a Universal checkpoint's tag (ds_to_universal's, and `--export universal`).
+LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"
 MAX_TAG_BYTES = 255  # a `latest` file names one directory: no longer than a file name
 
 
@@ -138,7 +142,7 @@ def _find(path: Path, view) -> CheckpointFiles:
         return _partial(path, None, view)
     if is_tag_dir(path, view):
         return _scan_tag_dir(path, None, view)
-    latest = path / "latest"
+    latest = path / LATEST
     if view.exists(latest):  # a FIFO or device there is refused by name, never opened
         tag = read_latest(latest, view)
         if not view.is_dir(path / tag):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import stat
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from mpitailor.formats.boundedio import (
     shown,
     too_large,
 )
+from mpitailor.formats.crc import crc32
 
 SMALL = 64 << 10  # files up to this size travel in a listing whole (latest, JSON records)
 TAIL = 4 << 10    # of a larger file, the CRC of its last bytes (a zip's central directory,
@@ -158,6 +158,6 @@ def _file_entry(p: Path, st: os.stat_result) -> Entry:
             if size <= SMALL:
                 return Entry(False, size, f.read(SMALL + 1), 0, odd)
             f.seek(size - TAIL)
-            return Entry(False, size, None, zlib.crc32(f.read(TAIL)), odd)
+            return Entry(False, size, None, crc32(f.read(TAIL)), odd)
     except OSError:
         return Entry(False, size, None, -1, odd)

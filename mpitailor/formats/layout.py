@@ -21,9 +21,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from mpitailor.formats.dtypes import DTYPES
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KINDS = ("fp32",) + MOMENTS  # the flat buffers of each sub-group, all fp32, one layout
-BYTES_PER_ELEMENT = 4 * len(KINDS)  # fp32 master + exp_avg + exp_avg_sq, per element
+ELEMENT = DTYPES["fp32"].itemsize  # bytes of one element of a flat buffer (every kind fp32)
+OPTIM_BYTES_PER_ELEMENT = ELEMENT * len(KINDS)  # fp32 master + exp_avg + exp_avg_sq
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.boundedio import MAX_SAFETENSORS_HEADER, loads, open_regular, shown
+from mpitailor.formats.fileio import crc32_of
 from mpitailor.formats.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
-from mpitailor.formats.layout import KINDS, Slot
+from mpitailor.formats.layout import ELEMENT, KINDS, Slot
 from mpitailor.formats.manifest import Manifest, brief
 from mpitailor.formats.meta import CheckpointMeta
 from mpitailor.formats.rawio import materialize
@@ -54,10 +54,10 @@ class PartialShard(Shard):
                     f"parameter's layer as saved; the manifest claims a layer its files do "
                     f"not hold")
             offset, size = self.records[key]
-            if (hi - first) * 4 > size:
+            if (hi - first) * ELEMENT > size:
                 raise CheckpointError(f"{self.data_path}: record {key!r} is shorter than the "
                                       f"parameter's slice; the file is damaged")
-            out.append((self.fd, offset + (lo - first) * 4, (hi - lo) * 4))
+            out.append((self.fd, offset + (lo - first) * ELEMENT, (hi - lo) * ELEMENT))
         return out
 
     def verify(self, used: set[tuple[str, int]]) -> None:
@@ -101,11 +101,8 @@ def _check_sizes(meta: CheckpointMeta, rank: int, crc: bool) -> None:
 
 
 def _crc32(path) -> int:
-    crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+        return crc32_of(f)
 
 
 def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
@@ -168,9 +165,9 @@ def check_records(meta: CheckpointMeta, rank: int, records: dict[str, tuple[int,
         if kind not in KINDS or slot is None:
             raise CheckpointError(f"{path}: record {brief(key)} is no parameter of this model "
                                   f"({meta.files.model_path(0).name}); files from another run?")
-        if size != 4 * layout.span(slot, rank)[1]:
+        if size != ELEMENT * layout.span(slot, rank)[1]:
             raise CheckpointError(f"{path}: record {key!r} holds {size} bytes, but rank {rank}'s "
-                                  f"slice of {name} is {4 * layout.span(slot, rank)[1]}; the "
+                                  f"slice of {name} is {ELEMENT * layout.span(slot, rank)[1]}; the "
                                   f"partial save is damaged")
         held.setdefault(name, set()).add(kind)
     for name, kinds in held.items():

@@ -42,13 +42,13 @@ import os
 import struct
 import sys
 import zipfile
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.formats import torchpickle
-from mpitailor.formats.crc import crc32_combine
+from mpitailor.formats.crc import crc32, crc32_combine
+from mpitailor.formats.fileio import created
 from mpitailor.formats.tensorref import Storage
 
 MAX32 = 0xFFFFFFFF  # at or above it a size or offset goes to a zip64 field
@@ -153,7 +153,7 @@ def read_pickle(f, records: dict[str, tuple[int, int, int]]) -> bytes:
     if size > MAX_PICKLE:
         raise zipfile.BadZipFile(f"a data.pkl of {size} bytes")
     data = os.pread(f.fileno(), size, offset)
-    if len(data) != size or zlib.crc32(data) != crc:
+    if len(data) != size or crc32(data) != crc:
         raise zipfile.BadZipFile("data.pkl fails its CRC-32 check")
     return data
 
@@ -268,11 +268,11 @@ class ZipLayout:
         crc = 0
         for i, (e, c) in enumerate(zip(self.entries, crcs)):
             head, desc = self.local_header(i), self.descriptor(i, c)
-            crc = crc32_combine(crc, zlib.crc32(head), len(head))
+            crc = crc32_combine(crc, crc32(head), len(head))
             crc = crc32_combine(crc, c, e.size)
-            crc = crc32_combine(crc, zlib.crc32(desc), len(desc))
+            crc = crc32_combine(crc, crc32(desc), len(desc))
         tail = self.tail(crcs)
-        return crc32_combine(crc, zlib.crc32(tail), len(tail))
+        return crc32_combine(crc, crc32(tail), len(tail))
 
     def _check(self, crcs: Sequence[int]) -> None:
         if len(crcs) != len(self.entries):
@@ -289,17 +289,16 @@ def write_torch_file(path: Path | str, obj) -> dict:
     tf = describe(obj)
     lay = tf.layout()
     crcs = []
-    with open(path, "xb", buffering=0) as f:
+    with created(path, buffering=0) as f:
         for i, (rec, e) in enumerate(zip(tf.records, lay.entries)):
             data = rec.data if rec.storage is None else rec.storage.read()
-            crcs.append(zlib.crc32(data))
+            crcs.append(crc32(data))
             for piece in (lay.local_header(i), data, lay.descriptor(i, crcs[-1])):
                 _write_all(f, piece)
             if f.tell() != e.end:
                 raise RuntimeError(f"internal error: {path}: {e.name} ends at {f.tell()}, "
                                    f"planned {e.end}")
         _write_all(f, lay.tail(crcs))
-        os.fsync(f.fileno())
     return {"bytes": lay.size, "crc32": f"{lay.file_crc(crcs):08x}"}
 
 

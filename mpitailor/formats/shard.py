@@ -17,7 +17,7 @@ from pathlib import Path
 from mpitailor.errors import CheckpointError
 from mpitailor.formats import rawio
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.layout import KINDS
+from mpitailor.formats.layout import ELEMENT, KINDS
 from mpitailor.formats.meta import CheckpointMeta
 from mpitailor.formats.partial_shard import open_partial_shard
 from mpitailor.formats.read import flat_mappings_agree
@@ -40,7 +40,7 @@ class RankShard(Shard):
         return self.meta.files.optim_path(self.rank)
 
     def byte_ranges(self, kind: str, g: int, start: int, n: int) -> list[tuple[int, int, int]]:
-        return [(self.fd, self.offsets[kind, g] + start * 4, n * 4)]
+        return [(self.fd, self.offsets[kind, g] + start * ELEMENT, n * ELEMENT)]
 
     def whole_record(self, kind: str, g: int) -> tuple[int, int] | None:
         if self._records is None:
@@ -195,7 +195,7 @@ def _flat_offsets(meta: CheckpointMeta, optim: dict, rank: int, size: int, path)
                         f"{path}: sub-group {g} {kind} is {_torch_name(t.dtype)} x "
                         f"{t.numel()}, expected float32 x {n}; files from different runs?")
                 offsets[kind, g] = t.file_offset
-                if offsets[kind, g] + n * 4 > size:
+                if offsets[kind, g] + n * ELEMENT > size:
                     raise CheckpointError(f"{path}: sub-group {g} {kind} lies past the end of "
                                           f"the file; the file is truncated")
     except (KeyError, IndexError, TypeError, AttributeError):

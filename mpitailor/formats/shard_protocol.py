@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats import rawio
+from mpitailor.formats.layout import ELEMENT
 from mpitailor.formats.meta import CheckpointMeta
 
 
@@ -81,11 +82,11 @@ class Shard(ABC):
         pos = 0
         for fd, offset, nbytes in self.byte_ranges(kind, g, start, out.size):
             try:
-                rawio.read_into(fd, offset, out[pos: pos + nbytes // 4])
+                rawio.read_into(fd, offset, out[pos: pos + nbytes // ELEMENT])
             except (OSError, EOFError) as e:
                 raise CheckpointError(f"{self.path_of(fd)}: read failed ({e}); the file is "
                                       f"damaged or truncated") from None
-            pos += nbytes // 4
+            pos += nbytes // ELEMENT
 
     def read(self, kind: str, g: int, start: int = 0, length: int | None = None):
         """Those elements as a new float32 numpy array."""

@@ -8,11 +8,10 @@ no copy, one pass, fsynced, and the manifest record (size, CRC-32) comes out of 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.filerecord import FileRecord
+from mpitailor.formats.fileio import write_synced
 from mpitailor.formats.safetensors_header import header_prefix
 
 # name -> (dtype name of dtypes.py, shape, the tensor's bytes, contiguous)
@@ -27,11 +26,4 @@ def write_safetensors(path: Path, tensors: Tensors, metadata: dict[str, str] | N
             raise ValueError(f"internal error: {name}: {len(data)} bytes for {dtype} x {shape}")
     prefix = header_prefix([(name, DTYPES[dtype].safetensors, shape, len(data))
                             for name, (dtype, shape, data) in tensors.items()], metadata)
-    rec = FileRecord()
-    with open(path, "xb") as f:
-        for chunk in (prefix, *(data for _, _, data in tensors.values())):
-            rec.update(chunk)
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return rec.record()
+    return write_synced(path, prefix, *(data for _, _, data in tensors.values()))

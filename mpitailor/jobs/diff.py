@@ -36,7 +36,7 @@ from mpitailor.formats.tensorref import Tensor, numpy_dtype
 from mpitailor.jobs.torchsum import torch_sum
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
-CHUNK = 1 << 20  # elements compared at a time
+DIFF_ELEMENTS = 1 << 20  # elements compared at a time
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
@@ -177,10 +177,10 @@ def _compare_params(ma: CheckpointMeta, mb: CheckpointMeta, mine: list[tuple[str
 
 def _compare_slices(sa, slot_a, sb, slot_b, kind: str) -> Diff:
     d = Diff()
-    a = np.empty(min(CHUNK, slot_a.numel), dtype=np.float32)
+    a = np.empty(min(DIFF_ELEMENTS, slot_a.numel), dtype=np.float32)
     b = np.empty_like(a)
-    for lo in range(0, slot_a.numel, CHUNK):
-        n = min(CHUNK, slot_a.numel - lo)
+    for lo in range(0, slot_a.numel, DIFF_ELEMENTS):
+        n = min(DIFF_ELEMENTS, slot_a.numel - lo)
         read_range(sa, slot_a, kind, lo, a[:n])
         read_range(sb, slot_b, kind, lo, b[:n])
         d = d + compare(a[:n], b[:n])

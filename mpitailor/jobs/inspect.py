@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from mpitailor.formats import BYTES_PER_ELEMENT, CheckpointMeta
+from mpitailor.formats import OPTIM_BYTES_PER_ELEMENT, CheckpointMeta
 from mpitailor.formats.boundedio import MAX_MANIFEST_BYTES, read_json
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.planning.layers import LayerClassifier, sort_keys
@@ -22,7 +22,7 @@ def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
         row["params"] += 1
         row["elements"] += slot.numel
         row["bytes_per_rank"] += (slot.numel / meta.world_size if meta.layout.flat
-                                  else slot.length) * BYTES_PER_ELEMENT
+                                  else slot.length) * OPTIM_BYTES_PER_ELEMENT
         row["subgroups"].add(slot.subgroup)
     for name, shape in meta.frozen_shapes:
         row = layers.setdefault(classify_fn(name), _row())
@@ -46,7 +46,7 @@ def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
         "subgroups": len(meta.layout.subgroup_sizes),
         "subgroup_steps": list(meta.subgroup_steps),
         "tied": dict(meta.shared_params),
-        "optimizer_bytes_per_rank": sum(meta.layout.subgroup_sizes) * BYTES_PER_ELEMENT,
+        "optimizer_bytes_per_rank": sum(meta.layout.subgroup_sizes) * OPTIM_BYTES_PER_ELEMENT,
         "layers": {k: {**layers[k], "subgroups": sorted(layers[k]["subgroups"])}
                    for k in sort_keys(layers)},
     }

@@ -18,14 +18,15 @@ from mpitailor.engine.universal import export_universal
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.extras import Extras, extras_dir, read_extras
-from mpitailor.formats.files import resolve
+from mpitailor.formats.fileio import write_synced
+from mpitailor.formats.files import LATEST, resolve
 from mpitailor.formats.manifest import Manifest
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.safeload import trust
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan, make_plan
 from mpitailor.planning.recipe import Recipe, load_recipe
-from mpitailor.publish.staging import Staging, commit_on_leaders, holding, write_synced
+from mpitailor.publish.staging import Staging, commit_on_leaders, holding
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def _write_metadata(plan: MergePlan, root: Path, files: dict, extras: Extras,
     files = dict(files)
     for name, data in extras.files:
         files[name] = write_synced(root / name, data)
-    files["latest"] = write_synced(root / "latest", plan.base_meta.files.tag.encode())
+    files[LATEST] = write_synced(root / LATEST, plan.base_meta.files.tag.encode())
     return merge_manifest(plan, files, recipe_text, ranks, left_out=list(extras.left_out),
                           **more)
 

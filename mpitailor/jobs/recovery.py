@@ -25,6 +25,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths, survey
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
 from mpitailor.formats.files import (
+    LATEST,
     PARTIAL_MANIFEST,
     SAVE_RECORD,
     STAGE12_MODEL,
@@ -119,7 +120,7 @@ def _unfinished(child: Path, view) -> str | None:
     """Why a save dir holding none of a save's files is skipped: a save that never finished."""
     names = view.names(child)
     inner = [child / n for n in names if view.is_dir(child / n)]
-    if any(n == "latest" or n.startswith(FINISHED) for n in names) or any(
+    if any(n == LATEST or n.startswith(FINISHED) for n in names) or any(
             m.startswith(FINISHED) for d in inner for m in view.names(d)):
         return None
     return (f"{child}: an incomplete save (neither DeepSpeed's model states nor "
@@ -190,7 +191,7 @@ def _check_rank(save: Save, rank: int, crc: bool) -> None:
 
 
 def _latest(save_dir: Path, view) -> str | None:
-    latest = save_dir / "latest"
+    latest = save_dir / LATEST
     if not view.exists(latest):
         return None  # a FIFO, a device or a link there is read (and refused, said) below
     try:
@@ -203,9 +204,9 @@ def _latest(save_dir: Path, view) -> str | None:
 def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
              view) -> Exception:
     """No usable full save: an error if any save ever finished, else nothing to recover."""
-    finished = view.exists(save_dir / "latest") or any(
+    finished = view.exists(save_dir / LATEST) or any(
         not _hf_unfinished(s.path, view) and (
-            s.partial or view.exists(s.path / "latest") or view.exists(s.path / PARTIAL_MANIFEST)
+            s.partial or view.exists(s.path / LATEST) or view.exists(s.path / PARTIAL_MANIFEST)
             or view.exists(s.path / SAVE_RECORD)) for s in saves)
     reasons = "; ".join(f"{n}: {why}" for n, why in skipped.items())
     if finished:

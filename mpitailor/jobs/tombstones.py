@@ -13,7 +13,6 @@ the newest branch, and it can only compare a deleted save with its sibling by it
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
@@ -22,6 +21,7 @@ from mpitailor.formats.files import Lineage
 from mpitailor.formats.fsview import LOCAL
 from mpitailor.planning.recovery import Pruned
 from mpitailor.planning.retention import PRUNED_DIR, valid_id
+from mpitailor.publish.staging import write_replacing
 
 FORMAT = "mpitailor-pruned"
 
@@ -54,28 +54,15 @@ def read_tombstones(save_dir: Path, view=LOCAL) -> tuple[Pruned, ...]:
 
 
 def write_tombstone(save_dir: Path, pruned: Pruned) -> Path:
-    """Record pruned (durably: written, fsynced, renamed into place, the folder fsynced)."""
+    """Record pruned (durably: staging.write_replacing writes, fsyncs, renames into place,
+    fsyncs the folder)."""
     if not valid_id(pruned.lineage.save_id):
         raise CheckpointError(f"{save_dir / pruned.name}: save id "
                               f"{pruned.lineage.save_id!r} is not a hex id; not pruned")
     folder = save_dir / PRUNED_DIR
     folder.mkdir(exist_ok=True)
     final = folder / pruned.lineage.save_id
-    tmp = folder / f".{pruned.lineage.save_id}.tmp"
     record = {"format": FORMAT, "name": pruned.name, "step": pruned.step,
               **pruned.lineage.to_json()}
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(folder)
+    write_replacing(final, json.dumps(record).encode())
     return final
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import UserError
-from mpitailor.formats import BYTES_PER_ELEMENT, CheckpointMeta
+from mpitailor.formats import OPTIM_BYTES_PER_ELEMENT, CheckpointMeta
 from mpitailor.formats.dtypes import canonical
 from mpitailor.planning.layers import (
     AUX_KEYS,
@@ -82,7 +82,7 @@ class MergePlan:
         out = {name: 0 for name, _ in self.sources}
         for sg in self.subgroups:
             for run in sg.runs:
-                out[run.source] += run.length * BYTES_PER_ELEMENT
+                out[run.source] += run.length * OPTIM_BYTES_PER_ELEMENT
         if self.base_meta.layout.flat:  # runs span the whole group: a partition reads 1/W
             return {name: n // self.world_size for name, n in out.items()}
         return out

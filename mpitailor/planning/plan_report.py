@@ -1,6 +1,7 @@
 """`--dry-run`: the plan in words and bytes (layer -> source; reads and writes per rank)."""
 from __future__ import annotations
 
+from mpitailor.formats.layout import ELEMENT
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 
@@ -53,8 +54,8 @@ def _rank_table(plan: MergePlan, mpi_size: int) -> list[str]:
             parts[b.unit] = parts.get(b.unit, 0) + t.hi - t.lo
             if b.unit not in pieces:
                 pieces[b.unit] = program.pieces(plan, b.unit)
-            reads += 4 * sum(p.length for p in program.clip(
-                pieces[b.unit].get(b.subgroup, []), t.lo // 4, t.hi // 4))
+            reads += ELEMENT * sum(p.length for p in program.clip(
+                pieces[b.unit].get(b.subgroup, []), t.lo // ELEMENT, t.hi // ELEMENT))
         span = ",".join(f"{p}{'' if n == whole[p] else '*'}" for p, n in parts.items())
         lines.append(f"{r:<10}{span or '(idle)':<20}{human(reads):>12}"
                      f"{human(sum(parts.values())):>12}")

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpitailor.formats.layout import KINDS
+from mpitailor.formats.layout import ELEMENT, KINDS
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.reshard import Piece, pieces_for
-
-ELEMENT = 4  # bytes of one fp32 element: ranges are cut at element boundaries
 
 
 @dataclass(frozen=True, slots=True)

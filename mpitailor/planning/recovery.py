@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.formats import CheckpointMeta
-from mpitailor.formats.files import Lineage
+from mpitailor.formats.files import LATEST, Lineage
 from mpitailor.planning.layers import (
     AUX_KEYS,
     OTHER,
@@ -85,7 +85,7 @@ def choose(save_dir: Path, saves: list[Save], latest_tag: str | None,
         if s.step == start.step and not s.partial:
             continue
         if not s.partial:
-            skipped[s.name] = (f"a full save not named by {save_dir / 'latest'}"
+            skipped[s.name] = (f"a full save not named by {save_dir / LATEST}"
                                if latest_tag else f"another full save of step {s.step}")
         else:
             skipped[s.name] = (f"another timeline: it does not build on {start.name} "

@@ -27,7 +27,7 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
 from mpitailor.errors import MergeFailed, UserError
-from mpitailor.formats.filerecord import FileRecord
+from mpitailor.formats.fileio import created, write_synced
 from mpitailor.formats.manifest import Manifest
 from mpitailor.publish import interrupt, leftovers
 from mpitailor.publish.leftovers import DISCARD, LOCK, OLD, STAGING, path_of
@@ -270,10 +270,8 @@ def write_replacing(path: Path, data: bytes) -> None:
     """Write a whole file or nothing: a temporary file beside it, fsynced, renamed over it."""
     tmp = path.parent / f".mpitailor-{os.getpid()}.tmp"  # short: any name of path fits
     try:
-        with open(tmp, "xb") as f:
+        with created(tmp) as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -309,36 +307,3 @@ def fsync_dir(path: Path) -> None:
 def fsync_tree(root: Path) -> None:
     for dirpath, _, _ in os.walk(root):
         fsync_dir(Path(dirpath))
-
-
-def write_synced(path: Path, data: bytes) -> dict:
-    """Write bytes, fsync, return the manifest record."""
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    rec = FileRecord()
-    rec.update(data)
-    return rec.record()
-
-
-def copy_synced(src: Path, dst: Path) -> dict:
-    """Copy a file, fsync, return the manifest record (hashed while copying)."""
-    rec = FileRecord()
-    with open(src, "rb") as fi, open(dst, "xb") as fo:
-        while chunk := fi.read(1 << 22):
-            rec.update(chunk)
-            fo.write(chunk)
-        fo.flush()
-        os.fsync(fo.fileno())
-    return rec.record()
-
-
-def fsync_and_record(path: Path) -> dict:
-    """fsync a file written by someone else (a library); return its manifest record."""
-    rec = FileRecord()
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-        while chunk := f.read(1 << 22):
-            rec.update(chunk)
-    return rec.record()

@@ -30,6 +30,7 @@ from accelerate.utils import MODEL_NAME, DeepSpeedSchedulerWrapper
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError
+from mpitailor.formats.files import LATEST
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Decision, Policy
 
@@ -78,7 +79,7 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
         else:
             self._save_accelerate_files(out)
             self.save_partial(MODEL_NAME, decision.layers, lineage, save_dir=out,
-                              on_published=lambda: (out / "latest").write_text(MODEL_NAME))
+                              on_published=lambda: (out / LATEST).write_text(MODEL_NAME))
         self.record(decision, lineage, out / MODEL_NAME, blocked=time.perf_counter() - t0,
                     waited=waited)
         return decision

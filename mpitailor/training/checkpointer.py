@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mpitailor import failpoints
 from mpitailor.errors import MpitailorError, UserError
 from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
+from mpitailor.formats.layout import ELEMENT
 from mpitailor.jobs.prune import prune
 from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.publish.leftovers import DISCARD, discard, path_of
@@ -225,7 +226,7 @@ class LayerwiseCheckpointer:
         host = self.writer.host
         host.reserve(sizes[largest])
         if self.engine.global_rank == 0:
-            capped = host.nbytes < 4 * sizes[largest]
+            capped = host.nbytes < ELEMENT * sizes[largest]
             log.info("asynchronous saves: %.1f MiB of host buffers allocated on rank 0 at the "
                      "first partial save, for the largest partial save policy %s can make (fp32 "
                      "weights and both Adam moments of %d of %d layer keys)%s",

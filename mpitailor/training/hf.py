@@ -32,7 +32,7 @@ from accelerate.utils import DeepSpeedSchedulerWrapper
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError
-from mpitailor.formats.files import PARTIAL_MANIFEST
+from mpitailor.formats.files import LATEST, PARTIAL_MANIFEST
 from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Policy
@@ -182,4 +182,4 @@ class LayerwiseTrainer(transformers.Trainer):
         self._save_rng_state(str(out))
         # `latest` last, once the tag dir is published (by the writer, if asynchronous)
         self._layerwise.save_partial(tag, layers, lineage, save_dir=out,
-                                     on_published=lambda: (out / "latest").write_text(tag))
+                                     on_published=lambda: (out / LATEST).write_text(tag))

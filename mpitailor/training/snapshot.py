@@ -24,7 +24,8 @@ from mpitailor.formats.dtypes import name_of
 from mpitailor.formats.files import partial_files
 from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest
 from mpitailor.formats.stwrite import write_safetensors
-from mpitailor.publish.staging import Staging, holding, write_synced
+from mpitailor.formats.fileio import write_synced
+from mpitailor.publish.staging import Staging, holding
 
 
 class PartialSaveFailed(RuntimeError):

@@ -1,0 +1,64 @@
+"""Whole-file I/O: a new file written and fsynced with its manifest record, a file copied so,
+a whole file's CRC-32, and one buffer size for every whole-file read.
+
+The engine's storage seam (engine/storage.py) moves byte ranges between files it holds open;
+this is its counterpart for files read or written whole, kept in the format layer so that the
+writers of formats/ (stwrite.py, ptzip.py) and everything above them share it. A file is
+created here, never overwritten ("x"), and trusted only once fsynced; what is published is
+then renamed into place by publish/staging.py, which fsyncs the directory. Torch-free.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from mpitailor.formats.crc import crc32
+from mpitailor.formats.filerecord import FileRecord
+
+FILE_CHUNK = 4 << 20  # bytes a whole-file read or copy holds at a time
+
+
+@contextmanager
+def created(path: Path | str, buffering: int = -1) -> Iterator[BinaryIO]:
+    """A new file (never an existing one) open for writing, flushed and fsynced when the
+    block ends without an error."""
+    with open(path, "xb", buffering=buffering) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_synced(path: Path | str, *chunks) -> dict:
+    """A new file of the chunks (bytes-like, in order), fsynced; its manifest record, taken
+    as it is written."""
+    rec = FileRecord()
+    with created(path) as f:
+        for chunk in chunks:
+            rec.update(chunk)
+            f.write(chunk)
+    return rec.record()
+
+
+def copy_synced(src: BinaryIO, dst: Path | str) -> dict:
+    """The rest of the open binary file src copied into the new file dst, FILE_CHUNK bytes
+    at a time, fsynced; dst's manifest record, taken as it is copied."""
+    rec = FileRecord()
+    buf = memoryview(bytearray(FILE_CHUNK))
+    with created(dst) as f:
+        while n := src.readinto(buf):
+            rec.update(buf[:n])
+            f.write(buf[:n])
+    return rec.record()
+
+
+def crc32_of(f: BinaryIO) -> int:
+    """CRC-32 of the rest of the open binary file f, read FILE_CHUNK bytes at a time into
+    one buffer."""
+    crc, buf = 0, bytearray(FILE_CHUNK)
+    view = memoryview(buf)
+    while n := f.readinto(buf):
+        crc = crc32(view[:n], crc)
+    return crc
