@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.jobs.merge import Planned, plan_recipe
-from mpitailor.jobs.recovery import plan_recovery
+from mpitailor.jobs.saves import plan_recovery
 from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.recipe import Recipe

@@ -1,4 +1,5 @@
-"""`recover`: the newest consistent copy of every layer across a save dir, as a recipe.
+"""A run's saves: found, checked, and the timeline to recover chosen (for `recover`, the
+in-job resume and `prune`; the recipe itself is jobs/recover.py's).
 
 Saves form timelines. A full save starts a chain; a partial save records its chain and the
 save it builds on (mpitailor's checkpointer writes these lineage records). Recovery starts
@@ -42,8 +43,7 @@ from mpitailor.formats.read import read_meta
 from mpitailor.formats.shard import open_shard
 from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.layers import LayerClassifier
-from mpitailor.planning.recovery import Chain, Save
-from mpitailor.planning.recovery import choose as choose_saves
+from mpitailor.planning.recovery import Chain, Save, choose
 
 log = logging.getLogger(__name__)
 SAVE_NAMES = ("global_step", "checkpoint-")
@@ -217,10 +217,9 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
                             + (f" (incomplete: {reasons})" if reasons else ""))
 
 
-def choose(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain:
-    """The timeline to recover (planning/recovery.py), or why there is none."""
-    chain = choose_saves(save_dir, saves, _latest(save_dir, view),
-                         read_tombstones(save_dir, view))
+def _timeline_to_recover(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain:
+    """The timeline to recover (planning/recovery.py's choice), or why there is none."""
+    chain = choose(save_dir, saves, _latest(save_dir, view), read_tombstones(save_dir, view))
     if chain is None:
         raise _nothing(save_dir, saves, {s.name: s.problem for s in saves
                                          if s.problem is not None}, view)
@@ -251,7 +250,7 @@ def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
         found = [s for s in found if s.step <= until_step]
     saves = check_saves(comm, found, place=place)
     while True:
-        chain = comm.root_step(choose, save_dir, saves, place.fs())
+        chain = comm.root_step(_timeline_to_recover, save_dir, saves, place.fs())
         if not crc:
             break
         names = {s.name for s in chain.partials}
