@@ -45,9 +45,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
         return 0
     if out is None:  # a dry run needs no output: plan for a default one
         out = save_dir.parent / f"{save_dir.name}-recovered"
-    recipe, chain = recover_chain(comm, save_dir, out, patterns, "--layer-pattern",
-                                  args.world_size)
-    planned = plan_recipe(comm, recipe)
+    recipe, chain, place = recover_chain(comm, save_dir, out, patterns, "--layer-pattern",
+                                         args.world_size)
+    planned = plan_recipe(comm, recipe, place)
     return run_planned(comm, planned, args, lambda: recovered(planned.plan, chain))
 
 

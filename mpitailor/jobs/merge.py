@@ -91,11 +91,13 @@ def plan_merge(comm: Comm, recipe_path: str, output: str | None = None,
     return plan_recipe(comm, comm.root_step(load_recipe, recipe_path, output, world_size))
 
 
-def plan_recipe(comm: Comm, recipe: Recipe) -> Planned:
-    """Collective: survey where the recipe's sources lie, read them, compute the plan."""
+def plan_recipe(comm: Comm, recipe: Recipe, place: Placement | None = None) -> Planned:
+    """Collective: survey where the recipe's sources lie (unless `place`, a survey that
+    covers them, is given), read them, compute the plan."""
     if recipe.safe_globals:
         comm.step(trust, recipe.safe_globals)
-    place = survey(comm, [Path(path) for _, path in recipe.sources])
+    if place is None:
+        place = survey(comm, [Path(path) for _, path in recipe.sources])
     metas = read_sources(comm, recipe, place)
     return Planned(recipe, comm.root_step(make_plan, recipe, metas), place)
 

@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
+from mpitailor.cluster.nodes import Placement
 from mpitailor.jobs.merge import Planned, plan_recipe
-from mpitailor.jobs.saves import plan_recovery
+from mpitailor.jobs.saves import plan_recovery_at
 from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.recipe import Recipe
@@ -25,16 +26,18 @@ def recover_recipe(comm: Comm, save_dir: str | os.PathLike, output: str | os.Pat
 def recover_chain(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike | None,
                   layer_patterns: Mapping[str, str] | None = None,
                   where: str = "layer_patterns",
-                  world_size: int | None = None) -> tuple[Recipe, Chain]:
-    """Collective: recover_recipe's recipe, and the chain of saves it was made from (what
-    the command line reports: the saves used and those skipped)."""
+                  world_size: int | None = None) -> tuple[Recipe, Chain, Placement]:
+    """Collective: recover_recipe's recipe, the chain of saves it was made from (what the
+    command line reports: the saves used and those skipped), and where the save dir's files
+    lie (for plan_recipe: surveyed once)."""
     if layer_patterns:
         check_patterns(dict(layer_patterns), where=where)
     save_dir = Path(save_dir).resolve()
-    chain = plan_recovery(comm, save_dir)
+    chain, place = plan_recovery_at(comm, save_dir)
     return comm.root_step(recovery_recipe, save_dir, chain,
                           None if output is None else Path(output).resolve(),
-                          dict(layer_patterns) if layer_patterns else None, world_size), chain
+                          dict(layer_patterns) if layer_patterns else None,
+                          world_size), chain, place
 
 
 def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike,
@@ -42,8 +45,8 @@ def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathL
                  world_size: int | None = None,
                  where: str = "layer_patterns") -> Planned:
     """Collective: the recipe and plan of `recover`."""
-    return plan_recipe(comm, recover_recipe(comm, save_dir, output, layer_patterns, where,
-                                            world_size))
+    recipe, _, place = recover_chain(comm, save_dir, output, layer_patterns, where, world_size)
+    return plan_recipe(comm, recipe, place)
 
 
 def recovered(plan: MergePlan, chain: Chain) -> str:

@@ -230,11 +230,18 @@ def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> 
     """Collective: find, check and choose; partial saves the chain uses are checked against
     their CRC-32s (a damaged one is skipped and the chain chosen again). until_step: leave
     out saves after this step (resume from an older point)."""
-    chain = survey_saves(comm, save_dir, until_step)[1]
+    return plan_recovery_at(comm, save_dir, until_step)[0]
+
+
+def plan_recovery_at(comm: Comm, save_dir: Path,
+                     until_step: int | None = None) -> tuple[Chain, Placement]:
+    """Collective: plan_recovery's chain, and where the save dir's files lie (the survey a
+    merge of the chain then reuses)."""
+    _, chain, place = survey_saves(comm, save_dir, until_step)
     if comm.rank == 0:
         for name, why in chain.skipped:
             log.warning("recover: skipping %s: %s", name, why)
-    return chain
+    return chain, place
 
 
 def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
