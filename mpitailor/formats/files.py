@@ -8,8 +8,10 @@ A checkpoint may be named by its tag dir (`save/global_step10`), by a save dir w
 """
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
@@ -22,10 +24,12 @@ from mpitailor.formats.boundedio import (
 )
 from mpitailor.formats.fsview import LOCAL
 from mpitailor.formats.manifest import (
+    ABSENT,
     MANIFEST,
     PARTIAL_FORMAT,
     PARTIAL_MANIFEST,
     Manifest,
+    PartialFields,
     brief,
     read_manifest,
 )
@@ -41,6 +45,7 @@ MP_RANK_RE = re.compile(r"(?:.*_)?mp_rank_(\d+)_.*\.pt")
 # Written by mpitailor's checkpointer beside a full save's rank files: the save's place in a
 # timeline. A partial checkpoint keeps the same record in its manifest, under "lineage".
 SAVE_RECORD = "mpitailor_save.json"
+SAVE_FORMAT = "mpitailor-save"  # the save record's `format` key
 # In a save dir: the file that names its tag dir to resume from (DeepSpeed's `latest`), and
 # the one that names a Universal checkpoint's tag (ds_to_universal's, and `--export universal`).
 LATEST = "latest"
@@ -72,6 +77,33 @@ class Lineage:
 
     def to_json(self) -> dict:
         return {"save_id": self.save_id, "chain": self.chain, "parent": self.parent}
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRecord:
+    """What SAVE_RECORD holds, in the order written: the lineage's keys sit at the top level
+    of the file, between `format` and `global_steps`. Not a Manifest: no head, no files."""
+
+    format: str = field(default=SAVE_FORMAT, kw_only=True)
+    lineage: Lineage
+    global_steps: int
+    layer_patterns: Mapping[str, str]  # the patterns the run saves with
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": self.format, **self.lineage.to_json(),
+                           "global_steps": self.global_steps,
+                           "layer_patterns": self.layer_patterns}, indent=2).encode()
+
+    @classmethod
+    def from_doc(cls, raw) -> SaveRecord:
+        """The record of a parsed SAVE_RECORD; TypeError or AttributeError if it is not one.
+        Only what readers use is checked (the lineage, the patterns a mapping)."""
+        lineage = Lineage.from_json(raw)
+        patterns = raw.get("layer_patterns") or {}
+        if not isinstance(patterns, dict):
+            raise TypeError("layer_patterns is not a mapping")
+        return cls(lineage, raw.get("global_steps"), patterns,
+                   format=raw.get("format", SAVE_FORMAT))
 
 
 def _is_id(x) -> bool:
@@ -180,10 +212,15 @@ def read_save_record(tag_dir: Path, partial: bool,
     try:
         raw = loads(view.read_bytes(path, MAX_MANIFEST_BYTES if partial else MAX_RECORD_BYTES,
                                     "a save record"))
-        lineage = Lineage.from_json(raw.get("lineage") if partial else raw)
-        patterns = raw.get("layer_patterns") or {}
-        if not isinstance(patterns, dict):
-            raise TypeError("layer_patterns is not a mapping")
+        if partial:  # its manifest's fields, unchecked: resolve's partial_fields checks them
+            fields = PartialFields.from_doc(raw)
+            lineage = Lineage.from_json(_or(fields.lineage, None))
+            patterns = _or(fields.layer_patterns, None) or {}
+            if not isinstance(patterns, dict):
+                raise TypeError("layer_patterns is not a mapping")
+        else:
+            record = SaveRecord.from_doc(raw)
+            lineage, patterns = record.lineage, record.layer_patterns
         return lineage, {str(k): str(v) for k, v in patterns.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{shown(path)}: unreadable save record ({e})") from None
@@ -216,20 +253,21 @@ def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str,
     The claims that need the files' contents are checked where those are read (read.py:
     rank 0's model states; partial_shard.py: every rank's layers file)."""
     def bad(field: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {field} {brief(m.get(field))} {why}; the manifest "
-                               f"is damaged")
+        return CheckpointError(f"{where}: {field} {brief(_or(getattr(f, field), None))} "
+                               f"{why}; the manifest is damaged")
     if m.kind != "partial":
         raise CheckpointError(f"{where}: kind {brief(m.kind)}, not a partial save's manifest; "
                               f"the manifest is damaged")
-    if m.get("format", PARTIAL_FORMAT) != PARTIAL_FORMAT:
+    f: PartialFields = m.fields
+    if _or(f.format, PARTIAL_FORMAT) != PARTIAL_FORMAT:
         raise bad("format", f"is not {PARTIAL_FORMAT!r}")
-    for key in ("version", "global_steps"):
-        if key in m.fields and not _whole(m[key], 0):
+    for key, value in (("version", f.version), ("global_steps", f.global_steps)):
+        if value is not ABSENT and not _whole(value, 0):
             raise bad(key, "is not a whole number >= 0")
-    for key in ("tag", "layout_sha256"):
-        if key in m.fields and not _is_id(m[key]):
+    for key, value in (("tag", f.tag), ("layout_sha256", f.layout_sha256)):
+        if value is not ABSENT and not _is_id(value):
             raise bad(key, "is not a name")
-    world = m.get("world_size")
+    world = f.world_size
     ranks = sum(bool(PARTIAL_MODEL_RE.fullmatch(n)) for n in names)
     if not _whole(world, 1):
         raise bad("world_size", "is not a number of ranks")
@@ -237,21 +275,21 @@ def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str,
         raise CheckpointError(f"{where}: world_size {world}, but the dir holds the files of "
                               f"{ranks} rank(s) (rank_N_model_states.pt); the manifest is "
                               f"damaged")
-    dtype, stage = m.get("dtype"), m.get("zero_stage", 3)
+    dtype, stage = f.dtype, _or(f.zero_stage, 3)
     if not isinstance(dtype, str) or dtype not in PARTIAL_DTYPES:
         raise bad("dtype", f"is not one of {', '.join(PARTIAL_DTYPES)}")
     if not _whole(stage, 1) or stage > 3:
         raise bad("zero_stage", "is not a ZeRO stage (1, 2 or 3)")
-    layers = m.get("layers")
+    layers = f.layers
     if not isinstance(layers, list) or not all(_is_id(k) for k in layers) \
             or len(set(layers)) != len(layers):
         raise bad("layers", "is not a list of distinct layer keys")
     _check_records(m, where, names)
     try:
-        Lineage.from_json(m.get("lineage"))
+        Lineage.from_json(_or(f.lineage, None))
     except TypeError as e:
         raise CheckpointError(f"{where}: {e}; the manifest is damaged") from None
-    patterns = m.get("layer_patterns") or {}
+    patterns = _or(f.layer_patterns, None) or {}
     if not isinstance(patterns, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in patterns.items()):
         raise bad("layer_patterns", "is not a mapping of patterns to layer keys")
@@ -273,6 +311,11 @@ def _check_records(m: Manifest, where: str, names: list[str]) -> None:
             raise CheckpointError(f"{where}: files: the record of {brief(name)} is "
                                   f"{brief(rec)}, not a file's size and CRC-32; the manifest "
                                   f"is damaged")
+
+
+def _or(value, default):
+    """A field's value, or `default` where the manifest does not hold the key."""
+    return default if value is ABSENT else value
 
 
 def _whole(x, least: int) -> bool:

@@ -2,21 +2,29 @@
 merge, an export, a partial save), and what readers learn from it.
 
 One record for all three: what kind of output it is, the record (size, CRC-32) of every file
-it published, and the fields of its kind. `format_version` is "major.minor": a reader accepts
-any minor version of the major it knows (new fields are ignored) and refuses another major
-with one line. Manifests written before the version existed read as "1.0".
+it published, and the fields of its kind, typed: one frozen dataclass per kind (MergeFields,
+ExportFields, PartialFields), its fields in the order they are written. `format_version` is
+"major.minor": a reader accepts any minor version of the major it knows (keys its kind does
+not define are kept aside, in `extra`, and ignored) and refuses another major with one line.
+Manifests written before the version existed read as "1.0". The schema: docs/output-format.md.
+
+A manifest is read from files anyone could have written: parsing checks the head (version,
+kind, `files` a mapping) and nothing else. A key that is missing reads as ABSENT; a value is
+kept as the JSON held it, whatever its type: every reader checks the fields it uses, where it
+uses them (formats/files.py: partial_fields).
 It lives with the formats (not in publish/) because the readers of saves, at the bottom of
 the house, read it too.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.boundedio import MAX_MANIFEST_BYTES, loads, read_small, shown
@@ -25,35 +33,161 @@ from mpitailor.version import __version__
 MANIFEST = "mpitailor_manifest.json"          # of a merge or an export
 PARTIAL_MANIFEST = "mpitailor_partial.json"   # of a partial (layer-wise) save
 FORMAT_VERSION = "1.1"  # 1.1: `format_version` and `kind` recorded
-KINDS = ("merge", "export", "partial")
+MANIFEST_KINDS = ("merge", "export", "partial")
 PARTIAL_FORMAT = "mpitailor-partial"  # partial saves' `format` key since version 1.0
 _HEAD = ("format_version", "kind", "mpitailor_version", "created")
 MAJOR = int(FORMAT_VERSION.split(".")[0])  # any minor of it is read; another major is not
 _VERSION = re.compile(r"(\d{1,6})\.(\d{1,6})")
 
 
+class _Absent:
+    """The value of a key the manifest does not hold (an optional key left out, or a key
+    missing from a damaged or older manifest). Never written."""
+
+    _it: ClassVar[_Absent | None] = None
+
+    def __new__(cls) -> _Absent:
+        if cls._it is None:
+            cls._it = super().__new__(cls)
+        return cls._it
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+    def __reduce__(self):
+        return (_Absent, ())  # one of it, across pickling (a Snapshot goes to its writer)
+
+
+ABSENT: Any = _Absent()
+
+
+class _Fields:
+    """What the fields of every kind share: the keys present, in the order written, and
+    access by key (the name a key has in the file is its field's name)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]):
+        """The fields of a manifest's JSON object, as they are: a missing key is ABSENT,
+        nothing is checked (the readers check what they use); keys of no field are not
+        looked at (`extra_of` gives them)."""
+        return cls(**{name: doc.get(name, ABSENT) for name in cls.names()})
+
+    @classmethod
+    def extra_of(cls, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """The keys of `doc` that this kind does not define (a newer minor version's)."""
+        known = cls.names()
+        return {k: v for k, v in doc.items() if k not in known}
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """(key, value) of every key present, in the order they are written."""
+        for name in self.names():
+            value = getattr(self, name)
+            if value is not ABSENT:
+                yield name, value
+
+    def to_doc(self) -> dict[str, Any]:
+        return dict(self.items())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.names() and getattr(self, key) is not ABSENT
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+
+@dataclass(frozen=True, slots=True)
+class MergeFields(_Fields):
+    """A merge's (and a recover's) fields, in the order written."""
+
+    recipe: str                    # the recipe's text as read (recover: the one it wrote)
+    tag: str                       # the output's tag dir (the base's tag)
+    world_size: int                # the ranks the output is written for
+    source_world_size: int         # the ranks the sources were saved by
+    base: str                      # the base source's name
+    sources: Mapping[str, Mapping[str, Any]]  # name -> {path, global_steps, save_id}
+    layers: Mapping[str, Mapping[str, Any]]   # layer key -> {source, global_steps}
+    subgroups: list[Mapping[str, Any]]  # per sub-group: {step, step_source, rule, sources}
+    mpi_ranks: int                 # the MPI ranks that wrote it
+    left_out: list[str] = ABSENT   # files of the base's save dir not carried over
+    node_local: Mapping[str, Any] = ABSENT  # node-local output only: {node, files_of_node}
+
+
+@dataclass(frozen=True, slots=True)
+class ExportFields(_Fields):
+    """An export's fields, in the order written."""
+
+    format: str                    # hf, fp32 or universal
+    dtype: str                     # of the weights written
+    sources: Mapping[str, Mapping[str, Any]]  # name -> {path, global_steps}
+    layers: Mapping[str, str]      # layer key -> its source's name
+    mpi_ranks: int                 # the MPI ranks that wrote it
+
+
+@dataclass(frozen=True, slots=True)
+class PartialFields(_Fields):
+    """A partial save's fields, in the order written. Saves of format 1.0 may lack the
+    ones from `global_steps` on but `world_size`, `dtype` and `layers`."""
+
+    format: str                    # PARTIAL_FORMAT
+    version: int                   # the partial layout's version (training/partial_save.py)
+    tag: str                       # the tag dir's name
+    global_steps: int
+    world_size: int                # the ranks that saved it
+    dtype: str                     # fp32, bf16 or fp16
+    layers: list[str]              # the layer keys it holds
+    zero_stage: int                # 1, 2 or 3
+    layout_sha256: str             # of the parameters' names and shapes
+    lineage: Mapping[str, Any] | None  # Lineage.to_json() (formats/files.py), or null
+    layer_patterns: Mapping[str, str]  # the patterns the run saved with
+
+
+ManifestFields = MergeFields | ExportFields | PartialFields
+FIELDS_OF: dict[str, type] = {"merge": MergeFields, "export": ExportFields,
+                              "partial": PartialFields}
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    kind: str                          # one of KINDS
+    kind: str                          # one of MANIFEST_KINDS
     files: Mapping[str, Mapping]       # path in the output -> {"bytes": n, "crc32": c}
-    fields: Mapping[str, Any]          # what this kind records (sources, layers, recipe, ...)
+    fields: ManifestFields             # what this kind records; a mapping is typed by kind
     format_version: str = FORMAT_VERSION
     mpitailor_version: str = __version__
     created: str = field(default_factory=lambda: datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"))
+    extra: Mapping[str, Any] = field(default_factory=dict)  # keys its kind does not define
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"manifest kind {self.kind!r}: one of {KINDS}")
-        clash = set(self.fields) & {*_HEAD, "files"}
-        if clash:
-            raise ValueError(f"manifest fields {sorted(clash)} are the manifest's own")
+        if self.kind not in MANIFEST_KINDS:
+            raise ValueError(f"manifest kind {self.kind!r}: one of {MANIFEST_KINDS}")
+        kind_fields = FIELDS_OF[self.kind]
+        if isinstance(self.fields, Mapping):
+            clash = set(self.fields) & {*_HEAD, "files"}
+            if clash:
+                raise ValueError(f"manifest fields {sorted(clash)} are the manifest's own")
+            object.__setattr__(self, "extra", {**kind_fields.extra_of(self.fields),
+                                               **self.extra})
+            object.__setattr__(self, "fields", kind_fields.from_doc(self.fields))
+        elif type(self.fields) is not kind_fields:
+            raise ValueError(f"manifest kind {self.kind!r} with {type(self.fields).__name__}")
 
     def __getitem__(self, key: str) -> Any:
-        return self.fields[key]
+        """A key of the file (its kind's field, or an extra one); KeyError if absent."""
+        return self.fields[key] if key in self.fields else self.extra[key]
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
+        return self.fields[key] if key in self.fields else self.extra.get(key, default)
 
     @property
     def file_name(self) -> str:
@@ -67,13 +201,13 @@ class Manifest:
     def to_json(self) -> bytes:
         doc = {"format_version": self.format_version, "kind": self.kind,
                "mpitailor_version": self.mpitailor_version, "created": self.created,
-               **self.fields, "files": dict(sorted(self.files.items()))}
+               **self.fields.to_doc(), **self.extra, "files": dict(sorted(self.files.items()))}
         return json.dumps(doc, indent=2).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str, where: Path | str) -> Manifest:
         """Parse a manifest; CheckpointError (one line, naming `where`) if it is not one this
-        version of mpitailor can read."""
+        version of mpitailor can read. Only the head is checked (see the module's doc)."""
         try:
             doc = loads(data)  # nesting bounded: a ValueError, never a RecursionError
             if not isinstance(doc, dict):
@@ -87,7 +221,7 @@ class Manifest:
         _check_version(version, where)
         kind = doc["kind"] if "kind" in doc else _legacy_kind(doc)
         fields = {k: v for k, v in doc.items() if k not in (*_HEAD, "files")}
-        try:
+        try:  # the fields are typed by kind in __post_init__
             return cls(kind, files, fields, version, str(doc.get("mpitailor_version", "")),
                        str(doc.get("created", "")))
         except ValueError as e:

@@ -33,7 +33,7 @@ from mpitailor.formats.boundedio import shown
 from mpitailor.formats.extras import extras_dir
 from mpitailor.formats.files import PARTIAL_MANIFEST, is_tag_dir, resolve
 from mpitailor.formats.hf_side import given_dir_files, read_config
-from mpitailor.formats.manifest import Manifest
+from mpitailor.formats.manifest import ExportFields, Manifest
 from mpitailor.jobs.export_nodes import export_on_nodes
 from mpitailor.jobs.merge import MergeOptions, Planned, check_shard_size, plan_recipe, run_merge
 from mpitailor.jobs.recover import recover_recipe
@@ -155,12 +155,12 @@ def _export_weights(comm: Comm, planned: Planned, fmt: str, dtype: str | None,
                          srcs, config, verify)
 
     def manifest(files: dict) -> Manifest:
-        return Manifest("export", files, {
-            "format": fmt, "dtype": dtype,
-            "sources": {name: {"path": str(m.path), "global_steps": m.global_steps}
-                        for name, m in plan.sources},
-            "layers": {k: s for k, s in plan.layer_source},
-            "mpi_ranks": comm.size})
+        return Manifest("export", files, ExportFields(
+            format=fmt, dtype=dtype,
+            sources={name: {"path": str(m.path), "global_steps": m.global_steps}
+                     for name, m in plan.sources},
+            layers={k: s for k, s in plan.layer_source},
+            mpi_ranks=comm.size))
     if place.node_local:  # no node holds every rank's files: made on one (export_nodes.py)
         written = export_on_nodes(comm, place, plan, sources, export, manifest)
         return ExportResult(plan.output, written, time.perf_counter() - t0)

@@ -4,18 +4,17 @@ from __future__ import annotations
 import os
 
 from mpitailor.formats import OPTIM_BYTES_PER_ELEMENT, CheckpointMeta
-from mpitailor.formats.boundedio import MAX_MANIFEST_BYTES, read_json
-from mpitailor.formats.manifest import MANIFEST
+from mpitailor.formats.manifest import MANIFEST, Manifest, read_manifest
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
 
-def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
+def report(meta: CheckpointMeta, composite: Manifest | None = None) -> dict:
     """A JSON-able summary; per-layer bytes are per rank (stage 3: every rank holds the
     same; stages 1/2: the mean, as a rank's share of a flat group varies).
     composite: the manifest of a merged checkpoint (then each layer says where it came from).
     A partial checkpoint lists only the layers it saved."""
     classify_fn = LayerClassifier(dict(meta.layer_patterns))
-    kind = "composite" if composite else "partial" if meta.held_layers is not None else "full"
+    kind = "composite" if composite is not None else "partial" if meta.held_layers is not None else "full"
     layers: dict[str, dict] = {}
     for slot in meta.layout.slots:
         row = layers.setdefault(classify_fn(slot.name), _row())
@@ -34,7 +33,7 @@ def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
     if meta.held_layers is not None:
         layers = {k: v for k, v in layers.items() if k in meta.held_layers}
     for key, row in layers.items():
-        rec = (composite or {}).get("layers", {}).get(key)
+        rec = composite.get("layers", {}).get(key) if composite is not None else None
         if isinstance(rec, dict):  # composite_manifest checked the mapping, not its records
             row["from"], row["from_step"] = rec.get("source"), rec.get("global_steps")
     return {
@@ -52,14 +51,23 @@ def report(meta: CheckpointMeta, composite: dict | None = None) -> dict:
     }
 
 
-def composite_manifest(meta: CheckpointMeta) -> dict | None:
-    """The merge manifest beside a checkpoint mpitailor assembled, if it is one."""
+def composite_manifest(meta: CheckpointMeta) -> Manifest | None:
+    """The merge manifest beside a checkpoint mpitailor assembled, if it is one: any
+    manifest there whose `layers` (if it has them) is a mapping, whatever its kind (resolve
+    has read it already, and refused a major version it does not read); None for an empty
+    one, which says nothing."""
     for folder in (meta.files.save_dir, meta.files.tag_dir.parent):
         if folder is not None and os.path.lexists(folder / MANIFEST):
-            doc = read_json(folder / MANIFEST, MAX_MANIFEST_BYTES, "an mpitailor manifest")
-            ok = isinstance(doc, dict) and isinstance(doc.get("layers", {}), dict)
-            return doc if ok else None
+            m = read_manifest(folder / MANIFEST)
+            ok = isinstance(m.get("layers", {}), dict) and not _empty(m)
+            return m if ok else None
     return None
+
+
+def _empty(m: Manifest) -> bool:
+    """Did the file hold `{}` (or only what reads as it: no key says anything)?"""
+    return not (m.files or m.extra or dict(m.fields.items()) or m.mpitailor_version
+                or m.created) and m.format_version == "1.0"
 
 
 def _row() -> dict:

@@ -20,7 +20,7 @@ from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.extras import Extras, extras_dir, read_extras
 from mpitailor.formats.fileio import write_synced
 from mpitailor.formats.files import LATEST, resolve
-from mpitailor.formats.manifest import Manifest
+from mpitailor.formats.manifest import Manifest, MergeFields
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.safeload import trust
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
@@ -278,24 +278,24 @@ def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Sta
 
 def merge_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
                    **more) -> Manifest:
-    """The manifest of a merge (more: left_out, node_local)."""
-    return Manifest("merge", files, {
-        "recipe": recipe_text,
-        "tag": plan.base_meta.files.tag,
-        "world_size": plan.out_world_size,
-        "source_world_size": plan.world_size,
-        "base": plan.base,
-        "sources": {name: {"path": str(m.path), "global_steps": m.global_steps,
-                           "save_id": m.lineage.save_id if m.lineage else None}
-                    for name, m in plan.sources},
-        "layers": {key: {"source": src, "global_steps": plan.meta(src).global_steps}
-                   for key, src in plan.layer_source},
-        "subgroups": [{"step": sg.step, "step_source": sg.step_source, "rule": sg.step_rule,
-                       "sources": sorted({r.source for r in sg.runs})}
-                      for sg in plan.subgroups],
-        "mpi_ranks": ranks,
+    """The manifest of a merge (more: the optional MergeFields, left_out and node_local)."""
+    return Manifest("merge", files, MergeFields(
+        recipe=recipe_text,
+        tag=plan.base_meta.files.tag,
+        world_size=plan.out_world_size,
+        source_world_size=plan.world_size,
+        base=plan.base,
+        sources={name: {"path": str(m.path), "global_steps": m.global_steps,
+                        "save_id": m.lineage.save_id if m.lineage else None}
+                 for name, m in plan.sources},
+        layers={key: {"source": src, "global_steps": plan.meta(src).global_steps}
+                for key, src in plan.layer_source},
+        subgroups=[{"step": sg.step, "step_source": sg.step_source, "rule": sg.step_rule,
+                    "sources": sorted({r.source for r in sg.runs})}
+                   for sg in plan.subgroups],
+        mpi_ranks=ranks,
         **more,
-    })
+    ))
 
 
 @dataclass(frozen=True, slots=True)

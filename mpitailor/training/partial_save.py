@@ -32,7 +32,7 @@ from mpitailor.formats.files import (
     partial_files,
 )
 from mpitailor.formats.layout import KINDS, compute_layout
-from mpitailor.formats.manifest import PARTIAL_FORMAT
+from mpitailor.formats.manifest import PARTIAL_FORMAT, PartialFields
 from mpitailor.formats.shard import without_flat_buffers
 from mpitailor.planning.layers import LayerClassifier
 from mpitailor.training.distcomm import training_comm
@@ -230,15 +230,16 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
     finally:
         if hasattr(opt, "checkpoint_event_epilogue"):
             opt.checkpoint_event_epilogue()
-    fields = {"format": PARTIAL_FORMAT, "version": VERSION, "tag": tag,
-              "global_steps": engine.global_steps, "world_size": engine.dp_world_size,
-              "dtype": "bf16" if engine.bfloat16_enabled() else
-                       "fp16" if engine.fp16_enabled() else "fp32",
-              "layers": sorted(layers),
-              "zero_stage": engine.zero_optimization_stage(),
-              "layout_sha256": _layout_hash(states["param_shapes"]),
-              "lineage": lineage.to_json() if lineage else None,
-              "layer_patterns": classify.patterns}
+    fields = PartialFields(
+        format=PARTIAL_FORMAT, version=VERSION, tag=tag,
+        global_steps=engine.global_steps, world_size=engine.dp_world_size,
+        dtype="bf16" if engine.bfloat16_enabled() else
+              "fp16" if engine.fp16_enabled() else "fp32",
+        layers=sorted(layers),
+        zero_stage=engine.zero_optimization_stage(),
+        layout_sha256=_layout_hash(states["param_shapes"]),
+        lineage=lineage.to_json() if lineage else None,
+        layer_patterns=classify.patterns)
     t3 = time.perf_counter()
     return Snapshot(final, rank, leader, blobs, slices, fields, on_published,
                     seconds={"gather": t1 - t0, "copy": t2 - t1, "serialise": t3 - t2})

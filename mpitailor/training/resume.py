@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError, NothingToRecover
-from mpitailor.formats.manifest import MANIFEST, read_manifest
+from mpitailor.formats.manifest import MANIFEST, MergeFields, read_manifest
 from mpitailor.jobs.clean import clean
 from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.prune import RESUME_DIR
@@ -120,9 +120,11 @@ def _is_recovery_of(out: Path, base, world: int) -> bool:
     a Save (the same save id, where the saves record one, else the same path: a save dir or
     its tag dir) or the paths a checkpoint goes by."""
     try:  # bounded, versioned: a composite dir is read as any checkpoint is
-        manifest = read_manifest(out / MANIFEST).fields
-        source = manifest["sources"][manifest["base"]]
-        if manifest["world_size"] != world:
+        merge = read_manifest(out / MANIFEST).fields
+        if not isinstance(merge, MergeFields):
+            return False  # an export's or a partial save's: not a composite
+        source = merge.sources[merge.base]  # either missing (ABSENT): TypeError, KeyError
+        if merge.world_size != world:
             return False
     except (CheckpointError, KeyError, TypeError):
         return False  # absent, or not a composite of ours: another is written
