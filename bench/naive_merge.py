@@ -31,7 +31,7 @@ def main() -> None:
     out = plan.output / plan.base_meta.files.tag
     out.mkdir(parents=True)
     written = 0
-    for r in range(plan.world_size):
+    for r in range(plan.source_world_size):
         whole = {name: load(meta.files.optim_path(r), mmap=False) for name, meta in plan.sources}
         merged = whole[plan.base]
         for g, sg in enumerate(plan.subgroups):

@@ -283,7 +283,7 @@ def merge_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
         recipe=recipe_text,
         tag=plan.base_meta.files.tag,
         world_size=plan.out_world_size,
-        source_world_size=plan.world_size,
+        source_world_size=plan.source_world_size,
         base=plan.base,
         sources={name: {"path": str(m.path), "global_steps": m.global_steps,
                         "save_id": m.lineage.save_id if m.lineage else None}

@@ -59,13 +59,14 @@ class MergePlan:
     target: Target | None = None                       # set when resharding
 
     @property
-    def world_size(self) -> int:
-        """The sources' world size."""
+    def source_world_size(self) -> int:
+        """The sources' world size (all sources have it)."""
         return self.sources[0][1].world_size
 
     @property
     def out_world_size(self) -> int:
-        return self.target.world_size if self.target else self.world_size
+        """The output's: the sources', or the one it is resharded to."""
+        return self.target.world_size if self.target else self.source_world_size
 
     def meta(self, name: str) -> CheckpointMeta:
         return dict(self.sources)[name]
@@ -84,7 +85,7 @@ class MergePlan:
             for run in sg.runs:
                 out[run.source] += run.length * OPTIM_BYTES_PER_ELEMENT
         if self.base_meta.layout.flat:  # runs span the whole group: a partition reads 1/W
-            return {name: n // self.world_size for name, n in out.items()}
+            return {name: n // self.source_world_size for name, n in out.items()}
         return out
 
 

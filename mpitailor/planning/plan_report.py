@@ -9,7 +9,7 @@ from mpitailor.planning.plan import MergePlan
 def format_plan(plan: MergePlan, mpi_size: int) -> str:
     base = plan.base_meta
     lines = [f"output       {plan.output}",
-             f"tag          {base.files.tag}   world size {plan.world_size}   "
+             f"tag          {base.files.tag}   world size {plan.source_world_size}   "
              f"base {plan.base} (step {base.global_steps})",
              "sources"]
     width = max(10, *(len(name) for name, _ in plan.sources)) + 2
@@ -24,7 +24,7 @@ def format_plan(plan: MergePlan, mpi_size: int) -> str:
                     f"or LayerwiseTrainer's default)"
                     if mixed else " (every Adam step exact)"))
     if plan.target is not None:
-        lines.append(f"resharding   {plan.world_size} -> {plan.out_world_size} ranks "
+        lines.append(f"resharding   {plan.source_world_size} -> {plan.out_world_size} ranks "
                      f"({len(plan.target.layout.subgroup_sizes)} sub-groups at the new size)")
         return "\n".join(lines)
     per_part = plan.bytes_per_partition()
