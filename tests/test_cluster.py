@@ -364,6 +364,37 @@ def test_node_local_reshard_to_three_nodes_resumes_like_a_shared_copy(
             shutil.rmtree(cluster.node_dir(i) / name, ignore_errors=True)
 
 
+def test_node_local_output_of_shared_sources_exports_from_the_sources(cluster, merged_in_place):
+    """Shared sources merged by 4 ranks on 2 nodes into a node-local output, with the
+    safetensors export: the first node reads the weights from the sources, so no partition
+    of the other node is copied to it (it receives nothing over MPI); every node gets the
+    export and its own partitions, byte for byte what one process writes."""
+    m, tag = merged_in_place, "global_step2"
+    name, work = m["name"] + "-st", m["work"]
+    recipe = work / "shared-to-local.yml"
+    recipe.write_text(PARITY.format(save=m["shared_save"], out=f"{cluster.node_local}/{name}"))
+    try:
+        ok(cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2,
+                         *merge_cmd(recipe, "--stats", work / "stats-st.json",
+                                    "--export", "safetensors")], timeout=300), cluster)
+        ok(subprocess.run(merge_cmd(work / "shared.yml", "-o", work / "shared-st", "--export",
+                                    "safetensors"), env=dict(cluster), capture_output=True,
+                          text=True, timeout=300, cwd=REPO), cluster)
+        exported = [f for f in tree(work / "shared-st") if f.startswith("hf/")]
+        assert "hf/model.safetensors" in exported
+        for i in (1, 2):
+            d = cluster.node_dir(i) / name
+            assert tree(d) == sorted(["latest", MANIFEST, "zero_to_fp32.py", "zero_to_torch.py",
+                                      *zero_files((2 * i - 2, 2 * i - 1), tag), *exported])
+            same_files(work / "shared-st", d, tree(d))
+        stats = read_stats(work / "stats-st.json")
+        assert [st["bytes_mpi_received"] for st in stats[:2]] == [0, 0]
+        assert sum(st["bytes_mpi_received"] for st in stats[2:]) > 0  # the export, from n1
+    finally:
+        for i in range(1, NODES + 1):
+            shutil.rmtree(cluster.node_dir(i) / name, ignore_errors=True)
+
+
 def test_node_local_recover_across_nodes(cluster, node_local_run, merged_in_place, tmp_path):
     """`recover` of the node-local save dir on its 2 nodes: the newest full save, each
     node's part written on it, as a recover of the shared copy writes it."""

@@ -20,6 +20,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine import storage
+from mpitailor.engine.copyio import join_crcs
 from mpitailor.formats.layout import ELEMENT
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.read import read_meta
@@ -218,3 +219,42 @@ def test_every_byte_has_one_writer_and_shares_are_contiguous(ranks):
         spans = sorted(covered[f.name])
         assert spans[0][0] == len(f.prefix) and spans[-1][1] == f.size
         assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+
+
+def test_join_crcs_joins_ranges_in_order_and_stops_at_a_gap():
+    data = bytes(range(256)) * 7
+    cuts = [0, 5, 300, 301, 1000, len(data)]
+    ranges = [(a, b - a, zlib.crc32(data[a:b])) for a, b in zip(cuts, cuts[1:])]
+    assert join_crcs(reversed(ranges)) == (zlib.crc32(data), len(data))
+    # from a prefix already taken (a header), as an HF file's CRC starts
+    assert join_crcs(ranges[2:], zlib.crc32(data[:300]), 300) == (zlib.crc32(data), len(data))
+    assert join_crcs([ranges[0], *ranges[2:]])[1] == 5  # bytes 5-300 written by nobody
+
+
+def test_a_merges_weights_are_read_from_the_sources_not_the_staged_output(ckpt, tmp_path,
+                                                                          monkeypatch):
+    """The rebuilt 16-bit weights and the safetensors export read the plan's sources, as
+    `export` does: the staged merge is never read back, and resharding the merge changes
+    none of their bytes."""
+    from mpitailor.jobs import merge as merge_job
+    new, old = ckpt(NAME, 10), ckpt(NAME, 5)
+    read = []
+
+    def read_meta_seen(path, *args, **kwargs):
+        read.append(Path(path))
+        return read_meta(path, *args, **kwargs)
+    monkeypatch.setattr(merge_job, "read_meta", read_meta_seen)
+    outs = {}
+    for world_size in (None, 2):
+        outs[world_size] = tmp_path / f"w{world_size}"
+        for k, v in recipe_env(new, old, outs[world_size]).items():
+            monkeypatch.setenv(k, v)
+        comm = Comm(None)
+        run_merge(comm, plan_merge(comm, str(RECIPES / "parity.yml"), world_size=world_size),
+                  MergeOptions(export=frozenset({"safetensors"})))
+    assert read and set(read) <= {new, old}, read
+    weights = {w: {f: b for f, b in files_under(out).items()
+                   if f.startswith("hf/") or f.startswith("model")}
+               for w, out in outs.items()}
+    assert "model.safetensors" in weights[None] and "hf/model.safetensors" in weights[None]
+    assert weights[2] == weights[None]

@@ -5,7 +5,7 @@ them cast to the output dtype (Copier.cast). All I/O goes through storage.py.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mpitailor.engine import storage
@@ -15,8 +15,21 @@ from mpitailor.engine.storage import (
     pread_into,
     write_out,
 )
-from mpitailor.formats.crc import crc32
+from mpitailor.formats.crc import crc32, crc32_combine
 from mpitailor.formats.layout import ELEMENT
+
+
+def join_crcs(ranges: Iterable[tuple[int, int, int]], crc: int = 0, pos: int = 0
+              ) -> tuple[int, int]:
+    """The CRC-32 of bytes [0, end) of one output, from `crc` (of bytes [0, pos)) and the
+    ranks' ranges (first byte, bytes, CRC-32 of them), joined in byte order while they tile:
+    (crc, end), end the first byte no range covers. Both executors' outputs (a flat buffer
+    of the copy program, an HF weights file) get their CRC this way."""
+    for first, n, part in sorted(ranges):
+        if first != pos:
+            break
+        crc, pos = crc32_combine(crc, part, n), pos + n
+    return crc, pos
 
 
 def sync_close(copier: Copier, outs: dict[str, int]) -> None:

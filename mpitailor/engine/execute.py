@@ -9,7 +9,7 @@ Collective throughout (`write_partitions` is called on every rank). Three steps:
 2. Copy (copystep.py): every rank fills its byte ranges of the flat buffers (program.split) at
    their final offsets, in bounded chunks: pread from the source, CRC-32, pwrite. No buffer
    larger than a chunk is ever held. Each range's CRC is shared.
-3. Finish: the home rank joins the CRCs of each record in order (crc32_combine), writes the
+3. Finish: the home rank joins the CRCs of each record in order (copyio.join_crcs), writes the
    local headers, data descriptors and central directory, fsyncs, and writes the
    partition's model-states file.
 Universal files are copied straight from the sources (the pieces of program.param_pieces),
@@ -26,6 +26,7 @@ from pathlib import Path
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths
+from mpitailor.engine.copyio import join_crcs
 from mpitailor.engine.copystep import Copy, Shards, output_file, raise_error
 from mpitailor.engine.iostats import snapshot
 from mpitailor.engine.partition_states import (
@@ -40,7 +41,7 @@ from mpitailor.engine.progress import Progress
 from mpitailor.engine.storage import create_sized, pwrite_all, pwrite_synced
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import ptzip
-from mpitailor.formats.crc import crc32, crc32_combine
+from mpitailor.formats.crc import crc32
 from mpitailor.formats.files import STAGE12_MODEL, model_file
 from mpitailor.formats.layout import ELEMENT
 from mpitailor.formats.shard_protocol import ShardStates
@@ -281,12 +282,11 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
 
 
 def _join(pieces: list[tuple[int, int, int]], nbytes: int, name: str) -> int:
-    """CRC-32 of a whole buffer from the CRCs of its ranges (which must tile it)."""
-    crc, pos = 0, 0
-    for lo, hi, c in sorted(pieces):
-        if lo != pos:
-            raise RuntimeError(f"internal error: {name}: bytes {pos}-{lo} of a buffer unwritten")
-        crc, pos = crc32_combine(crc, c, hi - lo), hi
+    """CRC-32 of a whole buffer from the CRCs of its ranges [lo, hi) (which must tile it)."""
+    crc, pos = join_crcs((lo, hi - lo, c) for lo, hi, c in pieces)
+    gap = min((lo for lo, _, _ in pieces if lo > pos), default=None)
+    if gap is not None:
+        raise RuntimeError(f"internal error: {name}: bytes {pos}-{gap} of a buffer unwritten")
     if pos != nbytes:
         raise RuntimeError(f"internal error: {name}: a buffer ends at {pos}, not {nbytes}")
     return crc

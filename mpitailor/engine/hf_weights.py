@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.engine.copyio import Copier, sync_close
+from mpitailor.engine.copyio import Copier, join_crcs, sync_close
 from mpitailor.engine.storage import close_all, create_sized, fsync_close, open_output
 from mpitailor.errors import CheckpointError, MergeFailed
 from mpitailor.formats import CheckpointMeta, Slot
 from mpitailor.formats.boundedio import MAX_INDEX_BYTES, MAX_SIDE_FILE_BYTES, read_json, \
     read_small, shown
 from mpitailor.formats.consolidate import read_range
-from mpitailor.formats.crc import crc32, crc32_combine
+from mpitailor.formats.crc import crc32
 from mpitailor.formats.dtypes import DTYPES, from_safetensors
 from mpitailor.formats.extras import weight_files
 from mpitailor.formats.fileio import write_synced
@@ -51,6 +51,7 @@ from mpitailor.planning.hf_layout import (
     plan_weights,
     share,
 )
+from mpitailor.planning.plan import MergePlan
 
 _SHARD_FILE = re.compile(r"\w[\w.-]*\.safetensors")
 
@@ -103,10 +104,18 @@ def _tensors(meta: CheckpointMeta) -> list[tuple[str, tuple[int, ...]]]:
     return [(s.name, s.shape) for s in meta.layout.slots] + list(meta.frozen_shapes)
 
 
-def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWeights) -> dict:
-    """Collective: rebuild the base's 16-bit weights from `meta` (the merged checkpoint) into
-    dest, in the base's layout: one model.safetensors, or the base's shard files holding
-    the same tensors each, with an index. Returns {file: manifest record}."""
+def plan_sources(plan: MergePlan) -> dict[str, CheckpointMeta]:
+    """parameter -> the checkpoint the plan takes its values from (write_planned's
+    `sources`): an export straight from the sources, without the merged checkpoint."""
+    return {name: plan.meta(src) for name, src in (*plan.param_source, *plan.frozen_source)}
+
+
+def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWeights,
+                     sources: dict[str, CheckpointMeta] | None = None) -> dict:
+    """Collective: rebuild the base's 16-bit weights from `meta` (the merged checkpoint, or
+    the plan's base with `sources`: plan_sources) into dest, in the base's layout: one
+    model.safetensors, or the base's shard files holding the same tensors each, with an
+    index. Returns {file: manifest record}."""
     def plan() -> WeightsPlan:
         tensors = _tensors(meta)
         names = [n for n, _ in tensors]
@@ -114,7 +123,7 @@ def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWei
             return plan_weights(tensors, base.dtype, [(SINGLE, names)], index=False)
         return plan_weights(tensors, base.dtype, like_base(names, dict(base.weight_map)),
                             index=True)
-    return write_planned(comm, meta, dest, comm.root_step(plan))
+    return write_planned(comm, meta, dest, comm.root_step(plan), sources)
 
 
 def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPlan,
@@ -228,11 +237,7 @@ def _records(plan: WeightsPlan, gathered: list[list[tuple[str, int, int, int]]]
             ranges[name].append((first, n, crc))
     records = {}
     for f in plan.files:
-        crc, pos = crc32(f.prefix), len(f.prefix)
-        for first, n, part_crc in sorted(ranges[f.name]):
-            if first != pos:
-                break
-            crc, pos = crc32_combine(crc, part_crc, n), pos + n
+        crc, pos = join_crcs(ranges[f.name], crc32(f.prefix), len(f.prefix))
         if pos != f.size:
             raise MergeFailed(f"{f.name}: bytes from {pos} on were written by no rank "
                               f"(a bug in the work split)")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.engine.hf_weights import export_hf, has_config
+from mpitailor.engine.hf_weights import export_hf, has_config, plan_sources
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.boundedio import shown
@@ -145,8 +145,7 @@ def _export_weights(comm: Comm, planned: Planned, fmt: str, dtype: str | None,
     plan, place = planned.plan, planned.place
     base = plan.base_meta
     dtype = "fp32" if fmt == "fp32" else (dtype or base.dtype)
-    sources = {name: plan.meta(src)
-               for name, src in (*plan.param_source, *plan.frozen_source)}
+    sources = plan_sources(plan)
     side_dir = extras_dir(base) if fmt == "hf" else None  # the source's, wherever it is read
 
     def export(c: Comm, meta: CheckpointMeta, srcs: dict, root: Path) -> dict:

@@ -12,7 +12,13 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, output_is_shared, survey
 from mpitailor.engine.execute import write_partitions
-from mpitailor.engine.hf_weights import base_weights, export_hf, has_config, write_hf_weights
+from mpitailor.engine.hf_weights import (
+    base_weights,
+    export_hf,
+    has_config,
+    plan_sources,
+    write_hf_weights,
+)
 from mpitailor.engine.replicate import carry_files, replicate
 from mpitailor.engine.universal import export_universal
 from mpitailor.errors import CheckpointError, UserError
@@ -140,7 +146,8 @@ def _write_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResul
         rebuild = comm.step_on(beside, base_weights, plan.base_meta)
         exports = _Exports(plan, root, rebuild, export_dtype, universal, max_shard_size)
         if exports.wanted and out_nodes is None:
-            files.update(exports.write(comm))
+            # the sources are read where every rank sees them; node-local ones are not
+            files.update(exports.write(comm, from_sources=not place.node_local))
         elif exports.wanted:
             moved = _export_on_first_node(comm, place, exports, by_rank, files)
             stats = [{**st, **{k: st[k] + m[k] for k in m}} for st, m in zip(stats, moved)]
@@ -173,16 +180,22 @@ class _Exports:
     def wanted(self) -> bool:
         return self.rebuild is not None or self.export_dtype is not None or self.universal
 
-    def write(self, comm: Comm) -> dict:
-        """Collective over the ranks that see the whole staged checkpoint: {file: record}."""
+    def write(self, comm: Comm, from_sources: bool = False) -> dict:
+        """Collective over the ranks that see the whole staged checkpoint: {file: record}.
+        from_sources: the weights (the 16-bit rebuild, the safetensors export) are read from
+        the plan's sources, as `export` reads them (every rank of comm sees them), not from
+        the staged output; the Universal export reads the staged rank-0 files either way."""
         files = {}
         root, tag = self.root, self.plan.base_meta.files.tag
-        staged = comm.root_step(read_meta, root / tag)  # only when something reads it
+        staged = comm.root_step(read_meta, root / tag) \
+            if self.universal or not from_sources else None  # only when something reads it
+        meta, sources = (self.plan.base_meta, plan_sources(self.plan)) if from_sources \
+            else (staged, None)
         if self.rebuild is not None:  # the base carried 16-bit weights: rebuild them
-            files.update(write_hf_weights(comm, staged, root, self.rebuild))
+            files.update(write_hf_weights(comm, meta, root, self.rebuild, sources))
         if self.export_dtype is not None:
-            exported = export_hf(comm, staged, extras_dir(self.plan.base_meta), root / "hf",
-                                 self.export_dtype, self.max_shard_size)
+            exported = export_hf(comm, meta, extras_dir(self.plan.base_meta), root / "hf",
+                                 self.export_dtype, self.max_shard_size, sources)
             files.update({f"hf/{name}": rec for name, rec in exported.items()})
         if self.universal:
             files.update(export_universal(comm, staged, root))
@@ -191,19 +204,22 @@ class _Exports:
 
 def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
                           by_rank: list[dict], files: dict) -> list[dict]:
-    """Node-local output with exports: the other nodes' partitions are copied to the first
-    node over MPI, its ranks make the exports there, the exports (and the Universal files
-    the copy program wrote there) are copied to every other node, and the first node drops
-    the partitions that are not its own. Adds the exports to `files`; returns every rank's
-    bytes moved over MPI."""
+    """Node-local output with exports, made on the first node: its ranks read the weights
+    from the sources where they see them all (a shared file system); the staged partitions
+    are read where the sources are node-local, and by the Universal export: then the other
+    nodes' partitions are first copied to the first node over MPI, which drops them after.
+    The exports (and the Universal files the copy program wrote there) are copied to every
+    other node. Adds the exports to `files`; returns every rank's bytes moved over MPI."""
     nodes, tag, root = place.nodes, exports.plan.base_meta.files.tag, exports.root
     node = nodes.of_rank[comm.rank]
     writer_node = {f"{tag}/{name}": nodes.of_rank[r] for r, part in enumerate(by_rank)
                    for name in part}
-    gathered = {f: rec for f, rec in files.items() if writer_node.get(f, 0) != 0}
+    staged = exports.universal or place.node_local  # the exports read the staged partitions
+    gathered = {f: rec for f, rec in files.items() if staged and writer_node.get(f, 0) != 0}
     moved = [replicate(comm, nodes, root, gathered, writer_node, {f: [0] for f in gathered})]
     first = comm.split(0 if node == 0 else 1)
-    made = comm.step(lambda: exports.write(first) if node == 0 else None)
+    made = comm.step(lambda: exports.write(first, from_sources=not place.node_local)
+                     if node == 0 else None)
     made = comm.bcast(made)
     shared = {**made, **{f: rec for f, rec in files.items() if f.startswith(f"{tag}/zero/")}}
     others = list(range(1, len(nodes.names)))
