@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import UserError
 from mpitailor.jobs.merge import MergeOptions, MergeResult, plan_merge, run_merge
-from mpitailor.jobs.recover import plan_recover
+from mpitailor.jobs.recovery import plan_recover
 
 __all__ = ["MergeResult", "merge", "recover"]
 

@@ -22,7 +22,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_recover(args: argparse.Namespace) -> int:
     from mpitailor.jobs.merge import plan_recipe
-    from mpitailor.jobs.recover import recover_chain, recover_recipe, recovered
+    from mpitailor.jobs.recovery import recover_chain, recover_recipe, recovered
 
     comm = args.comm
     save_dir = Path(args.save_dir).resolve()

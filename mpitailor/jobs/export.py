@@ -36,7 +36,7 @@ from mpitailor.formats.hf_side import given_dir_files, read_config
 from mpitailor.formats.manifest import ExportFields, Manifest
 from mpitailor.jobs.export_nodes import export_on_nodes
 from mpitailor.jobs.merge import MergeOptions, Planned, check_shard_size, plan_recipe, run_merge
-from mpitailor.jobs.recover import recover_recipe
+from mpitailor.jobs.recovery import recover_recipe
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.recipe import Recipe, recipe_from
 from mpitailor.publish.staging import Staging, holding

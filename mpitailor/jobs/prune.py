@@ -20,7 +20,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, MpitailorError, UserError
 from mpitailor.formats.manifest import MANIFEST, read_manifest
 from mpitailor.jobs.clean import not_a_dir
-from mpitailor.jobs.saves import survey_saves
+from mpitailor.jobs.recovery import survey_saves
 from mpitailor.jobs.tombstones import read_tombstones, write_tombstone
 from mpitailor.planning.retention import Composite, RetentionPlan, Verdict, plan_retention
 from mpitailor.publish.leftovers import (

@@ -1,5 +1,5 @@
 """Recovery's choice, with no I/O: which saves form the timeline to recover, and the recipe
-that takes every layer's newest copy from them. jobs/saves.py finds and checks the saves."""
+that takes every layer's newest copy from them. jobs/recovery.py finds and checks the saves."""
 from __future__ import annotations
 
 from dataclasses import dataclass

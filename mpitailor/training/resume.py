@@ -18,7 +18,7 @@ from mpitailor.formats.manifest import MANIFEST, MergeFields, read_manifest
 from mpitailor.jobs.clean import clean
 from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.prune import RESUME_DIR
-from mpitailor.jobs.saves import find_saves, plan_recovery
+from mpitailor.jobs.recovery import find_saves, plan_recovery
 from mpitailor.formats.read import read_meta
 from mpitailor.planning.recipe import recipe_from
 from mpitailor.planning.recovery import Chain, recovery_recipe
