@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -182,11 +183,11 @@ class CommFailed(MergeFailed):
 
 
 def _is_mpi_error(e: BaseException) -> bool:
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return False
-    return isinstance(e, MPI.Exception)
+    """Only an MPI world can raise an MPI error; never imported here, as importing mpi4py's
+    MPI starts MPI (in a training process whose world is torch.distributed, say) and can
+    fail, hiding the error at hand."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(e, mpi.Exception)
 
 
 def _mpi_error_class(e) -> str:
