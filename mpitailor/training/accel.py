@@ -21,7 +21,6 @@ Collective: every method is called on every rank.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from accelerate.utils import MODEL_NAME, DeepSpeedSchedulerWrapper
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError
-from mpitailor.formats.files import LATEST
+from mpitailor.formats.files import LATEST, Lineage
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Decision, Policy
 
@@ -67,22 +66,19 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
             raise UserError("AccelerateCheckpointer.save() takes no tag or client_state: saves "
                             "are named checkpoint-N, and Accelerate keeps other state through "
                             "accelerator.register_for_checkpointing")
-        t0 = time.perf_counter()
-        waited = self.wait()
         out = Path(self.save_dir) / f"{SAVE_PREFIX}{self.engine.global_steps}"
-        decision = self.decide()
-        lineage = self.next_lineage(decision)
-        fresh_save_dir(self.engine, out, create=True)
-        if decision.full:
+
+        def full() -> None:
             failpoints.hit("full-save", out.name)
             self.accelerator.save_state(str(out))
-        else:
+
+        def partial(layers: frozenset[str], lineage: Lineage) -> None:
             self._save_accelerate_files(out)
-            self.save_partial(MODEL_NAME, decision.layers, lineage, save_dir=out,
+            self.save_partial(MODEL_NAME, layers, lineage, save_dir=out,
                               on_published=lambda: (out / LATEST).write_text(MODEL_NAME))
-        self.record(decision, lineage, out / MODEL_NAME, blocked=time.perf_counter() - t0,
-                    waited=waited)
-        return decision
+
+        return self._save_with(out / MODEL_NAME, full, partial,
+                               prepare=lambda: fresh_save_dir(self.engine, out, create=True))
 
     def _save_accelerate_files(self, out: Path) -> None:
         """What accelerator.save_state writes besides the DeepSpeed model, written by

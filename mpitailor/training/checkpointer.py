@@ -23,7 +23,6 @@ Collective: every method is called on every rank.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -31,15 +30,13 @@ import shutil
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from mpitailor import failpoints
 from mpitailor.errors import MpitailorError, UserError
-from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage
+from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage, SaveRecord
 from mpitailor.formats.layout import ELEMENT
 from mpitailor.jobs.prune import prune
 from mpitailor.planning.layers import LayerClassifier, layer_index
@@ -178,19 +175,38 @@ class LayerwiseCheckpointer:
 
     def save(self, tag: str | None = None, client_state: dict | None = None) -> Decision:
         """Collective: a full DeepSpeed save or a partial one, as the policy decides."""
-        t0 = time.perf_counter()
-        waited = self.wait()
         tag = tag or f"global_step{self.engine.global_steps}"
-        decision = self.decide()
-        lineage = self.next_lineage(decision)
-        if decision.full:
+
+        def full() -> None:
             self._drop_partial(tag)
             failpoints.hit("full-save", tag)
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state or {})
+
+        return self._save_with(
+            Path(self.save_dir) / tag, full,
+            lambda layers, lineage: self.save_partial(tag, layers, lineage, client_state))
+
+    def _save_with(self, tag_dir: Path, full: Callable[[], None],
+                   partial: Callable[[frozenset[str], Lineage], None],
+                   prepare: Callable[[], None] | None = None) -> Decision:
+        """Collective: one save, in the order every framework's checkpointer shares: wait
+        for the save in flight, decide, agree the lineage, `prepare()` (the save's dir made
+        ready; None: nothing to do), then the framework's own full save, `full()`, or its
+        partial save of the chosen layers, `partial(layers, lineage)`, and record the save
+        (tag_dir: its DeepSpeed tag dir, where a full save's lineage record goes). Blocked
+        time counts from the wait on; a step that raises leaves the save unrecorded."""
+        t0 = time.perf_counter()
+        waited = self.wait()
+        decision = self.decide()
+        lineage = self.next_lineage(decision)
+        if prepare is not None:
+            prepare()
+        if decision.full:
+            full()
         else:
-            self.save_partial(tag, decision.layers, lineage, client_state)
-        self.record(decision, lineage, Path(self.save_dir) / tag,
-                    blocked=time.perf_counter() - t0, waited=waited)
+            partial(decision.layers, lineage)
+        self.record(decision, lineage, tag_dir, blocked=time.perf_counter() - t0,
+                    waited=waited)
         return decision
 
     def save_partial(self, tag: str, layers, lineage: Lineage | None,
@@ -259,8 +275,7 @@ class LayerwiseCheckpointer:
         stale = Path(self.save_dir) / tag
         if save_leader(self.engine) and (stale / PARTIAL_MANIFEST).exists():
             shutil.rmtree(stale)
-        if dist.is_initialized():
-            dist.barrier()
+        training_comm().barrier()
 
 
 # The asynchronous checkpointers alive in this process (training/cpu.py's end waits for them).
@@ -292,16 +307,13 @@ def fresh_save_dir(engine, out: Path, create: bool = False) -> None:
         discard(out, path_of(out, DISCARD))
         if create:
             out.mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()
+    training_comm().barrier()
 
 
 def agreed_save_id() -> str:
     """Collective: a fresh id, rank 0's on every rank."""
-    box = [uuid.uuid4().hex]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+    save_id, comm = uuid.uuid4().hex, training_comm()
+    return comm.bcast(save_id, 0) if comm.size > 1 else save_id
 
 
 def refuse_unsupported(engine) -> None:
@@ -336,6 +348,5 @@ def write_save_record(tag_dir: Path, lineage: Lineage, global_steps: int,
                       layer_patterns: dict[str, str]) -> None:
     """Rank 0: the lineage of a full save, beside DeepSpeed's files (which ignore it), and
     the layer patterns the run saves with."""
-    record = {"format": "mpitailor-save", **lineage.to_json(), "global_steps": global_steps,
-              "layer_patterns": layer_patterns}
-    write_replacing(tag_dir / SAVE_RECORD, json.dumps(record, indent=2).encode())
+    write_replacing(tag_dir / SAVE_RECORD,
+                    SaveRecord(lineage, global_steps, layer_patterns).to_json())

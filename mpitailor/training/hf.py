@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -126,25 +125,22 @@ class LayerwiseTrainer(transformers.Trainer):
                 self.deepspeed, run_dir, self.layerwise_policy, self.layerwise_stats,
                 self.layer_patterns, self.asynchronous, self.max_host_bytes,
                 keep_last=self.args.save_total_limit)
-        t0 = time.perf_counter()
-        waited = self._layerwise.wait()
-        decision = self._layerwise.decide()
-        lineage = self._layerwise.next_lineage(decision)
         out = run_dir / f"checkpoint-{self.state.global_step}"
-        fresh_save_dir(self.deepspeed, out)
-        if decision.full:
+
+        def full() -> None:
             # HF's rotation deletes the oldest checkpoint-N dirs, which would take the full
             # save the partial ones build on: save_total_limit is the checkpointer's
             # keep_last instead (mpitailor prune's rules), applied once the save is published.
             limit, self.args.save_total_limit = self.args.save_total_limit, None
             try:
-                super()._save_checkpoint(model, trial)
+                super(LayerwiseTrainer, self)._save_checkpoint(model, trial)
             finally:
                 self.args.save_total_limit = limit
-        else:
-            self._save_partial(out, decision.layers, lineage)
-        self._layerwise.record(decision, lineage, out / f"global_step{self.state.global_step}",
-                               blocked=time.perf_counter() - t0, waited=waited)
+
+        self._layerwise._save_with(
+            out / f"global_step{self.state.global_step}", full,
+            lambda layers, lineage: self._save_partial(out, layers, lineage),
+            prepare=lambda: fresh_save_dir(self.deepspeed, out))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # Late in a full save (Trainer._save_checkpoint): ZeRO-3's DeepSpeed files, `latest`
