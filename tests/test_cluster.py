@@ -9,6 +9,7 @@ namespaces, bridge or veth, apt fails). See tests/cluster_util.py for the cluste
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -64,10 +65,14 @@ def cluster():
 @pytest.fixture(autouse=True)
 def nodes_up(cluster):
     """Every node in service before a test: srun on a node that is down waits for it rather
-    than failing, so a node an earlier test left down would hang this one until its timeout."""
-    down = {n: s for n in (f"n{i}" for i in range(1, NODES + 1))
-            if (s := node_state(n, cluster)).startswith(("down", "drain", "fail"))}
-    assert not down, f"nodes out of service before the test: {down}\n{cluster.logs()}"
+    than failing, so a node an earlier test left down would hang this one until its timeout.
+    A node on its way back (restarted by the test before) gets 60 s."""
+    def down() -> dict[str, str]:
+        return {n: s for n in (f"n{i}" for i in range(1, NODES + 1))
+                if (s := node_state(n, cluster)).startswith(("down", "drain", "fail"))}
+    with contextlib.suppress(TimeoutError):
+        wait_for("every node in service", lambda: not down(), 60, 0.5)
+    assert not down(), f"nodes out of service before the test: {down()}\n{cluster.logs()}"
 
 
 def ok(r: subprocess.CompletedProcess, cluster: Cluster) -> str:
@@ -642,7 +647,7 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
             restarted, start = start_cluster(NODES)
             assert restarted is not None and start.returncode == 0, start.stderr
             assert "started slurmd of n2" in start.stderr, start.stderr
-            wait_for("n2 idle", lambda: node_state("n2", cluster) == "idle", 60, 0.5)
+            wait_for("n2 idle", lambda: node_state("n2", cluster) == "idle", 120, 0.5)
     # The same merge again: published on both nodes, the stale staging dir reclaimed.
     ok(cluster.srun(["--kill-on-bad-exit=1", "-N", 2, "-w", "n1,n2", "-n", 4,
                      "--ntasks-per-node", 2,
