@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 fixtures: install
-	$(BIN)/python tests/ckpt_fixtures.py
+	# dev/ (the tiny trainer) is the repo's, not installed: the repo root on the path
+	PYTHONPATH=$(CURDIR) $(BIN)/python tests/ckpt_fixtures.py
 	# the Python 3.10 venv of tests/test_python310.py (core install only; ~20 s once, cached)
 	$(BIN)/python tests/test_python310.py
 

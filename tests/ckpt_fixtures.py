@@ -2,7 +2,8 @@
 
 Every variant is a real multi-process DeepSpeed run (`dev.tinytrain`) that saves at
 steps 5 and 10. The cache key is the run's spec plus FIXTURE_VERSION, so changing a spec
-rebuilds just that variant. `python tests/ckpt_fixtures.py` builds them all (the Makefile
+rebuilds just that variant. `make fixtures` (`PYTHONPATH=. python tests/ckpt_fixtures.py`: dev/ is
+the repo's) builds them all (the Makefile
 does this before the MPI tests, whose ranks must not race to build).
 """
 from __future__ import annotations

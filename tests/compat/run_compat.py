@@ -9,6 +9,7 @@ DeepSpeed runs per version); run before each release.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,9 @@ def run_version(version: str) -> dict:
     try:
         r = subprocess.run([str(venv / "bin" / "python"), str(HERE / "check_version.py"),
                             version, str(out), str(work)],
-                           check=False, cwd=REPO)
+                           check=False, cwd=REPO,
+                           # dev/ (the tiny trainer) is the repo's, not installed
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
         if r.returncode != 0 or not out.exists():
             return {"deepspeed": version, "error": f"check_version.py exited {r.returncode}",
                     "stages": {}}
