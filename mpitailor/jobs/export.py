@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
+from mpitailor.cluster.nodes import Placement
 from mpitailor.engine.hf_weights import export_hf, has_config, plan_sources
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import CheckpointMeta
@@ -36,7 +37,7 @@ from mpitailor.formats.hf_side import given_dir_files, read_config
 from mpitailor.formats.manifest import ExportFields, Manifest
 from mpitailor.jobs.export_nodes import export_on_nodes
 from mpitailor.jobs.merge import MergeOptions, Planned, check_shard_size, plan_recipe, run_merge
-from mpitailor.jobs.recovery import recover_recipe
+from mpitailor.jobs.recovery import recover_chain
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.recipe import Recipe, recipe_from
 from mpitailor.publish.staging import Staging, holding
@@ -51,10 +52,11 @@ class ExportResult:
     seconds: float
 
 
-def source_recipe(comm: Comm, source: Path, output: Path) -> Recipe:
+def source_recipe(comm: Comm, source: Path, output: Path) -> tuple[Recipe, Placement | None]:
     """Collective: the recipe whose plan says where every parameter comes from: the one
     checkpoint SRC names, or the chain `recover` would assemble from a save dir of
-    layer-wise saves."""
+    layer-wise saves; and, for a save dir, where its files lie (surveyed by the recovery,
+    reused by plan_recipe), else None."""
     def single() -> bool:
         try:
             files = resolve(source)
@@ -71,8 +73,9 @@ def source_recipe(comm: Comm, source: Path, output: Path) -> Recipe:
     if comm.root_step(single):
         return comm.root_step(recipe_from, {"sources": {"src": str(source)},
                                             "layers": {"rest": "src"}, "output": str(output)},
-                              origin=f"export {source}")
-    return recover_recipe(comm, source, output)
+                              origin=f"export {source}"), None
+    recipe, _, place = recover_chain(comm, source, output)
+    return recipe, place
 
 
 def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | None,
@@ -97,8 +100,7 @@ def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | No
     check_shard_size(max_shard_size)
     if fmt == "fp32" and dtype not in (None, "fp32"):
         raise UserError(f"--format fp32 writes fp32; --dtype {dtype} goes with --format hf")
-    recipe = source_recipe(comm, source, output)
-    planned = plan_recipe(comm, recipe)
+    planned = plan_recipe(comm, *source_recipe(comm, source, output))
     plan = planned.plan
     if fmt == "universal":
         if dtype is not None or max_shard_size is not None:

@@ -231,17 +231,12 @@ def _timeline_to_recover(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain
     return chain
 
 
-def plan_recovery(comm: Comm, save_dir: Path, until_step: int | None = None) -> Chain:
+def plan_recovery(comm: Comm, save_dir: Path,
+                  until_step: int | None = None) -> tuple[Chain, Placement]:
     """Collective: find, check and choose; partial saves the chain uses are checked against
     their CRC-32s (a damaged one is skipped and the chain chosen again). until_step: leave
-    out saves after this step (resume from an older point)."""
-    return plan_recovery_at(comm, save_dir, until_step)[0]
-
-
-def plan_recovery_at(comm: Comm, save_dir: Path,
-                     until_step: int | None = None) -> tuple[Chain, Placement]:
-    """Collective: plan_recovery's chain, and where the save dir's files lie (the survey a
-    merge of the chain then reuses)."""
+    out saves after this step (resume from an older point). Also where the save dir's files
+    lie: the survey that a merge of the chain then reuses (plan_recipe's `place`)."""
     _, chain, place = survey_saves(comm, save_dir, until_step)
     if comm.rank == 0:
         for name, why in chain.skipped:
@@ -309,7 +304,7 @@ def recover_chain(comm: Comm, save_dir: str | os.PathLike, output: str | os.Path
     if layer_patterns:
         check_patterns(dict(layer_patterns), where=where)
     save_dir = Path(save_dir).resolve()
-    chain, place = plan_recovery_at(comm, save_dir)
+    chain, place = plan_recovery(comm, save_dir)
     return comm.root_step(recovery_recipe, save_dir, chain,
                           None if output is None else Path(output).resolve(),
                           dict(layer_patterns) if layer_patterns else None,

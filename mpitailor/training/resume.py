@@ -44,7 +44,7 @@ def recover_for_resume(save_dir: str | os.PathLike, until_step: int | None = Non
         _say(comm, logging.INFO, f"no save dir {save_dir} yet: training starts from scratch")
         return None
     try:
-        chain = plan_recovery(comm, save_dir, until_step=until_step)
+        chain, place = plan_recovery(comm, save_dir, until_step=until_step)
     except NothingToRecover as e:
         left = comm.root_step(_unfinished, save_dir)
         comm.root_step(_reclaim, save_dir, left)
@@ -67,7 +67,8 @@ def recover_for_resume(save_dir: str | os.PathLike, until_step: int | None = Non
         f", resharded from world size {chain.full.meta.world_size}"
     where = f"resuming from {out} (step {base.step}, world size {world}{resharded})"
     reused = _written_once(comm, out, base, world, lambda: recovery_recipe(
-        save_dir, chain, out, None, None if chain.full.meta.world_size == world else world))
+        save_dir, chain, out, None, None if chain.full.meta.world_size == world else world),
+        place)
     _say(comm, logging.INFO, f"{where}, recovered{' before' if reused else ''} from {came_from}")
     return out
 
@@ -93,13 +94,14 @@ def reshard_for_resume(checkpoint: str | os.PathLike, output_root: str | os.Path
     return out
 
 
-def _written_once(comm, out: Path, base, world: int, recipe_of) -> bool:
+def _written_once(comm, out: Path, base, world: int, recipe_of, place=None) -> bool:
     """Collective: True when out already is the composite of base for world (reused), else
-    False, having written it from the recipe rank 0 makes (recipe_of())."""
+    False, having written it from the recipe rank 0 makes (recipe_of()); place: where its
+    sources lie, when already surveyed (plan_recipe)."""
     if comm.root_step(_is_recovery_of, out, base, world):
         return True
     recipe = comm.root_step(recipe_of)
-    run_merge(comm, plan_recipe(comm, recipe), MergeOptions())
+    run_merge(comm, plan_recipe(comm, recipe, place), MergeOptions())
     return False
 
 
