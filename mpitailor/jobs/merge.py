@@ -144,10 +144,11 @@ def _write_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResul
         # on the node of the base's rank 0 (the one with `latest`, scripts, HF files).
         beside = place.reader([plan.base_meta.files.model_path(0)]) if place.node_local else 0
         rebuild = comm.step_on(beside, base_weights, plan.base_meta)
-        exports = _Exports(plan, root, rebuild, export_dtype, universal, max_shard_size)
+        # the sources are read where every rank sees them; node-local ones are not
+        exports = _Exports(plan, root, rebuild, export_dtype, universal, max_shard_size,
+                           from_sources=not place.node_local)
         if exports.wanted and out_nodes is None:
-            # the sources are read where every rank sees them; node-local ones are not
-            files.update(exports.write(comm, from_sources=not place.node_local))
+            files.update(exports.write(comm))
         elif exports.wanted:
             moved = _export_on_first_node(comm, place, exports, by_rank, files)
             stats = [{**st, **{k: st[k] + m[k] for k in m}} for st, m in zip(stats, moved)]
@@ -175,21 +176,27 @@ class _Exports:
     export_dtype: str | None
     universal: bool
     max_shard_size: int
+    # the weights (the 16-bit rebuild, the safetensors export) are read from the plan's
+    # sources, as `export` reads them, not from the staged output
+    from_sources: bool
 
     @property
     def wanted(self) -> bool:
         return self.rebuild is not None or self.export_dtype is not None or self.universal
 
-    def write(self, comm: Comm, from_sources: bool = False) -> dict:
-        """Collective over the ranks that see the whole staged checkpoint: {file: record}.
-        from_sources: the weights (the 16-bit rebuild, the safetensors export) are read from
-        the plan's sources, as `export` reads them (every rank of comm sees them), not from
-        the staged output; the Universal export reads the staged rank-0 files either way."""
+    @property
+    def reads_staged(self) -> bool:
+        """Whether the exports read the staged partitions: the Universal export reads the
+        staged rank-0 files, the weights do unless read from the sources."""
+        return self.universal or not self.from_sources
+
+    def write(self, comm: Comm) -> dict:
+        """Collective over the ranks that see the whole staged checkpoint (and, with
+        from_sources, the sources): {file: record}."""
         files = {}
         root, tag = self.root, self.plan.base_meta.files.tag
-        staged = comm.root_step(read_meta, root / tag) \
-            if self.universal or not from_sources else None  # only when something reads it
-        meta, sources = (self.plan.base_meta, plan_sources(self.plan)) if from_sources \
+        staged = comm.root_step(read_meta, root / tag) if self.reads_staged else None
+        meta, sources = (self.plan.base_meta, plan_sources(self.plan)) if self.from_sources \
             else (staged, None)
         if self.rebuild is not None:  # the base carried 16-bit weights: rebuild them
             files.update(write_hf_weights(comm, meta, root, self.rebuild, sources))
@@ -214,12 +221,11 @@ def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
     node = nodes.of_rank[comm.rank]
     writer_node = {f"{tag}/{name}": nodes.of_rank[r] for r, part in enumerate(by_rank)
                    for name in part}
-    staged = exports.universal or place.node_local  # the exports read the staged partitions
-    gathered = {f: rec for f, rec in files.items() if staged and writer_node.get(f, 0) != 0}
+    gathered = {f: rec for f, rec in files.items()
+                if exports.reads_staged and writer_node.get(f, 0) != 0}
     moved = [replicate(comm, nodes, root, gathered, writer_node, {f: [0] for f in gathered})]
     first = comm.split(0 if node == 0 else 1)
-    made = comm.step(lambda: exports.write(first, from_sources=not place.node_local)
-                     if node == 0 else None)
+    made = comm.step(lambda: exports.write(first) if node == 0 else None)
     made = comm.bcast(made)
     shared = {**made, **{f: rec for f, rec in files.items() if f.startswith(f"{tag}/zero/")}}
     others = list(range(1, len(nodes.names)))
