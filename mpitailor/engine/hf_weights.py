@@ -107,7 +107,8 @@ def _tensors(meta: CheckpointMeta) -> list[tuple[str, tuple[int, ...]]]:
 def plan_sources(plan: MergePlan) -> dict[str, CheckpointMeta]:
     """parameter -> the checkpoint the plan takes its values from (write_planned's
     `sources`): an export straight from the sources, without the merged checkpoint."""
-    return {name: plan.meta(src) for name, src in (*plan.param_source, *plan.frozen_source)}
+    metas = dict(plan.sources)
+    return {name: metas[src] for name, src in (*plan.param_source, *plan.frozen_source)}
 
 
 def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWeights,

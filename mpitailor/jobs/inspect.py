@@ -59,15 +59,13 @@ def composite_manifest(meta: CheckpointMeta) -> Manifest | None:
     for folder in (meta.files.save_dir, meta.files.tag_dir.parent):
         if folder is not None and os.path.lexists(folder / MANIFEST):
             m = read_manifest(folder / MANIFEST)
-            ok = isinstance(m.get("layers", {}), dict) and not _empty(m)
+            ok = isinstance(m.get("layers", {}), dict) and m != _EMPTY
             return m if ok else None
     return None
 
 
-def _empty(m: Manifest) -> bool:
-    """Did the file hold `{}` (or only what reads as it: no key says anything)?"""
-    return not (m.files or m.extra or dict(m.fields.items()) or m.mpitailor_version
-                or m.created) and m.format_version == "1.0"
+# What a file holding `{}` (or only what reads as it: no key says anything) reads as.
+_EMPTY = Manifest.from_json(b"{}", "{}")
 
 
 def _row() -> dict:
