@@ -70,7 +70,7 @@ bench: install
 	$(BIN)/python -m bench.merge_bench
 
 clean:
-	rm -rf $(VENV) .cache demo-out
+	rm -rf $(VENV) .cache demo-out build/site
 
 # The GPU check (issue 24, part 4; minutes, not part of make test): on a machine with one CUDA
 # GPU, DeepSpeed ZeRO-3 bf16 and ZeRO-2 fp16 training with layer-wise saves, a crash, recover

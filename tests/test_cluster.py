@@ -9,7 +9,6 @@ namespaces, bridge or veth, apt fails). See tests/cluster_util.py for the cluste
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -70,9 +69,10 @@ def nodes_up(cluster):
     def down() -> dict[str, str]:
         return {n: s for n in (f"n{i}" for i in range(1, NODES + 1))
                 if (s := node_state(n, cluster)).startswith(("down", "drain", "fail"))}
-    with contextlib.suppress(TimeoutError):
+    try:
         wait_for("every node in service", lambda: not down(), 60, 0.5)
-    assert not down(), f"nodes out of service before the test: {down()}\n{cluster.logs()}"
+    except TimeoutError:
+        pytest.fail(f"nodes out of service before the test: {down()}\n{cluster.logs()}")
 
 
 def ok(r: subprocess.CompletedProcess, cluster: Cluster) -> str:

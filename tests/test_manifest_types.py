@@ -153,29 +153,23 @@ def test_the_save_record_writes_the_old_bytes_and_reads_back(tmp_path):
     assert SaveRecord.from_doc({**json.loads(later.to_json()), "new": 1}) == later
 
 
-@pytest.mark.parametrize("text,why", [
-    ("[]", r"lineage \[\]: save_id and chain must be ids \(strings\), parent an id or null"),
-    ("null", "'NoneType' object has no attribute 'get'"),
-    ('{"save_id": "s", "chain": "c", "layer_patterns": [1]}', "layer_patterns is not a mapping"),
+@pytest.mark.parametrize("partial,text,why", [
+    (False, "[]", r"lineage \[\]: save_id and chain must be ids \(strings\), parent an id or "
+                  r"null"),
+    (False, "null", "'NoneType' object has no attribute 'get'"),
+    (False, '{"save_id": "s", "chain": "c", "layer_patterns": [1]}',
+     "layer_patterns is not a mapping"),
+    (True, "[]", "'list' object has no attribute 'get'"),
+    (True, '{"lineage": 3}', r"lineage 3: save_id and chain must be ids \(strings\), parent an "
+                             r"id or null"),
+    (True, '{"layer_patterns": "x"}', "layer_patterns is not a mapping"),
 ])
-def test_a_damaged_save_record_is_refused_as_before(tmp_path, text, why):
-    (tmp_path / "mpitailor_save.json").write_text(text)
-    with pytest.raises(CheckpointError, match=rf"mpitailor_save.json: unreadable save record "
-                                              rf"\({why}\)$"):
-        read_save_record(tmp_path, False)
-
-
-@pytest.mark.parametrize("text,why", [
-    ("[]", "'list' object has no attribute 'get'"),
-    ('{"lineage": 3}', r"lineage 3: save_id and chain must be ids \(strings\), parent an id or "
-                       r"null"),
-    ('{"layer_patterns": "x"}', "layer_patterns is not a mapping"),
-])
-def test_a_damaged_partial_manifest_is_refused_as_before(tmp_path, text, why):
-    (tmp_path / "mpitailor_partial.json").write_text(text)
-    with pytest.raises(CheckpointError, match=rf"mpitailor_partial.json: unreadable save "
-                                              rf"record \({why}\)$"):
-        read_save_record(tmp_path, True)
+def test_a_damaged_save_record_or_partial_manifest_is_refused_as_before(tmp_path, partial,
+                                                                        text, why):
+    name = "mpitailor_partial.json" if partial else "mpitailor_save.json"
+    (tmp_path / name).write_text(text)
+    with pytest.raises(CheckpointError, match=rf"{name}: unreadable save record \({why}\)$"):
+        read_save_record(tmp_path, partial)
 
 
 def test_a_partial_manifest_gives_its_lineage_and_patterns(tmp_path):

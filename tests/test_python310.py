@@ -36,15 +36,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from merging import _OUTER, MPIEXEC
 
 REPO = Path(__file__).resolve().parents[1]
 VENV = REPO / ".cache" / "py310-venv"
 STAMP = VENV / ".installed"  # written last: holds the key of a complete venv
 LOCK = REPO / ".cache" / "py310-venv.lock"
 DEV_BIN = Path(sys.executable).parent
-MPIEXEC = DEV_BIN / "mpiexec"
-# Variables of an outer MPI job (pytest itself under mpiexec) must not reach a child job.
-_OUTER = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_")
 # They import torch (the training side); the rest of the package must import without it.
 TORCH_SIDE = ("mpitailor/training/",)
 MANIFEST_CREATED = re.compile(rb'^(  "created": )"[^"\n]*"(,?)$', re.M)
@@ -294,7 +292,7 @@ NEWER_THAN_310 = json.dumps({"builtins": dir(builtins),
                              "stdlib": sorted(sys.stdlib_module_names)})
 
 
-def test_no_stdlib_name_newer_than_310(py310, tmp_path):
+def test_no_stdlib_name_newer_than_310(py310):
     """Training side included: nothing of it imports under 3.10 here (no torch), so this is
     where a 3.11 name in it shows."""
     files = [str(p.relative_to(REPO)) for p in sorted((REPO / "mpitailor").rglob("*.py"))]
