@@ -24,7 +24,6 @@ from mpitailor.formats.boundedio import (
 )
 from mpitailor.formats.fsview import LOCAL
 from mpitailor.formats.manifest import (
-    ABSENT,
     MANIFEST,
     PARTIAL_FORMAT,
     PARTIAL_MANIFEST,
@@ -99,11 +98,17 @@ class SaveRecord:
         """The record of a parsed SAVE_RECORD; TypeError or AttributeError if it is not one.
         Only what readers use is checked (the lineage, the patterns a mapping)."""
         lineage = Lineage.from_json(raw)
-        patterns = raw.get("layer_patterns") or {}
-        if not isinstance(patterns, dict):
-            raise TypeError("layer_patterns is not a mapping")
-        return cls(lineage, raw.get("global_steps"), patterns,
+        return cls(lineage, raw.get("global_steps"), _patterns_of(raw),
                    format=raw.get("format", SAVE_FORMAT))
+
+
+def _patterns_of(doc) -> dict:
+    """A save record's or partial manifest's layer patterns, unchecked but for being a
+    mapping (TypeError if not)."""
+    patterns = doc.get("layer_patterns") or {}
+    if not isinstance(patterns, dict):
+        raise TypeError("layer_patterns is not a mapping")
+    return patterns
 
 
 def _is_id(x) -> bool:
@@ -213,11 +218,7 @@ def read_save_record(tag_dir: Path, partial: bool,
         raw = loads(view.read_bytes(path, MAX_MANIFEST_BYTES if partial else MAX_RECORD_BYTES,
                                     "a save record"))
         if partial:  # its manifest's fields, unchecked: resolve's partial_fields checks them
-            fields = PartialFields.from_doc(raw)
-            lineage = Lineage.from_json(_or(fields.lineage, None))
-            patterns = _or(fields.layer_patterns, None) or {}
-            if not isinstance(patterns, dict):
-                raise TypeError("layer_patterns is not a mapping")
+            lineage, patterns = Lineage.from_json(raw.get("lineage")), _patterns_of(raw)
         else:
             record = SaveRecord.from_doc(raw)
             lineage, patterns = record.lineage, record.layer_patterns
@@ -253,19 +254,19 @@ def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str,
     The claims that need the files' contents are checked where those are read (read.py:
     rank 0's model states; partial_shard.py: every rank's layers file)."""
     def bad(field: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {field} {brief(_or(getattr(f, field), None))} "
+        return CheckpointError(f"{where}: {field} {brief(f.get(field))} "
                                f"{why}; the manifest is damaged")
     if m.kind != "partial":
         raise CheckpointError(f"{where}: kind {brief(m.kind)}, not a partial save's manifest; "
                               f"the manifest is damaged")
     f: PartialFields = m.fields
-    if _or(f.format, PARTIAL_FORMAT) != PARTIAL_FORMAT:
+    if f.get("format", PARTIAL_FORMAT) != PARTIAL_FORMAT:
         raise bad("format", f"is not {PARTIAL_FORMAT!r}")
-    for key, value in (("version", f.version), ("global_steps", f.global_steps)):
-        if value is not ABSENT and not _whole(value, 0):
+    for key in ("version", "global_steps"):
+        if key in f and not _whole(f[key], 0):
             raise bad(key, "is not a whole number >= 0")
-    for key, value in (("tag", f.tag), ("layout_sha256", f.layout_sha256)):
-        if value is not ABSENT and not _is_id(value):
+    for key in ("tag", "layout_sha256"):
+        if key in f and not _is_id(f[key]):
             raise bad(key, "is not a name")
     world = f.world_size
     ranks = sum(bool(PARTIAL_MODEL_RE.fullmatch(n)) for n in names)
@@ -275,7 +276,7 @@ def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str,
         raise CheckpointError(f"{where}: world_size {world}, but the dir holds the files of "
                               f"{ranks} rank(s) (rank_N_model_states.pt); the manifest is "
                               f"damaged")
-    dtype, stage = f.dtype, _or(f.zero_stage, 3)
+    dtype, stage = f.dtype, f.get("zero_stage", 3)
     if not isinstance(dtype, str) or dtype not in PARTIAL_DTYPES:
         raise bad("dtype", f"is not one of {', '.join(PARTIAL_DTYPES)}")
     if not _whole(stage, 1) or stage > 3:
@@ -286,10 +287,10 @@ def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str,
         raise bad("layers", "is not a list of distinct layer keys")
     _check_records(m, where, names)
     try:
-        Lineage.from_json(_or(f.lineage, None))
+        Lineage.from_json(f.get("lineage"))
     except TypeError as e:
         raise CheckpointError(f"{where}: {e}; the manifest is damaged") from None
-    patterns = _or(f.layer_patterns, None) or {}
+    patterns = f.get("layer_patterns") or {}
     if not isinstance(patterns, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in patterns.items()):
         raise bad("layer_patterns", "is not a mapping of patterns to layer keys")
@@ -311,11 +312,6 @@ def _check_records(m: Manifest, where: str, names: list[str]) -> None:
             raise CheckpointError(f"{where}: files: the record of {brief(name)} is "
                                   f"{brief(rec)}, not a file's size and CRC-32; the manifest "
                                   f"is damaged")
-
-
-def _or(value, default):
-    """A field's value, or `default` where the manifest does not hold the key."""
-    return default if value is ABSENT else value
 
 
 def _whole(x, least: int) -> bool:
