@@ -14,6 +14,7 @@ is read until a caller asks for its values.
 from __future__ import annotations
 
 import importlib
+import itertools
 import pickle
 import stat
 import zipfile
@@ -96,27 +97,29 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
 MAX_DEPTH = 200  # DeepSpeed's and HF's states nest < 10 deep; client state a little more
 
 
+_CONTAINERS = (dict, list, tuple, set, frozenset, opaque.Opaque)
+
+
 def _check_depth(obj, path: Path) -> None:
     """Refuse containers nested deeper than MAX_DEPTH: everything after the load (copies,
-    the pickler) walks them recursively. Iterative, each object once."""
-    seen, stack = set(), [(obj, 1)]
+    the pickler) walks them recursively. Iterative, each container once (a pickle may share
+    one); leaves are never pushed: this runs on every file a rank loads."""
+    seen, stack = set(), [(obj, 1)] if isinstance(obj, _CONTAINERS) else []
     while stack:
         x, depth = stack.pop()
         if id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, dict):
-            children = [*x.keys(), *x.values()]
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            children = list(x)
-        elif isinstance(x, opaque.Opaque):
-            children = [x._args, x._state]
-        else:
-            continue
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{path}: containers nested over {MAX_DEPTH} levels deep; not "
                                   f"a checkpoint mpitailor reads (a damaged or crafted file)")
-        stack.extend((c, depth + 1) for c in children)
+        if isinstance(x, dict):
+            children = itertools.chain(x.keys(), x.values())
+        elif isinstance(x, opaque.Opaque):
+            children = (x._args, x._state)
+        else:
+            children = x
+        stack.extend((c, depth + 1) for c in children if isinstance(c, _CONTAINERS))
 
 
 def require_regular(path: Path) -> None:
