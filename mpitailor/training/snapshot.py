@@ -21,10 +21,10 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import MpitailorError, UserError
 from mpitailor.formats.dtypes import name_of
-from mpitailor.formats.files import partial_files
-from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest
-from mpitailor.formats.stwrite import write_safetensors
 from mpitailor.formats.fileio import write_synced
+from mpitailor.formats.files import partial_files
+from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest, PartialFields
+from mpitailor.formats.stwrite import write_safetensors
 from mpitailor.publish.staging import Staging, holding
 
 
@@ -41,7 +41,7 @@ class Snapshot:
     leader: bool                     # this rank stages and publishes (save_leader)
     blobs: dict[str, bytes]          # file name -> its bytes (torch files, serialised)
     slices: dict[str, torch.Tensor]  # `{kind}/{name}` -> this rank's slice of a chosen layer
-    fields: dict                     # the manifest's fields (rank 0's count)
+    fields: PartialFields            # the manifest's fields (rank 0's count)
     on_published: Callable[[], None] | None = None  # leader, after the rename (HF `latest`)
     seconds: dict = field(default_factory=dict)     # taking it: "gather" (states, slices),
     # "copy" (into host buffers), "serialise" (the small states); "background", "waited"
