@@ -30,9 +30,10 @@ from mpitailor.planning.hf_layout import (
     like_base,
     parse_size,
     plan_weights,
-    share,
+    runs,
     size_shards,
 )
+from mpitailor.planning.program import split, weights_buffers
 
 NAME = "hf_w3_bf16_weights_tied"
 RANKS = (1, 2, 3, 5)
@@ -205,15 +206,23 @@ def test_like_base_keeps_the_assignment_and_places_unlisted_tensors():
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5, 7, 200])
 def test_every_byte_has_one_writer_and_shares_are_contiguous(ranks):
+    """The copy program's cast buffers of HF files: every data byte of every file written
+    by one rank, at 16-bit element boundaries (odd element counts included), each task's
+    tensors one contiguous byte range."""
     tensors = [(f"t{i}", shape) for i, shape in
                enumerate([(7, 3), (1,), (64,), (5, 5, 2), (0,), (9,), (31,)])]
     groups = [("f1", ["t0", "t3", "t6"]), ("f2", ["t1", "t5"]), ("f3", ["t2", "t4"])]
     plan = plan_weights(tensors, "bf16", groups, index=True)
+    bufs = weights_buffers(plan)
     covered = {f.name: [] for f in plan.files}
-    for r in range(ranks):
-        for f, runs in share(plan, r, ranks):
-            spans = [(p.offset + a * 2, p.offset + b * 2) for p, a, b in runs]
+    for r, tasks in enumerate(split(bufs, ranks)):
+        for t in tasks:
+            f = plan.files[bufs[t.buffer].unit]
+            assert t.lo % 2 == 0 and t.hi % 2 == 0, (r, t)
+            spans = [(p.offset + a * 2, p.offset + b * 2)
+                     for p, a, b in runs(f, 2, t.lo // 2, t.hi // 2)]
             assert all(x[1] == y[0] for x, y in zip(spans, spans[1:])), (r, f.name)
+            assert (spans[0][0], spans[-1][1]) == (len(f.prefix) + t.lo, len(f.prefix) + t.hi)
             covered[f.name].append((spans[0][0], spans[-1][1]))
     for f in plan.files:
         spans = sorted(covered[f.name])

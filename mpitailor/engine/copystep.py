@@ -2,8 +2,9 @@
 flat buffers from the source pieces of the copy program. A piece held on this rank's node is
 read from its file (pread, CRC-32, pwrite at its final offset, in bounded chunks; a whole
 source record is copied in the kernel with its CRC as it is); a piece held only on another
-node (node-local storage) is fetched over MPI first (exchange.py). Every range's CRC-32 is
-returned for the home rank to join.
+node (node-local storage) is fetched over MPI first (exchange.py). An HF weights file's
+ranges are cast on the way (weights_copy.py). Every range's CRC-32 is returned for the home
+rank to join.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from mpitailor.cluster.nodes import Placement, shard_paths
 from mpitailor.engine.copyio import Copier, copy_unchanged, sync_close
 from mpitailor.engine.progress import Progress
 from mpitailor.engine.storage import CrcWriter, open_output, pread_exact
+from mpitailor.engine.weights_copy import Weights
+from mpitailor.formats import CheckpointMeta
 from mpitailor.formats.crc import crc32_combine, crc32_zeros
 from mpitailor.formats.files import optim_file
 from mpitailor.formats.layout import ELEMENT
@@ -31,8 +34,9 @@ class Shards:
     (home and copier of a partition are often the same rank); descriptors closed between
     partitions and reopened when needed, so that few are open at a time."""
 
-    def __init__(self, plan: MergePlan, place: Placement | None, rank: int) -> None:
-        self.plan, self.used = plan, set()
+    def __init__(self, metas: dict[str, CheckpointMeta], place: Placement | None,
+                 rank: int) -> None:
+        self.metas, self.used = metas, set()
         self.open: dict[tuple[str, int], Shard] = {}
         self.place = place if place is not None and place.node_local else None
         self.node = self.place.nodes.of_rank[rank] if self.place else 0
@@ -40,18 +44,18 @@ class Shards:
     def local(self, source: str, rank: int) -> bool:
         """Does this rank's node hold rank `rank`'s files of `source`?"""
         return self.place is None or all(self.place.holds(self.node, p)
-                                         for p in shard_paths(self.plan.meta(source), rank))
+                                         for p in shard_paths(self.metas[source], rank))
 
     def reader(self, source: str, rank: int, spread: int) -> int:
         """A rank whose node holds them (the spread-th, modulo)."""
-        return self.place.reader(shard_paths(self.plan.meta(source), rank), spread)
+        return self.place.reader(shard_paths(self.metas[source], rank), spread)
 
     def get(self, source: str, rank: int) -> Shard:
         if (source, rank) not in self.open:
             if not self.local(source, rank):  # never reached by a correct program
                 raise RuntimeError(f"internal error: {source} rank {rank}: read off-node")
             self.used.add((source, rank))
-            self.open[source, rank] = open_shard(self.plan.meta(source), rank)
+            self.open[source, rank] = open_shard(self.metas[source], rank)
         shard = self.open[source, rank]
         shard.reopen()
         return shard
@@ -64,8 +68,11 @@ class Shards:
     close = release
 
 
-def output_file(plan: MergePlan, b: program.Buffer) -> str:
-    """The output file of buffer b, relative to the tag dir."""
+def output_file(plan: MergePlan | None, b: program.Buffer) -> str:
+    """The output file of buffer b, relative to the output dir (a tag dir; for HF weights,
+    the dir they go to)."""
+    if b.kind == program.WEIGHTS:
+        return b.param
     if program.is_partition(b):
         return optim_file(b.unit, plan.base_meta.files.bf16_prefix)
     return f"zero/{b.param}/{b.kind}.pt"
@@ -74,13 +81,14 @@ def output_file(plan: MergePlan, b: program.Buffer) -> str:
 class Copy:
     """This rank's byte ranges of the output buffers: planned (pieces clipped to its tasks,
     each piece local or held on another node), then the remote pieces fetched over MPI,
-    then the local ones copied, every range's CRC-32 taken on the way."""
+    then the local ones copied, every range's CRC-32 taken on the way. weights: what the
+    program's HF weights buffers are made of (a program of them only)."""
 
-    def __init__(self, plan: MergePlan, bufs, tasks: list[program.Task],
+    def __init__(self, plan: MergePlan | None, bufs, tasks: list[program.Task],
                  offsets: dict[int, int], tag_dir: Path, verify: bool,
-                 opened: Shards) -> None:
+                 opened: Shards, weights: Weights | None = None) -> None:
         self.plan, self.bufs, self.tasks, self.offsets = plan, bufs, tasks, offsets
-        self.tag_dir, self.opened = tag_dir, opened
+        self.tag_dir, self.opened, self.weights = tag_dir, opened, weights
         self.outs: dict[str, int] = {}
         self.copier = Copier()
         self.shards: dict[tuple[str, int], Shard] = {}   # the local ones these tasks read
@@ -89,6 +97,14 @@ class Copy:
         self.dests: dict[int, tuple[str, int]] = {}       # key -> (out file, offset)
         self.plans = []
         pieces_of: dict[int, dict] = {}
+        if weights is not None:
+            self.plans = [(t, bufs[t.buffer], weights.runs(bufs[t.buffer], t)) for t in tasks]
+            if tasks:
+                weights.open_all(opened.get)
+                if verify:
+                    weights.verify(opened.get, self.plans)
+            opened.release()
+            return
         for t in tasks:
             b = bufs[t.buffer]
             if b.unit not in pieces_of:
@@ -159,11 +175,17 @@ class Copy:
                 sync_close(copier, outs)
                 self.opened.release()
                 unit = b.unit
+            out = self._out(output_file(self.plan, b))
+            base = self.offsets[t.buffer]  # file offset of the buffer's byte 0
+            if self.weights is not None:  # cast: every piece read from its checkpoint
+                crc = self.weights.write(copier, self.opened.get, ps, out, base + t.lo)
+                crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
+                written += t.hi - t.lo
+                bar.update(t.hi - t.lo)
+                continue
             for p in ps:
                 if (p.source, p.src_rank) in shards:
                     shards[p.source, p.src_rank].reopen()
-            out = self._out(output_file(self.plan, b))
-            base = self.offsets[t.buffer]  # file offset of the buffer's byte 0
             whole = None if (i, 0) in self.remote else _whole_record(b, t, ps, shards)
             if whole is not None:  # a source record copied unchanged: its CRC as it is
                 shard = shards[ps[0].source, ps[0].src_rank]

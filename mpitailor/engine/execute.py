@@ -14,6 +14,9 @@ Collective throughout (`write_partitions` is called on every rank). Three steps:
    partition's model-states file.
 Universal files are copied straight from the sources (the pieces of program.param_pieces),
 not read back from the merged partitions.
+HF weights files (`write_weights`) go through the same steps: the home rank creates the file
+with its header, the ranks write their cast ranges of its data (weights_copy.py), the home
+joins the CRCs from the header's on and syncs it.
 The output bytes depend only on the program, never on how the ranks shared it.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths
 from mpitailor.engine.copyio import join_crcs
+from mpitailor.cluster.exchange import Exchanged
 from mpitailor.engine.copystep import Copy, Shards, output_file, raise_error
 from mpitailor.engine.iostats import snapshot
 from mpitailor.engine.partition_states import (
@@ -38,7 +42,8 @@ from mpitailor.engine.partition_states import (
     resharded_optim,
 )
 from mpitailor.engine.progress import Progress
-from mpitailor.engine.storage import create_sized, pwrite_all, pwrite_synced
+from mpitailor.engine.storage import create_sized, fsync_close, pwrite_all, pwrite_synced
+from mpitailor.engine.weights_copy import Weights
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import ptzip
 from mpitailor.formats.crc import crc32
@@ -91,7 +96,7 @@ def write_partitions(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool = 
                                                      range(len(nodes.names))], comm.size)
         homes = program.home_ranks(bufs, work, {u: nodes.leader(n) for u, n in node_of.items()})
     mine = [p for p, r in homes.items() if r == comm.rank]
-    shards = Shards(plan, place, comm.rank)
+    shards = Shards(dict(plan.sources), place, comm.rank)
     try:
         return _write(comm, plan, tag_dir, verify, progress, bufs, work, mine, shards, before)
     finally:
@@ -140,6 +145,58 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
              "shards_read": sorted(f"{s}:{r}" for s, r in shards.used),
              **snapshot().since(before)}
     return records, stats
+
+
+def write_weights(comm: Comm, weights: Weights, dest: Path, verify: bool = False
+                  ) -> dict[str, dict]:
+    """Collective: the HF weights files of `weights` in dest, fsynced, each rank writing its
+    share of the copy program's cast buffers (every source read where every rank sees it);
+    {file name: manifest record} of every file, on every rank (the index not included).
+    verify: first check every source record read against its CRC (reads them whole)."""
+    bufs = program.weights_buffers(weights.plan)
+    work = program.split(bufs, comm.size)
+    mine = [u for u, r in program.home_ranks(bufs, work).items() if r == comm.rank]
+    files = weights.plan.files
+    comm.step(_create_weights, [files[u] for u in mine], dest)
+    offsets = {i: len(f.prefix) for i, f in enumerate(files)}  # data after the header
+    shards = Shards(weights.metas, None, comm.rank)
+    try:
+        copy = comm.step(Copy, None, bufs, work[comm.rank], offsets, dest, verify, shards,
+                         weights)
+        try:
+            crcs, _ = comm.step(copy.run, Exchanged({}), None)
+        finally:
+            copy.close()
+    finally:
+        shards.close()
+    joined: dict[int, list[tuple[int, int, int]]] = {}
+    for part in comm.allgather(crcs):
+        for b, pieces in part.items():
+            joined.setdefault(b, []).extend(pieces)
+    records = comm.step(_finish_weights, {u: files[u] for u in mine}, joined, dest)
+    return {name: rec for part in comm.allgather(records) for name, rec in part.items()}
+
+
+def _create_weights(files, dest: Path) -> None:
+    """Home ranks: each file at its full size, its header written and synced."""
+    fds = {}
+    try:
+        for f in files:
+            fds[f.name] = create_sized(dest / f.name, f.size, f.prefix)
+    finally:
+        fsync_close(fds)
+
+
+def _finish_weights(files: dict, joined: dict[int, list[tuple[int, int, int]]],
+                    dest: Path) -> dict[str, dict]:
+    """Home ranks: each file's CRC joined from its header's (synced when created; every rank
+    synced the data it wrote); {file name: manifest record}."""
+    records = {}
+    for u, f in files.items():
+        ranges = [(len(f.prefix) + lo, hi - lo, c) for lo, hi, c in joined.get(u, [])]
+        crc = _join(ranges, f.size, f.name, crc32(f.prefix), len(f.prefix))
+        records[f.name] = {"bytes": f.size, "crc32": f"{crc:08x}"}
+    return records
 
 
 def _progress(wanted: bool, comm: Comm, work) -> Progress | None:
@@ -267,7 +324,8 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
     for lay in laid.values():
         crcs = list(lay.crcs)
         for b, i in lay.flat_records.items():
-            crcs[i] = _join(joined.get(b, []), bufs[b].nbytes, lay.name)
+            crcs[i] = _join([(lo, hi - lo, c) for lo, hi, c in joined.get(b, [])],
+                            bufs[b].nbytes, lay.name)
         pwrite_synced(tag_dir / lay.name, lay.layout.pieces(crcs))
         records[lay.name] = {"bytes": lay.layout.size, "crc32": f"{lay.layout.file_crc(crcs):08x}"}
         if lay.name.startswith("zero/"):  # a Universal file
@@ -281,12 +339,12 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
     return records
 
 
-def _join(pieces: list[tuple[int, int, int]], nbytes: int, name: str) -> int:
-    """CRC-32 of a whole buffer from the CRCs of its ranges [lo, hi) (which must tile it)."""
-    crc, pos = join_crcs((lo, hi - lo, c) for lo, hi, c in pieces)
-    gap = min((lo for lo, _, _ in pieces if lo > pos), default=None)
-    if gap is not None:
-        raise RuntimeError(f"internal error: {name}: bytes {pos}-{gap} of a buffer unwritten")
-    if pos != nbytes:
-        raise RuntimeError(f"internal error: {name}: a buffer ends at {pos}, not {nbytes}")
+def _join(ranges: list[tuple[int, int, int]], nbytes: int, name: str, crc: int = 0,
+          pos: int = 0) -> int:
+    """CRC-32 of a whole buffer from `crc` (of its bytes [0, pos)) and the CRCs of its
+    ranges (first byte, bytes, CRC), which must tile the rest."""
+    crc, end = join_crcs(ranges, crc, pos)
+    if end != nbytes:
+        raise RuntimeError(f"internal error: {name}: bytes from {end} on written by no rank "
+                           f"(a bug in the work split)")
     return crc

@@ -8,7 +8,7 @@ refused rather than passed on. Accelerate's files are copied as bytes, never loa
 `training_args.bin` is: they are pickles of whatever the loop registered (custom objects,
 samplers), which only the resuming script, trusting its own save, unpickles. 16-bit weight
 files are not copied: they hold the base's weights, not the merged ones: the merge rebuilds
-safetensors weights (export/hf_weights.py) and leaves `.bin` ones out, with a warning.
+safetensors weights (engine/hf_weights.py) and leaves `.bin` ones out, with a warning.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ whose newest copy of every layer (`recover`'s chain) is exported without assembl
 - fp32: the fp32 master weights as safetensors (what DeepSpeed's `zero_to_fp32.py
         --safe_serialization` writes), weights only;
 Both are written straight from the source's partition files, every rank casting and writing
-its share of every file in bounded chunks (export/hf_weights.py): no native copy, no
-consolidated model in memory.
+its share of every file in bounded chunks (the copy program's cast buffers,
+engine/weights_copy.py): no native copy, no consolidated model in memory.
 - universal: DeepSpeed's Universal checkpoint. `load_universal` also reads the model-states
         files of the tag dir, so this writes the checkpoint (native files included) as
         `merge --export universal` does.

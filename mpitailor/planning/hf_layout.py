@@ -4,8 +4,8 @@ Pure planning, no I/O and no MPI. Everything about the output files (which files
 tensors in each, the header, every tensor's data offset) follows from names, shapes and the
 dtype, so it does not depend on how many ranks write it. Two ways to group tensors into
 files: by size, as transformers' `save_pretrained(max_shard_size=...)` does, or as an
-existing checkpoint's weight_map says. Each rank's share is a contiguous run of the
-model-order stream of elements, which is one contiguous byte range in every file it touches.
+existing checkpoint's weight_map says. The files' data are buffers of the copy program
+(program.weights_buffers), written by the ranks as every other output is.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpitailor.formats.dtypes import DTYPES
@@ -98,7 +98,6 @@ class FileTensor:
 
     name: str
     shape: tuple[int, ...]
-    start: int   # its first element in the model-order stream of all tensors' elements
     offset: int  # byte offset of its data in the file
 
     @property
@@ -118,7 +117,6 @@ class OutFile:
 class WeightsPlan:
     dtype: str  # bf16, fp16 or fp32
     files: tuple[OutFile, ...]
-    elements: int  # in all files together
     index: bytes | None  # model.safetensors.index.json, if one is written
 
     @property
@@ -138,35 +136,34 @@ def plan_weights(tensors: Sequence[tuple[str, tuple[int, ...]]], dtype: str,
     files = []
     for fname, names in groups:
         names = sorted(names, key=starts.__getitem__)
-        files.append(_plan_file(fname, [(n, shapes[n], starts[n]) for n in names], dtype))
+        files.append(_plan_file(fname, [(n, shapes[n]) for n in names], dtype))
     weight_map = {n: f.name for f in files for n in (p.name for p in f.pieces)}
     raw = None
     if index:
         ordered = {n: weight_map[n] for n, _ in tensors}
         doc = {"metadata": {"total_size": pos * DTYPES[dtype].itemsize}, "weight_map": ordered}
         raw = json.dumps(doc, indent=2).encode()
-    return WeightsPlan(dtype, tuple(files), pos, raw)
+    return WeightsPlan(dtype, tuple(files), raw)
 
 
-def _plan_file(name: str, entries: list[tuple[str, tuple[int, ...], int]],
-               dtype: str) -> OutFile:
+def _plan_file(name: str, entries: list[tuple[str, tuple[int, ...]]], dtype: str) -> OutFile:
     size = DTYPES[dtype].itemsize
     prefix = header_prefix([(n, DTYPES[dtype].safetensors, shape, math.prod(shape) * size)
-                            for n, shape, _ in entries], metadata={"format": "pt"})
+                            for n, shape in entries], metadata={"format": "pt"})
     pieces, offset = [], len(prefix)
-    for n, shape, start in entries:
-        pieces.append(FileTensor(n, shape, start, offset))
+    for n, shape in entries:
+        pieces.append(FileTensor(n, shape, offset))
         offset += math.prod(shape) * size
     return OutFile(name, prefix, tuple(pieces), offset)
 
 
-def share(plan: WeightsPlan, rank: int, size: int
-          ) -> Iterator[tuple[OutFile, list[tuple[FileTensor, int, int]]]]:
-    """Rank `rank`'s elements [rank*N//size, (rank+1)*N//size) of the model-order stream, by
-    file: (file, [(piece, first, end element within the piece)]), in file byte order."""
-    lo, hi = rank * plan.elements // size, (rank + 1) * plan.elements // size
-    for f in plan.files:
-        runs = [(p, max(lo, p.start) - p.start, min(hi, p.start + p.numel) - p.start)
-                for p in f.pieces if p.start < hi and lo < p.start + p.numel]
-        if runs:
-            yield f, runs
+def runs(f: OutFile, itemsize: int, lo: int, hi: int) -> list[tuple[FileTensor, int, int]]:
+    """Elements [lo, hi) of file f's data (its tensors' elements one after the other, from
+    the end of its header) by tensor: [(tensor, first, end element within it)], in order."""
+    out, pos = [], 0
+    for p in f.pieces:
+        a, b = max(lo, pos), min(hi, pos + p.numel)
+        if a < b:
+            out.append((p, a - pos, b - pos))
+        pos += p.numel
+    return out

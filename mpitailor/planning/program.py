@@ -9,8 +9,12 @@ padding a reshard recomputes). A merge is the case where the output layout is th
 (piece = a run of the plan, same rank, same place); a reshard maps the elements of each
 parameter to their source ranks (`reshard.pieces_for`). With the Universal export, every
 parameter's whole fp32 / exp_avg / exp_avg_sq is one more buffer (its own file), made of the
-slices its source's ranks hold (`param_pieces`). Everything else in the files (pickled
-metadata, small tensors, container headers) is small and computed by the file's home rank.
+slices its source's ranks hold (`param_pieces`). An HF weights file (safetensors: the
+`export --format hf|fp32`, a merge's `--export`, the base's 16-bit weights rebuilt) is one
+buffer too, cast: its data, after the header, is the fp32 elements of its tensors (the
+master weights, a frozen parameter's fragments) written in the file's dtype
+(`weights_buffers`, hf_layout.py's plan). Everything else in the files (pickled metadata,
+small tensors, container headers) is small and computed by the file's home rank.
 
 Work is the concatenation of every output buffer's bytes, partition by partition, cut into
 one contiguous range per MPI rank, balanced by bytes. With fewer ranks than partitions a
@@ -25,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpitailor.formats.layout import ELEMENT, KINDS
+from mpitailor.planning.hf_layout import WeightsPlan
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.reshard import Piece, pieces_for
 
@@ -32,13 +37,17 @@ from mpitailor.planning.reshard import Piece, pieces_for
 @dataclass(frozen=True, slots=True)
 class Buffer:
     """Output bytes made of copies of `kind` buffers: a flat buffer of an output partition,
-    or a whole parameter's fp32 / exp_avg / exp_avg_sq file of the Universal export."""
+    a whole parameter's fp32 / exp_avg / exp_avg_sq file of the Universal export, or the
+    data of an HF weights file (kind WEIGHTS: fp32 elements cast to its dtype)."""
 
-    unit: int       # the files one home rank lays out: partition p, or Universal file i at
-    kind: str       # W2 + i (W2 the output world size)
-    subgroup: int   # the partition's sub-group; -1 for a Universal parameter
+    unit: int       # the files one home rank lays out: partition p, Universal file i at
+    kind: str       # W2 + i (W2 the output world size), HF weights file i
+    subgroup: int   # the partition's sub-group; -1 for a Universal parameter or HF file
     nbytes: int
-    param: str = ""  # the Universal parameter
+    param: str = ""  # the Universal parameter; an HF weights file's name
+
+
+WEIGHTS = "weights"  # the kind of an HF weights file's buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +73,22 @@ def buffers(plan: MergePlan, universal: bool = False) -> tuple[Buffer, ...]:
     return tuple(out)
 
 
+def weights_buffers(weights: WeightsPlan) -> tuple[Buffer, ...]:
+    """The data of every file of an HF weights plan (after its header), file i unit i."""
+    return tuple(Buffer(i, WEIGHTS, -1, f.size - len(f.prefix), f.name)
+                 for i, f in enumerate(weights.files))
+
+
 def is_partition(b: Buffer) -> bool:
     return not b.param
 
 
 def split(bufs: tuple[Buffer, ...], ranks: int) -> list[list[Task]]:
     """rank -> its tasks: the byte stream of all buffers cut into `ranks` contiguous ranges
-    of (nearly) equal size, at element boundaries."""
-    total = sum(b.nbytes for b in bufs) // ELEMENT
-    cuts = [total * m // ranks * ELEMENT for m in range(ranks + 1)]
+    of (nearly) equal size, at multiples of 4 bytes: element boundaries of fp32 buffers,
+    and of 16-bit ones (HF weights files, whose sizes are even) when they come last."""
+    total = sum(b.nbytes for b in bufs)
+    cuts = [total // ELEMENT * m // ranks * ELEMENT for m in range(ranks)] + [total]
     work: list[list[Task]] = [[] for _ in range(ranks)]
     start, first = 0, 0
     for i, b in enumerate(bufs):

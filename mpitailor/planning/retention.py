@@ -108,8 +108,8 @@ def _judge_save(s: Save, chain: Chain, newest: Save, keep_last: int,
 
     full = chain.full
     if s.name == full.name:
-        return keep(f"the full save the recovered timeline starts from (the base every "
-                    f"partial save after it needs)")
+        return keep("the full save the recovered timeline starts from (the base every "
+                    "partial save after it needs)")
     if s.name == newest.name:
         return keep("the newest save of the recovered timeline (the composite's base)")
     if _order(s) > _order(newest):

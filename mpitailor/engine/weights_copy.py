@@ -1,0 +1,103 @@
+"""The cast units of the copy program: a rank's byte ranges of HF weights files (program's
+WEIGHTS buffers), each tensor's fp32 elements read from the checkpoint its values come from
+and written cast to the file's dtype through the copy engine (copyio.Copier.cast: read,
+cast and CRC one chunk while the writer thread writes the one before).
+
+A trainable parameter's elements are its fp32 master weights, read from the ranks that hold
+them (byte ranges only); a frozen one's are its fragments in the model-states files, as
+saved (cast to fp32 exactly, to be cast back). Tied aliases are not in the files, as
+`save_pretrained` leaves them out. Every source is read where every rank sees it: an export
+of node-local sources is made on one node, from copies (jobs/export_nodes.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mpitailor.formats import CheckpointMeta, Slot
+from mpitailor.formats.consolidate import read_range
+from mpitailor.formats.shard_protocol import Shard
+from mpitailor.planning import program
+from mpitailor.planning.hf_layout import FileTensor, WeightsPlan, runs
+
+
+@dataclass(frozen=True)
+class Weights:
+    """HF weights files to write: their plan, and where each tensor's values come from."""
+
+    plan: WeightsPlan
+    metas: dict[str, CheckpointMeta]  # key -> checkpoint: every one the export may read
+    source_of: dict[str, str]         # tensor -> its checkpoint's key
+
+    @classmethod
+    def of(cls, plan: WeightsPlan, meta: CheckpointMeta,
+           sources: dict[str, CheckpointMeta] | None = None) -> Weights:
+        """The weights of `plan` from `meta`, or per tensor from sources[name] where given."""
+        sources = sources or {}
+        metas = {str(m.path): m for m in [meta, *sources.values()]}
+        names = [p.name for f in plan.files for p in f.pieces]
+        return cls(plan, metas, {n: str(sources.get(n, meta).path) for n in names})
+
+    def runs(self, b: program.Buffer, t: program.Task) -> list[tuple[FileTensor, int, int]]:
+        """Task t's elements of file b, by tensor: [(tensor, first, end element)]."""
+        size = self.plan.itemsize
+        return runs(self.plan.files[b.unit], size, t.lo // size, t.hi // size)
+
+    def open_all(self, get: Callable[[str, int], Shard]) -> None:
+        """Open every rank of every checkpoint (in order: a damaged one is met, and named,
+        by every rank that writes)."""
+        for key, meta in self.metas.items():
+            for r in range(meta.world_size):
+                get(key, r)
+
+    def verify(self, get: Callable[[str, int], Shard], plans) -> None:
+        """Check, whole, every fp32 record the ranges `plans` read a slice of, against its
+        CRC (merge --verify); a frozen tensor is read from the model states, which were
+        loaded (and so checked) whole."""
+        used: dict[tuple[str, int], set[tuple[str, int]]] = {}
+        for _, b, ps in plans:
+            for piece, lo, hi in ps:
+                key = self.source_of[piece.name]
+                meta = self.metas[key]
+                slot = meta.layout.by_name().get(piece.name)
+                if slot is None:
+                    continue
+                for r in range(meta.world_size):
+                    _, first, n = meta.layout.held(slot, r)
+                    if max(lo, first) < min(hi, first + n):
+                        used.setdefault((key, r), set()).add(("fp32", slot.subgroup))
+        for (key, r), kinds in sorted(used.items()):
+            get(key, r).verify(kinds)
+
+    def write(self, copier, get: Callable[[str, int], Shard], ps, out: int, at: int) -> int:
+        """The ranges `ps` of one task, cast, into output fd `out` from byte `at` on; the
+        CRC-32 of the bytes written."""
+        crc = 0
+        for piece, lo, hi in ps:
+            key = self.source_of[piece.name]
+            meta = self.metas[key]
+            shards = [get(key, r) for r in range(meta.world_size)]
+            fill = _reader(shards, meta.layout.by_name().get(piece.name), piece.name)
+            crc = copier.cast(fill, lo, hi, self.plan.dtype, out, at, crc)
+            at += (hi - lo) * self.plan.itemsize
+        return crc
+
+
+def _reader(shards: Sequence[Shard], slot: Slot | None, name: str
+            ) -> Callable[[int, object], None]:
+    """fill(first, into) for Copier.cast: elements of parameter `name` (flattened) from
+    `first` on into the float32 array `into`."""
+    if slot is None:
+        return lambda lo, into: _frozen_range(shards, name, lo, into)
+    return lambda lo, into: read_range(shards, slot, "fp32", lo, into)
+
+
+def _frozen_range(shards: Sequence[Shard], name: str, a: int, into) -> None:
+    from mpitailor.formats.casts import cast
+    b, pos = a + into.size, 0
+    for s in shards:  # the fragments in rank order, padded at the end
+        frag = s.model["frozen_param_fragments"][name]
+        x, y = max(a, pos), min(b, pos + frag.numel())
+        if x < y:
+            cast(frag.raw(x - pos, y - x), frag.dtype, "fp32", out=into[x - a: y - a])
+        pos += frag.numel()
