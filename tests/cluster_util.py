@@ -13,12 +13,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from child_env import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"
 CANNOT_SET_UP = 3  # start-cluster.sh: no root, packages, namespaces, bridge or veth
-# Variables of an outer MPI or Slurm job (pytest under mpiexec or sbatch) must not reach srun:
-# inside an allocation srun would start a step of that job instead of a job of this cluster.
-_OUTER = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "SLURM_")
 
 
 class Cluster(dict):
@@ -66,7 +65,9 @@ def start_cluster(nodes: int) -> tuple[Cluster | None, subprocess.CompletedProce
     if start.returncode == CANNOT_SET_UP:
         return None, start
     assert start.returncode == 0, f"start-cluster.sh --nodes {nodes} failed:\n{start.stderr}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    # An outer Slurm job's variables (pytest under sbatch) must not reach srun either: inside
+    # an allocation srun would start a step of that job instead of a job of this cluster.
+    env = child_env("SLURM_")
     env.update(re.findall(r"^export (\w+)=(.*)$", start.stdout, re.M))
     cluster = Cluster(env)
     cluster.nodes = nodes

@@ -1,9 +1,11 @@
 """Shared test setup: real DeepSpeed fixtures (see ckpt_fixtures.py) and small helpers."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import ckpt_fixtures
@@ -17,6 +19,28 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 def ckpt():
     """ckpt(name, step) -> the tag dir (or HF checkpoint-N) of a real DeepSpeed run."""
     return ckpt_fixtures.tag_dir
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory):
+    """built_once(name, build) -> a dir that build(dir) filled, once per test session, also
+    under pytest-xdist: the workers' temp dirs share a parent, where they take turns on a
+    lock; the first to come builds and the others reuse. A build that failed is not marked
+    done, so the next worker builds again (and fails as the first did)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def once(name: str, build: Callable[[Path], object]) -> Path:
+        path, done = root / name, root / name / ".built"
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not done.is_file():
+                shutil.rmtree(path, ignore_errors=True)  # a build that failed
+                path.mkdir()
+                build(path)
+                done.touch()
+        return path
+    return once
 
 
 @pytest.fixture

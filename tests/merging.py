@@ -1,10 +1,11 @@
 """Running merges from tests: in-process (the library API) or as the real CLI under mpiexec."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from child_env import child_env
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.jobs.merge import MergeOptions, plan_merge, run_merge
@@ -12,8 +13,6 @@ from mpitailor.jobs.merge import MergeOptions, plan_merge, run_merge
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-# Variables of an outer MPI job (pytest itself under mpiexec) must not reach a child job.
-_OUTER = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_")
 
 
 def recipe_env(new: Path, old: Path, out: Path) -> dict[str, str]:
@@ -33,7 +32,7 @@ def merge_in_process(recipe: str | Path, env: dict[str, str], monkeypatch, comm=
 
 def run_cli(args: list[str], env: dict[str, str], ranks: int = 1, timeout: float = 180):
     """`mpiexec -n ranks python -m mpitailor ARGS` (plain python for 1 rank)."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    full = child_env()
     full.update(env)
     cmd = [sys.executable, "-m", "mpitailor", *args]
     if ranks > 1:

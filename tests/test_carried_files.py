@@ -8,14 +8,14 @@ whole (and pickled to the other rank) does not fit in it; copied as a file, it d
 from __future__ import annotations
 
 import filecmp
-import os
 import resource
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from merging import MPIEXEC, REPO, _OUTER
+from child_env import child_env
+from merging import MPIEXEC, REPO
 
 # Each rank runs mpitailor and, at its exit, writes its VmPeak (kB) to $PEAK_DIR/<rank>.
 RANK = """import atexit, os, runpy, sys
@@ -49,7 +49,7 @@ def accelerate_save(root: Path, custom: int) -> Path:
 
 
 def recover_2_ranks(save: Path, out: Path, peaks: Path, limit: int | None = None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    env = child_env()
     env["PEAK_DIR"] = str(peaks)
     peaks.mkdir()
 

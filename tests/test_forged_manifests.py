@@ -9,12 +9,12 @@ field that sizes a loop or an allocation fails the test instead of the machine."
 from __future__ import annotations
 
 import json
-import os
 import resource
 import subprocess
 import sys
 
 import pytest
+from child_env import child_env
 from conftest import tree_digest
 from merge_check import check_merge
 from merging import MPIEXEC, REPO
@@ -27,7 +27,6 @@ from mpitailor.formats.read import read_meta
 MEMORY = 2 << 30  # bytes of address space per process: a runaway fails, a normal run fits
 TIMEOUT = 120     # seconds: a runaway is killed, a normal run takes a few
 AUX = ("embed", "norm", "lm_head")
-_OUTER = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_")
 # A merge that takes its odd layers from the (forged) newer save and the rest from the full save.
 RECIPE = ("sources: {new: '${NEW}', old: '${OLD}'}\nlayers: {odd: new, even: old}\n"
           "embed: new\nnorm: new\nlm_head: new\nbase: new\noutput: ${OUT}\n")
@@ -39,7 +38,7 @@ def _bounded() -> None:
 
 def cli(args: list[str], env: dict[str, str] | None = None, ranks: int = 1):
     """The real CLI (under mpiexec for ranks > 1), bounded in memory and time."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    full = child_env()
     full.update(env or {})
     cmd = [sys.executable, "-m", "mpitailor", *args]
     if ranks > 1:

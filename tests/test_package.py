@@ -25,9 +25,8 @@ def sh(cmd, **kwargs) -> subprocess.CompletedProcess:
                           **kwargs)
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pkg")
+def build_and_install(root: Path) -> None:
+    """The wheel built into root/wheels, installed into a fresh venv, root/venv."""
     wheels = root / "wheels"
     r = sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
             "-w", wheels, REPO])
@@ -39,15 +38,21 @@ def installed(tmp_path_factory):
     r = sh([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-index", "--no-deps",
             *wheels.glob("mpitailor-*.whl")])
     assert r.returncode == 0, r.stderr
-    away = root / "elsewhere"  # outside the checkout: nothing of it is on the path
-    away.mkdir()
+
+
+@pytest.fixture(scope="module")
+def installed(built_once, tmp_path_factory):
+    root = built_once("pkg", build_and_install)  # one wheel for both xdist workers
+    venv = root / "venv"
+    lib = next((venv / "lib").glob("python3*/site-packages"))
+    away = tmp_path_factory.mktemp("elsewhere")  # outside the checkout: none of it on the path
     # MPICH (`mpitailor[mpi]`) as this venv has it: mpiexec on PATH, libmpi where the loader
     # looks (mpi4py would find it in the new venv's lib/ had pip put it there).
     dev = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{dev}:{os.environ['PATH']}",
            "LD_LIBRARY_PATH": str(dev.parent / "lib")}
     env.pop("PYTHONPATH", None)
-    return venv, away, env, lib, next(wheels.glob("mpitailor-*.whl"))
+    return venv, away, env, lib, next((root / "wheels").glob("mpitailor-*.whl"))
 
 
 def test_the_command_names_itself_and_finds_its_files(installed):

@@ -36,7 +36,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from merging import _OUTER, MPIEXEC
+from child_env import child_env
+from merging import MPIEXEC
 
 REPO = Path(__file__).resolve().parents[1]
 VENV = REPO / ".cache" / "py310-venv"
@@ -109,11 +110,16 @@ def py310() -> Path:
 
 
 @pytest.fixture(scope="module")
-def installed(py310, tmp_path_factory) -> Path:
+def installed(py310, built_once) -> Path:
     """The checkout installed by 3.10's pip into a dir of its own (put on PYTHONPATH): the
-    package the core install gets, recipes and Slurm scripts inside it. Built from a copy,
-    because pip builds in the source tree (build/), where other tests build too."""
-    root = tmp_path_factory.mktemp("py310-install")
+    package the core install gets, recipes and Slurm scripts inside it. Once for both xdist
+    workers."""
+    return built_once("py310-install", lambda root: install_checkout(py310, root)) / "site"
+
+
+def install_checkout(py310: Path, root: Path) -> None:
+    """The checkout installed into root/site by 3.10's pip. Built from a copy, because pip
+    builds in the source tree (build/), where other tests build too."""
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     src = root / "src"
     src.mkdir()
@@ -126,13 +132,12 @@ def installed(py310, tmp_path_factory) -> Path:
                         "--no-deps", "--no-index", "--no-build-isolation", "--target",
                         str(site), str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"pip install of the checkout under Python 3.10:\n{r.stderr}"
-    return site
 
 
 def env_for(site: Path) -> dict[str, str]:
     """Both interpreters run the copy in `site`. mpi4py finds MPICH's libmpi (this venv's
     `mpitailor[mpi]`) where the loader looks; the 3.10 venv has no MPI library of its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    env = child_env()
     libs = [str(DEV_BIN.parent / "lib"), os.environ.get("LD_LIBRARY_PATH")]
     env.update(PYTHONPATH=str(site), LD_LIBRARY_PATH=os.pathsep.join(filter(None, libs)))
     return env

@@ -33,7 +33,6 @@ from mpitailor.version import __version__
 MANIFEST = "mpitailor_manifest.json"          # of a merge or an export
 PARTIAL_MANIFEST = "mpitailor_partial.json"   # of a partial (layer-wise) save
 FORMAT_VERSION = "1.1"  # 1.1: `format_version` and `kind` recorded
-MANIFEST_KINDS = ("merge", "export", "partial")
 PARTIAL_FORMAT = "mpitailor-partial"  # partial saves' `format` key since version 1.0
 _HEAD = ("format_version", "kind", "mpitailor_version", "created")
 MAJOR = int(FORMAT_VERSION.split(".")[0])  # any minor of it is read; another major is not
@@ -155,6 +154,7 @@ class PartialFields(_Fields):
 ManifestFields = MergeFields | ExportFields | PartialFields
 FIELDS_OF: dict[str, type] = {"merge": MergeFields, "export": ExportFields,
                               "partial": PartialFields}
+MANIFEST_KINDS = tuple(FIELDS_OF)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,13 +43,17 @@ class RankShard(Shard):
         return [(self.fd, self.offsets[kind, g] + start * ELEMENT, n * ELEMENT)]
 
     def whole_record(self, kind: str, g: int) -> tuple[int, int] | None:
-        if self._records is None:
-            self._records = record_crcs(self.data_path, self.fd)
-        return self._records.get(self.offsets[kind, g])
+        return self._crcs().get(self.offsets[kind, g])
 
     def verify(self, used: set[tuple[str, int]]) -> None:
         """Check the whole records of these buffers against the CRCs in the zip."""
-        verify_records(self.data_path, self.fd, {self.offsets[k] for k in used})
+        verify_records(self.data_path, self.fd, {self.offsets[k] for k in used}, self._crcs())
+
+    def _crcs(self) -> dict[int, tuple[int, int]]:
+        """The optim file's records (record_crcs), its zip directory read once."""
+        if self._records is None:
+            self._records = record_crcs(self.data_path, self.fd)
+        return self._records
 
 
 def open_shard(meta: CheckpointMeta, rank: int) -> Shard:

@@ -22,9 +22,10 @@ def record_crcs(path: Path, fd: int) -> dict[int, tuple[int, int]]:
         return {start: (crc, size) for start, size, crc in ptzip.read_records(f).values()}
 
 
-def verify_records(path: Path, fd: int, offsets: set[int]) -> None:
-    """Raise CheckpointError unless every record starting at one of `offsets` matches."""
-    crcs = record_crcs(path, fd)
+def verify_records(path: Path, fd: int, offsets: set[int],
+                   crcs: dict[int, tuple[int, int]]) -> None:
+    """Raise CheckpointError unless every record starting at one of `offsets` matches its
+    CRC-32 in `crcs` (the file's record_crcs)."""
     for off in sorted(offsets):
         if off not in crcs:
             raise CheckpointError(f"{path}: no zip record starts at byte {off}; the file "

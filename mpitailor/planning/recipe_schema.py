@@ -74,8 +74,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def parse(text: str, origin: str) -> tuple[RecipeModel, object]:
     """The recipe text validated, and its YAML node tree (for line numbers)."""
     try:
-        node = yaml.compose(text, Loader=_UniqueKeyLoader)
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        node, raw = _read(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -95,6 +94,19 @@ def parse(text: str, origin: str) -> tuple[RecipeModel, object]:
         what = "unknown key (check its spelling)" if err["type"] == "extra_forbidden" \
             else err["msg"].removeprefix("Value error, ")
         raise UserError(f"{origin}{line_of(node, loc)}: {key}: {what}") from None
+
+
+def _read(text: str) -> tuple[object, object]:
+    """(yaml.compose(text), yaml.load(text)) under _UniqueKeyLoader, the text parsed once.
+    Constructing leaves the node tree as composed, for line_of: PyYAML rewrites a mapping
+    only to flatten `<<:` merge keys, and _UniqueKeyLoader refuses one before that (a merge
+    key has no constructor of its own)."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        return node, None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def validate(doc: dict, origin: str) -> RecipeModel:

@@ -53,6 +53,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# tests/child_env.py is standard library only: this process never imports mpitailor (the
+# checkout's runs in the commands, under PYTHONPATH=checkout)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from child_env import child_env  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(os.environ.get("MPITAILOR_FIXTURES", REPO / ".cache" / "fixtures"))
 VENV = REPO / ".venv" / "bin"
@@ -60,7 +65,6 @@ DEFAULT_WORK = Path("/tmp/mpitailor-output-bytes.work")
 TIMEOUT = 300
 MANIFEST = "mpitailor_manifest.json"
 CREATED = re.compile(rb'^(  "created": )"[^"\n]*"(,?)$', re.M)
-_OUTER = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPITAILOR_")
 
 # fixture groups (by name without the hash)
 TWO_FULL = ["w2_fp32_one", "w3_bf16_decay_tied_frozen", "w4_fp32_per_layer",
@@ -619,7 +623,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     (work / "recipes").mkdir()
     (work / "cases").mkdir()
     (work / "logs").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER)}
+    env = child_env("MPITAILOR_")
     env.pop("PYTHONPATH", None)
     env.update(PYTHONPATH=str(checkout), PYTHONUNBUFFERED="1")
     ctx = Ctx(checkout, work, outdir, a.python, a.mpiexec, env)
