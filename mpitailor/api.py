@@ -25,7 +25,9 @@ def merge(recipe: str | os.PathLike, output: str | os.PathLike | None = None, *,
     """Merge checkpoints as the YAML recipe at `recipe` says (`python -m mpitailor merge`).
 
     output: overrides the recipe's `output`; world_size: reshard for that many ranks;
-    export: "safetensors" and/or "universal"; max_shard_size: bytes or "5GB" as HF spells it.
+    export: "hf" and/or "universal" (the CLI's --export; "safetensors", the old name of "hf",
+    still works); export_dtype: the HF export's dtype (--dtype); max_shard_size: bytes or
+    "5GB" as HF spells it.
     """
     comm = comm or Comm.world()
     opts = _options(export, export_dtype, max_shard_size, verify, progress)
@@ -50,6 +52,7 @@ def recover(save_dir: str | os.PathLike, output: str | os.PathLike, *,
 def _options(export, export_dtype, max_shard_size, verify, progress) -> MergeOptions:
     if isinstance(export, str):
         export = (export,)
+    export = ["hf" if name == "safetensors" else name for name in export]  # its old name
     if isinstance(max_shard_size, str):
         from mpitailor.planning.hf_layout import parse_size
         try:

@@ -74,7 +74,7 @@ def test_errors_are_raised_not_exits(ckpt, tmp_path, monkeypatch):
     new, old = ckpt("w2_fp32_one", 10), ckpt("w2_fp32_one", 5)
     for k, v in recipe_env(new, old, tmp_path / "o").items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(UserError, match="choose among safetensors, universal"):
+    with pytest.raises(UserError, match="choose among hf, universal"):
         mpitailor.merge(RECIPES / "parity.yml", export=["onnx"])
     with pytest.raises(UserError, match="max_shard_size"):
         mpitailor.merge(RECIPES / "parity.yml", export="safetensors", max_shard_size="lots")

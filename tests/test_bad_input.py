@@ -180,7 +180,7 @@ def test_max_shard_size_zero_is_refused_not_turned_into_5gb(w2, tmp_path, comman
     if command == "export":
         args = ["export", str(w2 / "global_step10"), "-o", str(out), "--max-shard-size", "0"]
     else:
-        args = [str(RECIPES / "parity.yml"), "-o", str(out), "--export", "safetensors",
+        args = [str(RECIPES / "parity.yml"), "-o", str(out), "--export", "hf",
                 "--max-shard-size", "0"]
     r, _ = merge(w2, tmp_path, args, out=out)
     expect_one_error(r, "--max-shard-size 0: ")

@@ -323,7 +323,7 @@ def test_node_local_reshard_to_three_nodes_resumes_like_a_shared_copy(
     as from a shared copy."""
     m, tag = merged_in_place, "global_step2"
     name, work = m["name"] + "-w6", m["work"]
-    exports = ["--export", "universal", "--export", "safetensors"]
+    exports = ["--export", "universal", "--export", "hf"]
     r = cluster.srun(["-N", 3, "-n", 6, "--ntasks-per-node", 2,
                       *merge_cmd(m["recipe"], "--world-size", 6, "-o",
                                  f"{cluster.node_local}/{name}", "--stats",
@@ -381,9 +381,9 @@ def test_node_local_output_of_shared_sources_exports_from_the_sources(cluster, m
     try:
         ok(cluster.srun(["-N", 2, "-w", "n1,n2", "-n", 4, "--ntasks-per-node", 2,
                          *merge_cmd(recipe, "--stats", work / "stats-st.json",
-                                    "--export", "safetensors")], timeout=300), cluster)
+                                    "--export", "hf")], timeout=300), cluster)
         ok(subprocess.run(merge_cmd(work / "shared.yml", "-o", work / "shared-st", "--export",
-                                    "safetensors"), env=dict(cluster), capture_output=True,
+                                    "hf"), env=dict(cluster), capture_output=True,
                           text=True, timeout=300, cwd=REPO), cluster)
         exported = [f for f in tree(work / "shared-st") if f.startswith("hf/")]
         assert "hf/model.safetensors" in exported

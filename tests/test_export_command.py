@@ -33,7 +33,7 @@ def test_fp32_export_equals_zero_to_fp32(tmp_path, name, ranks):
 
 def test_hf_export_of_a_layerwise_run_equals_exporting_its_recovery(tmp_path):
     """A save dir of a full save and partial saves: each layer's newest copy, exported with
-    no composite written first, the same bytes as recover + --export safetensors."""
+    no composite written first, the same bytes as recover + --export hf."""
     from ckpt_fixtures import spec_for
 
     from dev.tinytrain.model import tiny_config
@@ -44,7 +44,7 @@ def test_hf_export_of_a_layerwise_run_equals_exporting_its_recovery(tmp_path):
                 ranks=2)
     assert r.returncode == 0, r.stderr
     r = run_cli(["recover", str(save), "-o", str(tmp_path / "recovered"), "--export",
-                 "safetensors", "--export-dtype", "bf16", "--max-shard-size", "100KB"], {},
+                 "hf", "--dtype", "bf16", "--max-shard-size", "100KB"], {},
                 ranks=1)
     assert r.returncode == 0, r.stderr
     direct, via = tmp_path / "direct", tmp_path / "recovered" / "hf"

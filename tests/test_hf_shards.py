@@ -1,7 +1,7 @@
 """16-bit HF weights do not depend on the number of MPI ranks that wrote them.
 
 The rebuilt base weights keep the base's layout (one file, or its shard files and their
-tensor assignment); `--export safetensors` cuts shards by size as `save_pretrained` does;
+tensor assignment); `--export hf` cuts shards by size as `save_pretrained` does;
 1, 2, 3 and 5 ranks write the same bytes, and the manifest records them as they are."""
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def exports(ckpt, tmp_path_factory) -> tuple[dict[int, Path], int]:
         outs[n] = root / f"n{n}"
         # --export universal too: these runs are also tests/test_rank_independence.py's merge
         # case (the partitions, both exports, the rebuilt weights).
-        r = run_cli([str(RECIPES / "parity.yml"), "--export", "safetensors", "--max-shard-size",
+        r = run_cli([str(RECIPES / "parity.yml"), "--export", "hf", "--max-shard-size",
                      str(size), "--export", "universal"], recipe_env(new, old, outs[n]), ranks=n)
         assert r.returncode == 0, r.stderr
     return outs, size
@@ -127,7 +127,7 @@ def test_max_shard_size_cuts_as_save_pretrained_and_loads(exports, ckpt, tmp_pat
     for k, v in recipe_env(new, old, tmp_path / "one").items():
         monkeypatch.setenv(k, v)
     run_merge(Comm(None), plan_merge(Comm(None), str(RECIPES / "parity.yml")),
-              MergeOptions(export=frozenset({"safetensors"}), export_dtype="bf16"))
+              MergeOptions(export=frozenset({"hf"}), export_dtype="bf16"))
     one = tmp_path / "one"
     assert {p.name for p in (one / "hf").glob("model*")} == {"model.safetensors"}
     assert (one / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()
@@ -165,12 +165,12 @@ def test_a_sharded_base_keeps_its_shard_files(exports, ckpt, ckpt_copy, tmp_path
     assert_records_match(out)
 
 
-def test_max_shard_size_needs_the_safetensors_export(ckpt, tmp_path):
+def test_max_shard_size_needs_the_hf_export(ckpt, tmp_path):
     env = recipe_env(ckpt("w2_fp32_one", 10), ckpt("w2_fp32_one", 5), tmp_path / "o")
     r = run_cli([str(RECIPES / "parity.yml"), "--max-shard-size", "1MB"], env)
-    assert r.returncode == 2 and "--max-shard-size applies to --export safetensors" in r.stderr
+    assert r.returncode == 2 and "--max-shard-size applies to --export hf" in r.stderr
     assert not (tmp_path / "o").exists()
-    r = run_cli([str(RECIPES / "parity.yml"), "--export", "safetensors", "--max-shard-size",
+    r = run_cli([str(RECIPES / "parity.yml"), "--export", "hf", "--max-shard-size",
                  "5XB"], env)
     assert r.returncode == 2 and "write a size such as 5GB" in r.stderr
 
@@ -260,7 +260,7 @@ def test_a_merges_weights_are_read_from_the_sources_not_the_staged_output(ckpt, 
             monkeypatch.setenv(k, v)
         comm = Comm(None)
         run_merge(comm, plan_merge(comm, str(RECIPES / "parity.yml"), world_size=world_size),
-                  MergeOptions(export=frozenset({"safetensors"})))
+                  MergeOptions(export=frozenset({"hf"})))
     assert read and set(read) <= {new, old}, read
     weights = {w: {f: b for f, b in files_under(out).items()
                    if f.startswith("hf/") or f.startswith("model")}

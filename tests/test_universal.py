@@ -134,8 +134,9 @@ def test_base_latest_universal_is_not_carried_over(ckpt, ckpt_copy, tmp_path):
         assert (latest.read_text() if latest.exists() else None) == expect
 
 
-def test_export_dtype_needs_the_safetensors_export(ckpt, tmp_path):
-    r = run_cli([str(RECIPES / "parity.yml"), "--export", "universal", "--export-dtype", "bf16"],
+@pytest.mark.parametrize("dtype_flag", ["--dtype", "--export-dtype"])  # the name, the old one
+def test_dtype_needs_the_hf_export(ckpt, tmp_path, dtype_flag):
+    r = run_cli([str(RECIPES / "parity.yml"), "--export", "universal", dtype_flag, "bf16"],
                 recipe_env(ckpt("w2_fp32_one", 10), ckpt("w2_fp32_one", 5), tmp_path / "o"))
-    assert r.returncode == 2 and "--export-dtype applies to --export safetensors" in r.stderr
+    assert r.returncode == 2 and "--dtype applies to --export hf" in r.stderr, r.stderr
     assert not (tmp_path / "o").exists()

@@ -188,10 +188,10 @@ def test_export_refuses_a_bad_config_json_of_the_checkpoint(hf_save, tmp_path, c
     no_traceback(r)
 
 
-def test_merge_export_safetensors_refuses_a_bad_config_json(hf_save, tmp_path):
+def test_merge_export_hf_refuses_a_bad_config_json(hf_save, tmp_path):
     (hf_save / "config.json").write_text("garbage{")
     out = tmp_path / "merged"
-    r = run_cli([str(RECIPES / "parity.yml"), "--export", "safetensors"],
+    r = run_cli([str(RECIPES / "parity.yml"), "--export", "hf"],
                 {"NEW": str(hf_save), "OLD": str(hf_save), "OUT": str(out)}, ranks=2,
                 timeout=TIMEOUT)
     line = expect_one_error(r, f"{hf_save / 'config.json'}: not a JSON object")

@@ -51,12 +51,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
     return run_planned(comm, planned, args, lambda: recovered(planned.plan, chain))
 
 
-
-
 def merge_options(args: argparse.Namespace):
     from mpitailor.jobs.merge import MergeOptions
-    return MergeOptions(frozenset(args.export or ()), args.export_dtype, args.max_shard_size,
-                        args.verify, not args.no_progress, getattr(args, "ranks_per_node", None))
+    return MergeOptions(frozenset(args.export or ()), args.dtype, args.max_shard_size, args.verify,
+                        not args.no_progress, getattr(args, "ranks_per_node", None))
 
 
 def run_planned(comm: Comm, planned, args: argparse.Namespace,

@@ -268,16 +268,28 @@ def placement_option(p: argparse.ArgumentParser) -> None:
 
 
 def export_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--export", choices=["safetensors", "universal"], action="append",
-                   help="also write: `safetensors`, consolidated HF weights (+ config, "
+    """merge's and recover's exports, named as `export` names them: the HF export is `hf`,
+    its dtype `--dtype`. The old names (`--export safetensors`, `--export-dtype`) still
+    work, out of --help (docs/commands.md#old-names)."""
+    p.add_argument("--export", type=_export_name, choices=["hf", "universal"],
+                   action="append",
+                   help="also write: `hf`, consolidated HF safetensors weights (+ config, "
                         "tokenizer) to OUT/hf/; `universal`, DeepSpeed's Universal "
                         "checkpoint (load_universal, any world size) to OUT/TAG/zero/ and "
                         "OUT/latest_universal. Repeat the option for both")
-    p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"],
-                   help="dtype of the exported weights (default: the model's)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of the HF weights of --export hf (default: the model's); the "
+                        "merged checkpoint itself keeps its own")
+    p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], dest="dtype",
+                   help=argparse.SUPPRESS)  # the old name of --dtype
     p.add_argument("--max-shard-size", type=_shard_size, metavar="SIZE",
-                   help="largest safetensors shard of --export safetensors, as transformers' "
+                   help="largest safetensors shard of --export hf, as transformers' "
                         "save_pretrained cuts them: 5GB (the default), 500MB, 2GiB or bytes")
+
+
+def _export_name(text: str) -> str:
+    """`safetensors`, the old name of `--export hf`, as `hf`."""
+    return "hf" if text == "safetensors" else text
 
 
 def _shard_size(text: str) -> int:

@@ -136,7 +136,7 @@ def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: P
               dtype: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
               sources: dict[str, CheckpointMeta] | None = None, config: Path | None = None,
               verify: bool = False) -> dict:
-    """Collective: `--export safetensors`: consolidated weights in `dtype` into dest, in
+    """Collective: `--export hf`: consolidated weights in `dtype` into dest, in
     shards of at most max_shard_size bytes as `save_pretrained` cuts them (one
     model.safetensors if they fit, else an index too), plus config and tokenizer files from
     side_dir and `config` (side_files). sources, verify: as write_planned's."""

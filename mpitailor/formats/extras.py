@@ -127,7 +127,7 @@ def read_extras(base: CheckpointMeta) -> Extras:
     copy, _, left_out = sort_extras(base)
     if left_out:
         log.warning("not carried over from %s (not part of a checkpoint, or 16-bit .bin weights "
-                    "that would not match the merged ones; --export safetensors writes merged "
+                    "that would not match the merged ones; --export hf writes merged "
                     "HF weights): %s", extras_dir(base), ", ".join(left_out))
     out, carried = [], []
     for p in copy:

@@ -120,7 +120,7 @@ def _write_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResul
     verify, progress, ranks_per_node = opts.verify, opts.progress, opts.ranks_per_node
     universal = "universal" in opts.export
     export_dtype = (opts.export_dtype or plan.base_meta.dtype) \
-        if "safetensors" in opts.export else None
+        if "hf" in opts.export else None
     max_shard_size = DEFAULT_MAX_SHARD_SIZE if opts.max_shard_size is None \
         else opts.max_shard_size
     t0 = time.perf_counter()
@@ -324,7 +324,7 @@ def merge_manifest(plan: MergePlan, files: dict, recipe_text: str, ranks: int,
 class MergeOptions:
     """What a merge writes besides the native checkpoint, and how (the CLI's options)."""
 
-    export: frozenset[str] = frozenset()  # "safetensors", "universal"
+    export: frozenset[str] = frozenset()  # "hf", "universal"
     export_dtype: str | None = None       # of the safetensors export; default: the sources'
     max_shard_size: int | None = None     # of the safetensors export; default: 5GB (HF's)
     verify: bool = False
@@ -333,16 +333,16 @@ class MergeOptions:
 
     def check(self, plan: MergePlan) -> None:
         """UserError for combinations that cannot be honoured, before anything is written."""
-        unknown = self.export - {"safetensors", "universal"}
+        unknown = self.export - {"hf", "universal"}
         if unknown:
-            raise UserError(f"export {sorted(unknown)}: choose among safetensors, universal")
+            raise UserError(f"export {sorted(unknown)}: choose among hf, universal")
         if self.verify and plan.target is not None:
             raise UserError("--verify is not supported together with resharding (--world-size)")
-        if self.export_dtype and "safetensors" not in self.export:
-            raise UserError("--export-dtype applies to --export safetensors; add that option")
+        if self.export_dtype and "hf" not in self.export:
+            raise UserError("--dtype applies to --export hf; add that option")
         check_shard_size(self.max_shard_size)
-        if self.max_shard_size is not None and "safetensors" not in self.export:
-            raise UserError("--max-shard-size applies to --export safetensors; add that option")
+        if self.max_shard_size is not None and "hf" not in self.export:
+            raise UserError("--max-shard-size applies to --export hf; add that option")
         if "universal" in self.export and plan.base_meta.layout.flat:
             raise UserError(f"a ZeRO stage {plan.base_meta.zero_stage} checkpoint: the Universal "
                             f"export is for ZeRO-3 checkpoints; reshard it natively with "
@@ -371,6 +371,6 @@ def run_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResult:
     """Collective: the one way into a merge (the CLI, the API, export, the in-job resume):
     check the options against the plan, then merge as they say."""
     opts.check(planned.plan)
-    if "safetensors" in opts.export:
+    if "hf" in opts.export:
         comm.root_step(_warn_without_config, planned.plan.base_meta)
     return _write_merge(comm, planned, opts)
