@@ -2,7 +2,8 @@
 below it, and the planner is pure.
 
     display, errors, failpoints, version  <  formats  <  planning  <  cluster  <  publish  <  engine  <  jobs
-    <  cli, training, api (the top: they may import each other)
+    <  cli, training, api, facade (the top: they may import each other; training reaches
+    the layers below only through the facade)
 
 The repo's own tools (dev/: tinytrain, the demo) sit outside the package, above it: the
 package never imports them, and the wheel leaves them out.
@@ -14,10 +15,16 @@ The same walk keeps the merge side torch-free (issue 33): only the training side
 (mpitailor/training; and dev/, outside the package) imports torch, DeepSpeed,
 transformers, accelerate or h5py, which the core install (`pip install mpitailor`) lacks;
 tests/test_torch_free.py runs the commands to see that none of them is loaded at run time.
+
+And it keeps the training side behind its facade (issue 34): mpitailor/training imports from
+mpitailor only `mpitailor.facade` (what training needs of the merge side, named for that),
+the public API, `formats/`, the base modules and itself; and torch.distributed is called
+only by the training comm (training/distcomm.py).
 """
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -28,11 +35,18 @@ import mpitailor
 PACKAGE = Path(mpitailor.__file__).parent
 ORDER = ("base", "formats", "planning", "cluster", "publish", "engine", "jobs", "top")
 BASE = {"display", "errors", "failpoints", "version"}
-TOP = {"cli", "training", "api", "__init__", "__main__"}
+TOP = {"cli", "training", "api", "facade", "__init__", "__main__"}
 HEAVY = ("torch", "mpi4py")
 # What only the training side may import (pyproject's [train] and [hf] extras), and where it is.
 TRAINING_ONLY = ("torch", "deepspeed", "transformers", "accelerate", "h5py")
 TRAINING_SIDE = ("mpitailor.training",)
+# What the training side may import of mpitailor: its facade, the public API (`mpitailor`,
+# `mpitailor.api`), formats/, the base modules, and itself.
+FACADE = "mpitailor.facade"
+TRAINING_MAY_IMPORT = (FACADE, "mpitailor.api", "mpitailor.formats", *TRAINING_SIDE,
+                       *(f"mpitailor.{m}" for m in sorted(BASE)))
+# The modules that may call torch.distributed: the training comm, the only one.
+TORCH_DISTRIBUTED_IN = ("mpitailor.training.distcomm",)
 
 
 def layer(module: str) -> str | None:
@@ -94,6 +108,58 @@ def training_only_imports(tree: ast.Module, module: str, is_package: bool) -> li
     return [f"{module}:{line} imports {name}"
             for line, name in sorted(imports(tree, module, is_package))
             if name.split(".")[0] in TRAINING_ONLY]
+
+
+def within(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def instead(name: str) -> str:
+    """What a training module should import in place of `name`: the facade's name for the
+    same object, where it has one, else what to add there."""
+    parts = name.split(".")
+    for cut in range(len(parts), 1, -1):  # the longest importable module, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            break
+        facade = importlib.import_module(FACADE)
+        same = [n for n in facade.__all__ if getattr(facade, n) is obj]
+        if same:
+            return f"from {FACADE} import {same[0]}"
+        break
+    return (f"{FACADE} does not export it: use the facade's name for that job (its "
+            f"docstring lists each name and why), or add one there, named for what training "
+            f"needs")
+
+
+def facade_breaches(tree: ast.Module, module: str, is_package: bool) -> list[str]:
+    """`module:line imports name: use ...` for each import of a training module (top level or
+    lazy) that reaches into mpitailor past the facade."""
+    if not on_training_side(module):
+        return []
+    return [f"{module}:{line} imports {name}: {instead(name)}"
+            for line, name in sorted(imports(tree, module, is_package))
+            if name.split(".")[0] == "mpitailor" and name != "mpitailor"
+            and not within(name, TRAINING_MAY_IMPORT)]
+
+
+def torch_distributed_uses(tree: ast.Module, module: str, is_package: bool) -> list[str]:
+    """`module:line ...` for each import of torch.distributed (however spelled) and each
+    `torch.distributed` attribute reached from `torch`, outside the training comm."""
+    if module in TORCH_DISTRIBUTED_IN:
+        return []
+    found = [(line, f"imports {name}") for line, name in imports(tree, module, is_package)
+             if within(name, ("torch.distributed",))]
+    found += [(node.lineno, "uses torch.distributed") for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and node.attr == "distributed"
+              and isinstance(node.value, ast.Name) and node.value.id == "torch"]
+    return [f"{module}:{line} {what}" for line, what in sorted(found)]
 
 
 def test_every_module_is_in_a_layer():
@@ -165,6 +231,80 @@ def test_the_torch_rule_sees_top_level_and_lazy_imports_and_spares_the_training_
     for module in ("mpitailor.cli.main", "mpitailor.api", "mpitailor.trainingx",
                    "mpitailor.demos"):
         assert training_only_imports(tree, module, False), module
+
+
+def test_the_training_side_reaches_the_merge_side_only_through_its_facade():
+    wrong = []
+    for module, path in modules():
+        wrong += facade_breaches(ast.parse(path.read_text()), module, path.name == "__init__.py")
+    assert not wrong, (f"the training side imports the merge side past its facade ({FACADE}; "
+                       f"it may import {', '.join(TRAINING_MAY_IMPORT)}):\n" + "\n".join(wrong))
+
+
+def test_the_facade_stands_below_the_training_side():
+    path = PACKAGE / "facade.py"
+    names = imported(ast.parse(path.read_text()), FACADE, False)
+    assert not [n for n in names if on_training_side(n)], sorted(names)
+
+
+def test_the_facade_rule_sees_top_level_and_lazy_imports_and_names_what_to_use():
+    tree = ast.parse(textwrap.dedent("""
+        from mpitailor import failpoints
+        from mpitailor.errors import UserError
+        from mpitailor.formats.files import LATEST
+        from mpitailor.facade import layer_index
+        from mpitailor.planning.layers import sort_keys
+        import mpitailor
+        import mpitailor.api
+
+        def f():
+            from mpitailor.jobs.merge import run_merge
+            from mpitailor.training.distcomm import training_comm
+            from .snapshot import write
+            from ..cluster.comm import Comm
+    """))
+    assert facade_breaches(tree, "mpitailor.training.x", False) == [
+        "mpitailor.training.x:6 imports mpitailor.planning.layers.sort_keys: "
+        "from mpitailor.facade import sort_keys",
+        "mpitailor.training.x:11 imports mpitailor.jobs.merge.run_merge: mpitailor.facade "
+        "does not export it: use the facade's name for that job (its docstring lists each "
+        "name and why), or add one there, named for what training needs",
+        "mpitailor.training.x:14 imports mpitailor.cluster.comm.Comm: "
+        "from mpitailor.facade import Comm",
+    ]
+    assert facade_breaches(tree, "mpitailor.cli.main", False) == []  # the rule is training's
+
+
+def test_only_the_training_comm_calls_torch_distributed():
+    wrong = []
+    for module, path in modules():
+        wrong += torch_distributed_uses(ast.parse(path.read_text()), module,
+                                        path.name == "__init__.py")
+    comm = ", ".join(TORCH_DISTRIBUTED_IN)
+    assert not wrong, (f"torch.distributed outside the training comm ({comm}: add what you "
+                       f"need there, and call that):\n" + "\n".join(wrong))
+
+
+def test_the_torch_distributed_rule_sees_every_spelling():
+    tree = ast.parse(textwrap.dedent("""
+        import torch
+        import torch.distributed as dist
+        from torch import distributed
+        from torch.distributed import all_reduce
+
+        def f(t):
+            import torch.distributed
+            torch.distributed.barrier()
+            torch.cuda.synchronize()
+    """))
+    assert torch_distributed_uses(tree, "mpitailor.training.stats", False) == [
+        "mpitailor.training.stats:3 imports torch.distributed",
+        "mpitailor.training.stats:4 imports torch.distributed",
+        "mpitailor.training.stats:5 imports torch.distributed.all_reduce",
+        "mpitailor.training.stats:8 imports torch.distributed",
+        "mpitailor.training.stats:9 uses torch.distributed",
+    ]
+    assert torch_distributed_uses(tree, "mpitailor.training.distcomm", False) == []
 
 
 def test_the_arrow_check_sees_an_upward_import():

@@ -35,7 +35,7 @@ from mpitailor.publish.leftovers import (
 )
 
 log = logging.getLogger(__name__)
-RESUME_DIR = ".mpitailor-resume"  # where the in-job resume writes composites (training/)
+RESUME_DIR = ".mpitailor-resume"  # where the in-job resume writes composites (jobs/resume.py)
 COMPOSITE_PREFIX = "recovered-"
 
 

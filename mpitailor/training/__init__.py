@@ -9,6 +9,11 @@ It needs torch and DeepSpeed (`pip install 'mpitailor[train]'`; the core install
 side, has neither). The names are loaded on first use, so that `import mpitailor.training`
 and its torch-free parts (`stats plot`) work without them, and a missing one is named in one
 line when a name that needs it is asked for.
+
+It stands on the merge side only through `mpitailor.facade` (a small set of names that say
+what training needs: layer keys, publication, retention, the in-job resume), `formats/` and
+the base modules, and calls torch.distributed only in its training comm (`distcomm.py`);
+tests/test_layering.py holds it to both.
 """
 from __future__ import annotations
 

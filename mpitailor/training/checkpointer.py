@@ -36,12 +36,15 @@ from pathlib import Path
 
 from mpitailor import failpoints
 from mpitailor.errors import MpitailorError, UserError
+from mpitailor.facade import (
+    LayerClassifier,
+    discard_dir,
+    keep_last_saves,
+    layer_index,
+    publish_file,
+)
 from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage, SaveRecord
 from mpitailor.formats.layout import ELEMENT
-from mpitailor.jobs.prune import prune
-from mpitailor.planning.layers import LayerClassifier, layer_index
-from mpitailor.publish.leftovers import DISCARD, discard, path_of
-from mpitailor.publish.staging import write_replacing
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
 from mpitailor.training.policies import Decision, Policy
@@ -162,14 +165,14 @@ class LayerwiseCheckpointer:
         deleted is said, not raised: retention must not stop training."""
         comm = training_comm()
         try:
-            report = prune(comm, self.save_dir, self.keep_last, crc=False)
+            lines = keep_last_saves(comm, self.save_dir, self.keep_last)
         except MpitailorError as e:
             if comm.rank == 0:
                 log.warning("retention (keep_last=%d): nothing more pruned: %s",
                             self.keep_last, e)
             return
         if comm.rank == 0:
-            for line in report.lines:
+            for line in lines:
                 if line.startswith("removed"):
                     log.info("retention (keep_last=%d): %s", self.keep_last, line)
 
@@ -304,7 +307,7 @@ def fresh_save_dir(engine, out: Path, create: bool = False) -> None:
     with this save's. Renamed away first (leftovers.discard: a removal killed half-way leaves
     a `.NAME.mpitailor-discard` that `clean` takes). create: make out, empty."""
     if save_leader(engine):
-        discard(out, path_of(out, DISCARD))
+        discard_dir(out)
         if create:
             out.mkdir(parents=True)
     training_comm().barrier()
@@ -348,5 +351,5 @@ def write_save_record(tag_dir: Path, lineage: Lineage, global_steps: int,
                       layer_patterns: dict[str, str]) -> None:
     """Rank 0: the lineage of a full save, beside DeepSpeed's files (which ignore it), and
     the layer patterns the run saves with."""
-    write_replacing(tag_dir / SAVE_RECORD,
-                    SaveRecord(lineage, global_steps, layer_patterns).to_json())
+    publish_file(tag_dir / SAVE_RECORD,
+                 SaveRecord(lineage, global_steps, layer_patterns).to_json())

@@ -63,10 +63,9 @@ def end_cpu_training(code: int = 0) -> NoReturn:
     that failed makes the exit code 1), leave the process group, flush stdout/stderr and end
     the process with `code` now, without the interpreter's teardown (see above). Call it
     last, on every rank. (A bare `os._exit` skips the wait: call `ckpt.wait()` before it.)"""
-    import torch.distributed as dist
+    from mpitailor.training.distcomm import leave_process_group
     code = _wait_for_saves(code)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -79,9 +78,9 @@ def _wait_for_saves(code: int) -> int:
         return code  # no checkpointer was ever made
     from mpitailor.display import shown
     from mpitailor.training.checkpointer import saves_in_flight
+    from mpitailor.training.distcomm import training_comm
     from mpitailor.training.snapshot import PartialSaveFailed
-    import torch.distributed as dist
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = training_comm().rank
     for ckpt, tag_dir in saves_in_flight():
         if rank == 0:
             print(f"mpitailor: end_cpu_training: waiting for the asynchronous save of "

@@ -1,8 +1,12 @@
-"""The training ranks as an MPI-like world, so mpitailor's collectives run inside training.
+"""The training comm: the training ranks as an MPI-like world, so mpitailor's collectives run
+inside training; and the one module of the training side that calls torch.distributed
+(tests/test_layering.py holds it to that).
 
 `Comm` makes a handful of mpi4py calls; torch.distributed (the group DeepSpeed trains on)
 offers each of them. With it, `recover` runs collectively on the ranks of an HF Trainer or
-DeepSpeed job that was started without MPI (torchrun, the deepspeed launcher).
+DeepSpeed job that was started without MPI (torchrun, the deepspeed launcher). The few
+tensor-level calls the training side makes itself (the update statistics' all-reduce,
+leaving the process group at the end of a CPU run) are here too.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import os
 
 import torch.distributed as dist
 
-from mpitailor.cluster.comm import Comm
+from mpitailor.facade import Comm
 
 
 class TorchDistWorld:
@@ -69,3 +73,17 @@ def writer_comm() -> Comm:
     if not (dist.is_available() and dist.is_initialized()):
         return Comm(None)
     return Comm(TorchDistWorld(dist.new_group(backend="gloo")))
+
+
+def sum_over_ranks(t) -> None:
+    """Collective over the training ranks (the default group): the tensor t becomes its sum
+    over them, in place; left as it is when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+
+
+def leave_process_group() -> None:
+    """Every training rank, last (end_cpu_training): leave torch.distributed's default group,
+    if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from mpitailor.planning.layers import classify as default_classify
+from mpitailor.facade import classify as default_classify
 
 NO_DECAY_MARKERS = ("bias", "norm", "ln_")
 

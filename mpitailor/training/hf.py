@@ -31,11 +31,11 @@ from accelerate.utils import DeepSpeedSchedulerWrapper
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError
+from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index
 from mpitailor.formats.files import LATEST, PARTIAL_MANIFEST
-from mpitailor.planning.layers import LayerClassifier, layer_index
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Policy
-from mpitailor.training.resume import RESUME_DIR, recover_for_resume, reshard_for_resume
+from mpitailor.training.resume import recover_for_resume, reshard_for_resume
 from mpitailor.training.snapshot import host_bytes_limit
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mpitailor.facade import LayerClassifier
 from mpitailor.formats.files import (
     STAGE12_MODEL,
     Lineage,
@@ -34,7 +35,6 @@ from mpitailor.formats.files import (
 from mpitailor.formats.layout import KINDS, compute_layout
 from mpitailor.formats.manifest import PARTIAL_FORMAT, PartialFields
 from mpitailor.formats.shard import without_flat_buffers
-from mpitailor.planning.layers import LayerClassifier
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.snapshot import (
     HostBuffers,

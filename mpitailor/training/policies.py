@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from mpitailor.errors import UserError
-from mpitailor.planning.layers import layer_index
+from mpitailor.facade import layer_index
 
 
 @dataclass(frozen=True, slots=True)

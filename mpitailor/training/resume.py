@@ -5,7 +5,9 @@ composite checkpoint together, as `mpiexec python -m mpitailor recover` would, i
 dir under the save dir (`.mpitailor-resume/`), where later recoveries do not mistake it for
 a save. The composite is written for the world size of the job that resumes (a job requeued
 on another number of GPUs resumes as it is); a composite of the same newest save at the same
-world size is reused.
+world size is reused. The work is the merge side's (jobs/resume.py, through
+mpitailor/facade.py); this module runs it on the training ranks and says, on rank 0, what
+the job resumes from.
 """
 from __future__ import annotations
 
@@ -13,16 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from mpitailor.errors import CheckpointError, NothingToRecover
-from mpitailor.formats.manifest import MANIFEST, MergeFields, read_manifest
-from mpitailor.jobs.clean import clean
-from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
-from mpitailor.jobs.prune import RESUME_DIR
-from mpitailor.jobs.recovery import find_saves, plan_recovery
-from mpitailor.formats.read import read_meta
-from mpitailor.planning.recipe import recipe_from
-from mpitailor.planning.recovery import Chain, recovery_recipe
-from mpitailor.publish.leftovers import DISCARD, discard, path_of
+from mpitailor.facade import Comm, ResumePoint, recover_in_job, reshard_in_job
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.notice import make_visible
 
@@ -39,38 +32,7 @@ def recover_for_resume(save_dir: str | os.PathLike, until_step: int | None = Non
     behind is removed, with one warning."""
     comm = training_comm()
     make_visible()  # what it resumes from, and the saves it skips, reach the job's log
-    save_dir = Path(save_dir).resolve()
-    if not comm.root_step(save_dir.exists):
-        _say(comm, logging.INFO, f"no save dir {save_dir} yet: training starts from scratch")
-        return None
-    try:
-        chain, place = plan_recovery(comm, save_dir, until_step=until_step)
-    except NothingToRecover as e:
-        left = comm.root_step(_unfinished, save_dir)
-        comm.root_step(_reclaim, save_dir, left)
-        _say(comm, logging.WARNING,
-             f"{e}; training starts from scratch" + (
-                 f" (removed what an interrupted save left: {', '.join(left)})" if left else ""))
-        return None
-    world = comm.size
-    came_from = _origin(chain)
-    if not chain.partials and chain.full.meta.world_size == world:
-        _say(comm, logging.INFO, f"resuming from the full save {chain.full.path} itself "
-                                 f"(step {chain.full.step}, world size {world}): no partial "
-                                 f"save follows it")
-        return chain.full.path
-    base = chain.partials[-1] if chain.partials else chain.full
-    out_root = Path(output_root) if output_root is not None else save_dir / RESUME_DIR
-    save_id = base.lineage.save_id[:12] if base.lineage else "x"
-    out = out_root / f"recovered-{base.name}-{save_id}-w{world}"
-    resharded = "" if chain.full.meta.world_size == world else \
-        f", resharded from world size {chain.full.meta.world_size}"
-    where = f"resuming from {out} (step {base.step}, world size {world}{resharded})"
-    reused = _written_once(comm, out, base, world, lambda: recovery_recipe(
-        save_dir, chain, out, None, None if chain.full.meta.world_size == world else world),
-        place)
-    _say(comm, logging.INFO, f"{where}, recovered{' before' if reused else ''} from {came_from}")
-    return out
+    return _said(comm, recover_in_job(comm, save_dir, until_step, output_root))
 
 
 def reshard_for_resume(checkpoint: str | os.PathLike, output_root: str | os.PathLike) -> Path:
@@ -79,75 +41,11 @@ def reshard_for_resume(checkpoint: str | os.PathLike, output_root: str | os.Path
     when already there)."""
     comm = training_comm()
     make_visible()
-    path = Path(checkpoint).resolve()
-    meta = comm.root_step(read_meta, path)
-    world = comm.size
-    if meta.world_size == world:
-        return path
-    out = Path(output_root).resolve() / f"resharded-{path.name}-w{world}"
-    where = (f"resuming from {out} (step {meta.global_steps}, world size {world}), {path} "
-             f"resharded from world size {meta.world_size}")
-    reused = _written_once(comm, out, (path, meta.files.tag_dir), world, lambda: recipe_from(
-        {"sources": {"saved": str(path)}, "layers": {"rest": "saved"}, "output": str(out)},
-        origin=f"resume from {path}", world_size=world))
-    _say(comm, logging.INFO, f"{where}{' before' if reused else ''}")
-    return out
+    return _said(comm, reshard_in_job(comm, checkpoint, output_root))
 
 
-def _written_once(comm, out: Path, base, world: int, recipe_of, place=None) -> bool:
-    """Collective: True when out already is the composite of base for world (reused), else
-    False, having written it from the recipe rank 0 makes (recipe_of()); place: where its
-    sources lie, when already surveyed (plan_recipe)."""
-    if comm.root_step(_is_recovery_of, out, base, world):
-        return True
-    recipe = comm.root_step(recipe_of)
-    run_merge(comm, plan_recipe(comm, recipe, place), MergeOptions())
-    return False
-
-
-def _origin(chain: Chain) -> str:
-    if not chain.partials:
-        return f"the full save {chain.full.name} alone (no partial save follows it)"
-    return (f"the full save {chain.full.name} and the partial saves "
-            f"{', '.join(p.name for p in chain.partials)} (newest copy of every layer)")
-
-
-def _say(comm, level: int, line: str) -> None:
-    if comm.rank == 0:
-        log.log(level, "%s", line)
-
-
-def _is_recovery_of(out: Path, base, world: int) -> bool:
-    """A published composite (manifest last) of that very save, for that world size. base:
-    a Save (the same save id, where the saves record one, else the same path: a save dir or
-    its tag dir) or the paths a checkpoint goes by."""
-    try:  # bounded, versioned: a composite dir is read as any checkpoint is
-        merge = read_manifest(out / MANIFEST).fields
-        if not isinstance(merge, MergeFields):
-            return False  # an export's or a partial save's: not a composite
-        source = merge.sources[merge.base]  # either missing (ABSENT): TypeError, KeyError
-        if merge.world_size != world:
-            return False
-    except (CheckpointError, KeyError, TypeError):
-        return False  # absent, or not a composite of ours: another is written
-    if isinstance(base, tuple):
-        return Path(source["path"]) in base
-    if base.lineage is not None:
-        return source.get("save_id") == base.lineage.save_id
-    return Path(source["path"]) in (base.path, base.meta.files.tag_dir)
-
-
-def _unfinished(save_dir: Path) -> list[str]:
-    """Rank 0: the saves (none finished: recovery found nothing) an interrupted run left."""
-    return [s.name for s in find_saves(save_dir)]
-
-
-def _reclaim(save_dir: Path, names: list[str]) -> None:
-    """Rank 0 (one remover: two would race inside the same trees): the staging dirs and
-    stale locks of killed writers (publish/leftovers.py), then the unfinished saves, each
-    moved aside first (a removal killed half-way leaves a `.NAME.mpitailor-discard` that
-    `clean` takes). Under node-local storage the other nodes' parts stay: the next save of the
-    same name starts from an empty dir (the HF and Accelerate templates make it so)."""
-    clean(save_dir)
-    for name in names:
-        discard(save_dir / name, path_of(save_dir / name, DISCARD))
+def _said(comm: Comm, point: ResumePoint) -> Path | None:
+    """The point's path, its line said on rank 0."""
+    if point.line is not None and comm.rank == 0:
+        log.log(point.level, "%s", point.line)
+    return point.path

@@ -18,14 +18,13 @@ from pathlib import Path
 import torch
 
 from mpitailor import failpoints
-from mpitailor.cluster.comm import Comm
 from mpitailor.errors import MpitailorError, UserError
+from mpitailor.facade import Comm, parse_size, publishing
 from mpitailor.formats.dtypes import name_of
 from mpitailor.formats.fileio import write_synced
 from mpitailor.formats.files import partial_files
 from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest, PartialFields
 from mpitailor.formats.stwrite import write_safetensors
-from mpitailor.publish.staging import Staging, holding
 
 
 class PartialSaveFailed(RuntimeError):
@@ -76,7 +75,6 @@ def host_bytes_limit(value) -> int | None:
         return None
     size = value
     if isinstance(value, str):
-        from mpitailor.planning.hf_layout import parse_size
         try:
             size = parse_size(value)
         except ValueError:
@@ -163,8 +161,7 @@ def write(snap: Snapshot, comm: Comm) -> Path:
     every rank writes and fsyncs its files, the leaders write the manifest last and publish
     by rename. Any rank's failure is raised on every rank as PartialSaveFailed; then nothing
     is published and the staging dir is removed."""
-    staging = Staging(snap.final, replace=True)
-    with holding(staging, snap.leader):
+    with publishing(snap.final, snap.leader) as staging:
         agree(comm, lambda: staging.acquire(None) if snap.leader else None)
         records = agree(comm, _write_rank, snap, staging.dir)
         files = {k: v for part in comm.allgather(records) for k, v in part.items()}

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from mpitailor.facade import classify as default_classify
+from mpitailor.facade import sort_keys
 from mpitailor.formats.layout import compute_layout
-from mpitailor.planning.layers import classify as default_classify
-from mpitailor.planning.layers import sort_keys
+from mpitailor.training.distcomm import sum_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,7 @@ class UpdateTracker:
         prev = [self.saved_sq.get(k, 0.0) for k in self.keys]
         sums = torch.stack([torch.stack(upd), torch.stack(now)]).double().cpu()
         sums = torch.cat([sums, torch.tensor([prev], dtype=torch.float64)]).T.contiguous()
-        if dist.is_initialized():
-            dist.all_reduce(sums)
+        sum_over_ranks(sums)
         out = {}
         for i, k in enumerate(self.keys):
             u, w, p = (math.sqrt(x) for x in sums[i].tolist())
