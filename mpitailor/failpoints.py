@@ -11,7 +11,8 @@ model-states file not), "export" (a parameter's Universal files written, the res
 "commit" (a leader of any output: staged tree and manifest complete, not yet published;
 detail: the output's name), "partial-write" (a partial
 save's rank files about to be written), "partial-publish" (every rank's files written, the
-manifest not), "full-save" (a training loop's full save begun and not finished: the plain loop's before
+manifest not), "snapshot-copy" (an overlapped asynchronous save: the writer about to copy
+the live slices into host buffers while the next step runs; detail: the tag), "full-save" (a training loop's full save begun and not finished: the plain loop's before
 DeepSpeed's files, Accelerate's in its empty checkpoint dir, HF's before the optimizer and
 trainer state; detail: the checkpoint-N or tag name), "reclaim" (a stale lock taken by
 `clean` or a run, its leftovers not yet removed; detail: the output's name). RANK is the MPI rank, or the training rank (RANK) in a training process.

@@ -72,10 +72,15 @@ SAVING_VARIANTS: dict[str, tuple[dict, str | None]] = {
     "s1_w2_parity": (dict(LAYERWISE, zero_stage=1, policy={"name": "parity"}), None),
 }
 # The same runs with partial saves written in the background: their saves must hold what the
-# synchronous runs' saves hold (tests/test_async_save.py).
+# synchronous runs' saves hold (tests/test_async_save.py). Rank 0's copy of the slices into
+# host buffers, overlapped with the next step, starts a second late: long after that step's
+# forward and backward, so its optimizer step would change the state under the copy if the
+# step guard (training/overlap.py) did not hold it.
 ASYNC_TWINS = {f"{name}_async": name for name in
                ("w2_parity", "s2_w3_bf16_parity", "s1_w2_parity", "hf_s2_w2_parity")}
-SAVING_VARIANTS.update({twin: (dict(SAVING_VARIANTS[name][0], async_save=True),
+COPY_LATE = {"env": {"MPITAILOR_FAILPOINT": "snapshot-copy:0:sleep=1"}}
+SAVING_VARIANTS.update({twin: (dict(SAVING_VARIANTS[name][0], async_save=True,
+                                    extra=COPY_LATE),
                                SAVING_VARIANTS[name][1]) for twin, name in ASYNC_TWINS.items()})
 STAGE12_VARIANTS = ["s2_w2_bf16_per_layer", "s2_w3_fp32_decay_tied_frozen", "s1_w2_fp32_one",
                     "hf_s2_w2_bf16"]

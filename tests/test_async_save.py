@@ -82,6 +82,10 @@ def test_asynchronous_save_timings_and_stats_log(tmp_path):
     assert [t["full"] for t in timings] == [True, False, False, False]
     partial = timings[1:]
     assert all(t["blocked"] > 0 and t["background"] > 0 for t in partial)
+    # Rank 0's copies start a second late (COPY_LATE), long after the next step's forward and
+    # backward of this tiny model: the optimizer steps after the saves of steps 4 and 6 were
+    # held for them; after the last save no step came.
+    assert [t["step_held"] > 0 for t in partial] == [True, True, False], partial
     # Host buffers: none after construction (and the full save); from the first partial save
     # on, the largest partial save parity makes (rank 0's slices, as its files hold them).
     root = tmp_path / "run"
@@ -96,6 +100,19 @@ def test_asynchronous_save_timings_and_stats_log(tmp_path):
     assert np.array_equal(log["saved"], log["chosen"])  # every save was published
     # The saved copy behind the update norms is taken from the host buffers, in the writer.
     assert check_norms(root, log, (2, 4, 6, 8)) == 3 * 5  # held by 4, 6, 8
+
+
+@pytest.mark.parametrize("twin", ["s1_w2_parity_async", "hf_s2_w2_parity_async"])
+def test_the_next_optimizer_step_waits_for_the_overlapped_copy(twin, tmp_path):
+    """ZeRO stage 1 and the HF Trainer (stage 2) go through the same hook as the plain loop
+    at stage 3 (above): with rank 0's copy a second late, the optimizer step after each
+    partial save but the last was held; the saves hold what synchronous saves hold
+    (test_asynchronous_saves_hold_what_synchronous_saves_hold)."""
+    result = launch(spec_for(twin, tmp_path / "run"), module=VARIANTS[twin][1]
+                    or "dev.tinytrain.worker")
+    partial = result["save_timings"][1:]
+    assert [t["step"] for t in partial] == [4, 6, 8]
+    assert [t["step_held"] > 0 for t in partial] == [True, True, False], partial
 
 
 def test_kill_9_during_the_background_write_leaves_the_previous_saves(tmp_path):

@@ -68,7 +68,8 @@ def main(spec_path: str, result_path: str) -> None:
         Path(result_path).write_text(json.dumps(
             {"losses": losses, "global_steps": trainer.state.global_step,
              "world_size": trainer.args.world_size,
-             "param_groups": len(getattr(trainer.optimizer, "param_groups", ()))}))
+             "param_groups": len(getattr(trainer.optimizer, "param_groups", ())),
+             "save_timings": getattr(getattr(trainer, "_layerwise", None), "timings", None)}))
     shutdown()
 
 

@@ -6,12 +6,15 @@
         if step % 100 == 0:
             ckpt.save()        # full or partial, as the policy says; collective
 
-With `asynchronous=True`, a partial save blocks training only while the chosen layers'
-slices are copied to host buffers (allocated at the first partial save for the largest one
-the policy can make, reused; `max_host_bytes` bounds them);
-a background writer writes, fsyncs and publishes it while training goes on. One save is in
-flight at a time: the next `save()` waits for it, and `wait()` (call it when training ends)
-waits for the last one. A save that failed in the background raises PartialSaveFailed at
+With `asynchronous=True`, a partial save hardly blocks training: the chosen layers' slices
+are copied to host buffers (allocated at the first partial save for the largest one the
+policy can make, reused; `max_host_bytes` bounds them) while the next step's forward and
+backward run, and the engine's next optimizer step waits only if the copy is not done by
+then (a step pre-hook of the optimizer DeepSpeed wraps: training/overlap.py; without one,
+the copy blocks the save, as it once did); a background writer writes, fsyncs and
+publishes it while training goes on. One save is in flight at a time: the next `save()`
+waits for it (and says so, with the figures, when saves come faster than they are
+written), and `wait()` (call it when training ends) waits for the last one. A save that failed in the background raises PartialSaveFailed at
 the next `save()` or `wait()`, on every rank; it was never published. Full saves are
 DeepSpeed's own, synchronous.
 
@@ -46,6 +49,7 @@ from mpitailor.facade import (
 from mpitailor.formats.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage, SaveRecord
 from mpitailor.formats.layout import ELEMENT
 from mpitailor.training.distcomm import training_comm
+from mpitailor.training.overlap import StepGuard
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.snapshot import PartialSaveFailed, host_bytes_limit, write
@@ -53,6 +57,7 @@ from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
 from mpitailor.training.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
+OUTPACED_S = 0.05  # a save that waits this long for the one before: saves outpace the writer
 
 
 class LayerwiseCheckpointer:
@@ -92,8 +97,17 @@ class LayerwiseCheckpointer:
         # Host buffers are sized at the first partial save (_size_host_buffers), not here:
         # a run that never saves a partial one holds none.
         self.writer = BackgroundWriter(max_host_bytes) if asynchronous else None
+        # the snapshot's copy overlapped with the next step: held before its optimizer step
+        self.guard = StepGuard(engine) if asynchronous else None
         if asynchronous:
             _LIVE.add(self)  # end_cpu_training waits for its save in flight
+            if not self.guard.installed and engine.global_rank == 0:
+                log.info("asynchronous saves: %s wraps no torch optimizer to hook, so each "
+                         "partial save's slices are copied to host buffers while training "
+                         "waits, not during the next step", type(engine.optimizer).__name__)
+        self._outpaced_at = -math.inf  # when saves last outpaced the writer (a warning)
+        self._step_held = 0.0  # the guard's `waited` at the last save
+        self._background: tuple[int | None, float] = (None, 0.0)  # the last save written
         self.pending: Published | None = None  # the asynchronous save the writer holds
         self._host_sized = False
         self.timings: list[dict] = []  # per save: seconds blocked, waited, in the background
@@ -200,6 +214,7 @@ class LayerwiseCheckpointer:
         time counts from the wait on; a step that raises leaves the save unrecorded."""
         t0 = time.perf_counter()
         waited = self.wait()
+        self._say_if_outpaced(waited)
         decision = self.decide()
         lineage = self.next_lineage(decision)
         if prepare is not None:
@@ -225,11 +240,15 @@ class LayerwiseCheckpointer:
         self.wait()
         self._size_host_buffers()
         tracker = self.tracker
-        self.writer.start(take(self.engine, save_dir, tag, layers, client_state,
-                               self.classify, lineage, host=self.writer.host,
-                               on_published=on_published),
-                          after=(lambda snap: tracker.mark_saved_from(snap.slices))
-                          if tracker else None)
+        snap = take(self.engine, save_dir, tag, layers, client_state, self.classify, lineage,
+                    host=self.writer.host, on_published=on_published,
+                    step_guard=self.guard)
+        try:
+            self.writer.start(snap, after=(lambda snap: tracker.mark_saved_from(snap.slices))
+                              if tracker else None)
+        except BaseException:
+            self.guard.release()  # the copy never runs: the next step must not wait for it
+            raise
 
     def _size_host_buffers(self) -> None:
         """At the first partial save: host buffers for the largest partial save the policy
@@ -259,6 +278,7 @@ class LayerwiseCheckpointer:
             return 0.0
         row = len(self.timings) - 1
         done, self.pending = self.pending, None
+        held, self._step_held = self.guard.waited - self._step_held, self.guard.waited
         try:
             snap = self.writer.join()
         except PartialSaveFailed:
@@ -268,9 +288,26 @@ class LayerwiseCheckpointer:
         background = snap.seconds["background"]
         if row >= 0:
             self.timings[row]["background"] = background
+            self.timings[row]["step_held"] = held
+        self._background = (self.timings[row]["step"] if row >= 0 else None, background)
         if done is not None:
             self._published(done, background_s=background)
         return snap.seconds["waited"]
+
+    def _say_if_outpaced(self, waited: float) -> None:
+        """Rank 0, at a save: a warning (at most one a minute) when it waited for the save
+        before: saves come faster than the writer persists them, and training stands still."""
+        if waited < OUTPACED_S or self.engine.global_rank != 0:
+            return
+        now = time.monotonic()
+        if now - self._outpaced_at < 60:
+            return
+        self._outpaced_at = now
+        step, background = self._background
+        log.warning("asynchronous saves come faster than they are written: the save of step "
+                    "%s took %.2f s to write in the background, and the save of step %s waited "
+                    "%.2f s for it while training stood still; save less often, or fewer layers "
+                    "at a time", step, background, self.engine.global_steps, waited)
 
     def _drop_partial(self, tag: str) -> None:
         """A full save over an older partial checkpoint of the same tag (training resumed

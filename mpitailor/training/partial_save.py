@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mpitailor import failpoints
 from mpitailor.facade import LayerClassifier
 from mpitailor.formats.files import (
     STAGE12_MODEL,
@@ -36,6 +37,7 @@ from mpitailor.formats.layout import KINDS, compute_layout
 from mpitailor.formats.manifest import PARTIAL_FORMAT, PartialFields
 from mpitailor.formats.shard import without_flat_buffers
 from mpitailor.training.distcomm import training_comm
+from mpitailor.training.overlap import StepGuard
 from mpitailor.training.snapshot import (
     HostBuffers,
     Snapshot,
@@ -194,10 +196,13 @@ def save_layers(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[
 def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
          client_state: dict | None = None, classify: LayerClassifier | None = None,
          lineage: Lineage | None = None, host: HostBuffers | None = None,
-         on_published=None) -> Snapshot:
+         on_published=None, step_guard: StepGuard | None = None) -> Snapshot:
     """Collective: what the partial save of `layers` holds, from the live engine. host: copy
     the slices into these buffers (an asynchronous save); else they stay views of the
-    engine's buffers, to be written before the engine takes another step."""
+    engine's buffers, to be written before the engine takes another step. step_guard (with host,
+    installed): overlap the copy with the next step (overlap.py): it is left to the writer
+    (Snapshot.copy) and the guard holds the engine's next optimizer step until it is done;
+    the caller must hand the snapshot to the writer, or call its copy."""
     classify = classify or LayerClassifier()
     layers = set(layers)
     final = Path(save_dir) / tag
@@ -214,9 +219,11 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
             return states, layer_slices(engine, states["param_shapes"], layers, classify)
         states, slices = agree(comm, states_and_slices)
         t1 = time.perf_counter()
+        overlapped = host is not None and step_guard is not None and step_guard.installed
         if host is not None:
             agree(comm, host.check, host.need(slices))
-            slices = host.copy(slices)
+            if not overlapped:
+                slices = host.copy(slices)
         else:  # written now, from host memory: slices of GPU buffers are copied down first
             slices = {k: v if v.device.type == "cpu" else v.cpu() for k, v in slices.items()}
         t2 = time.perf_counter()
@@ -241,8 +248,32 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
         lineage=lineage.to_json() if lineage else None,
         layer_patterns=classify.patterns)
     t3 = time.perf_counter()
-    return Snapshot(final, rank, leader, blobs, slices, fields, on_published,
+    snap = Snapshot(final, rank, leader, blobs, slices, fields, on_published,
                     seconds={"gather": t1 - t0, "copy": t2 - t1, "serialise": t3 - t2})
+    if overlapped:
+        snap.copy = _overlapped_copy(snap, host, step_guard)
+    return snap
+
+
+def _overlapped_copy(snap: Snapshot, host: HostBuffers, guard: StepGuard):
+    """The host copy of snap's live slices, to run in the writer while the next step runs:
+    armed here (the next optimizer step waits from now on), released once copied or failed."""
+    live = snap.slices
+    after = None
+    if any(t.device.type == "cuda" for t in live.values()):
+        after = torch.cuda.Event()
+        after.record()  # the state is final once the training stream gets here
+    guard.arm()
+
+    def copy() -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            failpoints.hit("snapshot-copy", snap.final.name)
+            return host.copy(live, after)
+        finally:
+            guard.release()
+            snap.seconds["copy_overlapped"] = time.perf_counter() - t0
+    return copy
 
 
 def save_leader(engine) -> bool:

@@ -3,14 +3,17 @@ files written, fsynced and published from that (`write`).
 
 A synchronous save runs both at once and writes the chosen slices straight from the
 engine's buffers. An asynchronous one (checkpointer.py) copies the slices into host buffers
-that are allocated once and reused (`HostBuffers`), returns to training, and has a
-background writer run `write` while training goes on. The small states (DeepSpeed's model
-states, the optimizer's non-tensor state, rng) are serialised while the engine is still
-still: the file's bytes are the snapshot.
+that are allocated once and reused (`HostBuffers`) and has a background writer run `write`
+while training goes on; overlapped (overlap.py), the copy itself is the writer's first
+step (`Snapshot.copy`), while the next training step's forward and backward run, and the
+optimizer's step waits for it. The small states (DeepSpeed's model states, the optimizer's
+non-tensor state, rng) are serialised while the engine is still still: the file's bytes
+are the snapshot.
 """
 from __future__ import annotations
 
 import io
+from contextlib import nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +47,9 @@ class Snapshot:
     on_published: Callable[[], None] | None = None  # leader, after the rename (HF `latest`)
     seconds: dict = field(default_factory=dict)     # taking it: "gather" (states, slices),
     # "copy" (into host buffers), "serialise" (the small states); "background", "waited"
+    # Overlapped: the copy into host buffers still to make, the writer's first step (slices
+    # are the engine's live ones until it ran); it releases the step it holds, done or not.
+    copy: Callable[[], dict[str, torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -125,21 +131,31 @@ class HostBuffers:
                             f"{self.limit / 2**20:.2f} MiB ({self.limit} bytes); raise the "
                             f"limit, save fewer layers at a time, or save synchronously")
 
-    def copy(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The slices copied into the buffers (views of them, in the same order)."""
+    def copy(self, slices: dict[str, torch.Tensor], after=None) -> dict[str, torch.Tensor]:
+        """The slices copied into the buffers (views of them, in the same order), in host
+        memory on return. after: a CUDA event recorded on the training stream once the
+        state was final (overlapped: the copies then run on a side stream of their own,
+        after it, while training's kernels go on)."""
         want = _elements(slices)
         for dtype, n in want.items():
             if dtype not in self._bufs or self._bufs[dtype].numel() < n:
                 self._bufs[dtype] = torch.empty(n, dtype=dtype, pin_memory=_pinnable())
-        at: dict[torch.dtype, int] = {}
-        out = {}
-        for name, t in slices.items():
-            i = at.get(t.dtype, 0)
-            view = self._bufs[t.dtype][i: i + t.numel()]
-            view.copy_(t.reshape(-1), non_blocking=True)
-            out[name] = view.view(t.shape)
-            at[t.dtype] = i + t.numel()
-        if torch.cuda.is_available():
+        side = None
+        if after is not None:
+            side = torch.cuda.Stream()
+            side.wait_event(after)
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            at: dict[torch.dtype, int] = {}
+            out = {}
+            for name, t in slices.items():
+                i = at.get(t.dtype, 0)
+                view = self._bufs[t.dtype][i: i + t.numel()]
+                view.copy_(t.reshape(-1), non_blocking=True)
+                out[name] = view.view(t.shape)
+                at[t.dtype] = i + t.numel()
+        if side is not None:
+            side.synchronize()
+        elif torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies are in host memory before training goes on
         return out
 
@@ -162,7 +178,13 @@ def write(snap: Snapshot, comm: Comm) -> Path:
     by rename. Any rank's failure is raised on every rank as PartialSaveFailed; then nothing
     is published and the staging dir is removed."""
     with publishing(snap.final, snap.leader) as staging:
-        agree(comm, lambda: staging.acquire(None) if snap.leader else None)
+        def begin() -> None:
+            if snap.copy is not None:  # overlapped: the slices into host buffers first
+                copy, snap.copy = snap.copy, None
+                snap.slices = copy()
+            if snap.leader:
+                staging.acquire(None)
+        agree(comm, begin)
         records = agree(comm, _write_rank, snap, staging.dir)
         files = {k: v for part in comm.allgather(records) for k, v in part.items()}
         manifest = Manifest("partial", files, snap.fields)

@@ -1,7 +1,9 @@
 """The background writer of asynchronous layer-wise saves: at most one save in flight.
 
-Training blocks only while a save's slices are copied into host buffers (snapshot.py); a
-thread then writes, fsyncs and publishes it, with collectives on a gloo group of its own.
+Training blocks only while a save's small states are taken (snapshot.py); a thread then
+copies its slices into host buffers while the next step runs (overlap.py; the optimizer
+step waits for the copy), writes, fsyncs and publishes it, with collectives on a gloo group
+of its own.
 The next save (or `wait`) joins the thread first: a save that failed on any rank raises
 PartialSaveFailed there, on every rank (the writers agreed on the failure), never lost.
 """
