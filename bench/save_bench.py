@@ -1,19 +1,29 @@
 """Full DeepSpeed saves against selective layer-wise saves, on one engine, side by side.
 
-    python -m bench.save_bench [--layers 32] [--hidden 256] [--reps 3] [--world-size 2] [--stats]
+    python -m bench.save_bench [--layers 32] [--hidden 256] [--reps 3] [--world-size 2]
+                               [--steps 8] [--isolated | --stats]
 
-A 32-layer random-init Llama trained one step with DeepSpeed ZeRO-3 on CPU; then, repeated,
-a full `save_checkpoint` (as DeepSpeed leaves it, and fsynced like mpitailor's saves), parity
-partial saves (one cycle: 2 saves) and filter partial saves
-(first 2 and last 2 layers every save, the others every 4th: one cycle of 4 saves), each
-synchronous and asynchronous (`-async`: seconds are the time training is blocked; the
-background write is reported apart). Reports mean bytes and seconds per save and the ratios
-against the fsynced full save. Writes bench/out/save_bench.json.
+A 32-layer random-init Llama trained with DeepSpeed ZeRO-3 on CPU. By default, saves inside
+a training loop: per case, `--steps` training steps with a save after steps 1, 3, 5, ... (the
+last step follows a save), the cases interleaved and repeated (after one unrecorded warm-up
+round): no saves (the baseline), a fsynced synchronous full save (`engine.save_checkpoint`,
+then every file fsynced, as mpitailor's saves are), and LayerwiseCheckpointer's partial saves
+under parity (a cycle of 2) and filter (first 2 and last 2 layers every save, the others
+every 4th), synchronous and asynchronous (`-async`: the slices copied while the next step
+runs, its optimizer step held until the copy is done). Two figures per save, both as ratios
+of the fsynced synchronous full save's blocked time in the same run:
+- blocked: the seconds the loop stands still because of the save: inside the save call, the
+  optimizer steps held for an overlapped copy, the wait for the last save after the loop;
+- overhead: the loop's wall time with saves minus without (the same repetition), per save:
+  what the saves really cost, the background writer's competition for the cores included.
+The JSON's summary gives per case `blocked_vs_full_fsync` and `overhead_vs_full_fsync`.
+Writes bench/out/save_bench.json.
 
-`--stats` measures instead what `stats=` costs: LayerwiseCheckpointer's partial saves (parity,
-adaptive; synchronous and asynchronous) with and without a stats log, side by side on the same
-engine: seconds training is blocked per save and the ratio against the same case without stats.
-Writes bench/out/save_bench_stats.json.
+`--isolated`: each save timed alone on a still engine, as versions before 4 measured it
+(bench/out/save_bench_isolated.json). `--stats` measures instead what `stats=` costs:
+LayerwiseCheckpointer's partial saves (parity, adaptive; synchronous and asynchronous) with
+and without a stats log, side by side on the same engine: seconds training is blocked per
+save and the ratio against the same case without stats. Writes bench/out/save_bench_stats.json.
 """
 from __future__ import annotations
 
@@ -35,17 +45,25 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--stats", action="store_true", help="the cost of stats= (see above)")
+    ap.add_argument("--steps", type=int, default=8, help="training steps per loop")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--isolated", action="store_true", help="each save alone (see above)")
+    mode.add_argument("--stats", action="store_true", help="the cost of stats= (see above)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="mpitailor-savebench-", dir=OUT.parent) as tmp:
         spec = TrainSpec(save_dir=tmp, world_size=args.world_size, layers=args.layers,
                          hidden=args.hidden, intermediate=2 * args.hidden, vocab=args.vocab,
                          grouping="per_layer", steps=1, save_at=(),
-                         extra={"reps": args.reps, "stats": args.stats})
-        result = launch(spec, module="bench.save_worker", timeout=3600)
+                         extra={"reps": args.reps, "stats": args.stats,
+                                "loop": not (args.isolated or args.stats),
+                                "loop_steps": args.steps})
+        result = launch(spec, module="bench.save_worker", timeout=3 * 3600)
     rows = result["rows"]
     if args.stats:
         stats_table(args, rows)
+        return
+    if not args.isolated:
+        loop_table(args, rows)
         return
     summary = {}
     for case in ("full", "full+fsync", "parity", "filter", "parity-async", "filter-async"):
@@ -71,8 +89,43 @@ def main() -> None:
               f"{'-' if bg is None else f'{bg:.3f}':>8}{s['bytes_ratio']:>14.2f}x"
               f"{s['time_ratio']:>19.2f}x{s['stall_fraction']:>18.3f}")
     OUT.mkdir(exist_ok=True)
-    (OUT / "save_bench.json").write_text(json.dumps(
+    (OUT / "save_bench_isolated.json").write_text(json.dumps(
         {"args": vars(args), "summary": summary, "rows": rows}, indent=2))
+    print(f"wrote {OUT / 'save_bench_isolated.json'}")
+
+
+def loop_table(args, rows: list[dict]) -> None:
+    """Per case: bytes, blocked and overhead seconds per save, and both as ratios of the
+    fsynced synchronous full save's blocked seconds."""
+    base = {r["rep"]: r["wall"] for r in rows if r["case"] == "none"}
+    summary = {}
+    for case in dict.fromkeys(r["case"] for r in rows if r["case"] != "none"):
+        mine = [r for r in rows if r["case"] == case]
+        summary[case] = {
+            "bytes_per_save": statistics.mean(r["bytes"] for r in mine),
+            "blocked_per_save": statistics.mean(r["blocked"] / r["saves"] for r in mine),
+            "overhead_per_save": statistics.mean((r["wall"] - base[r["rep"]]) / r["saves"]
+                                                 for r in mine),
+            "wall": statistics.mean(r["wall"] for r in mine), "saves": mine[0]["saves"],
+            "reps": len(mine)}
+    full = summary["full+fsync"]["blocked_per_save"]
+    for s in summary.values():
+        s["blocked_vs_full_fsync"] = s["blocked_per_save"] / full
+        s["overhead_vs_full_fsync"] = s["overhead_per_save"] / full
+    none = statistics.mean(base.values())
+    print(f"{args.layers}-layer Llama, hidden {args.hidden}, world size {args.world_size}: "
+          f"{args.steps} steps with {summary['full+fsync']['saves']} saves per loop, "
+          f"{args.reps} repetitions; the loop without saves: {none:.2f} s")
+    print(f"{'case':<14}{'MB/save':>9}{'blocked s':>11}{'overhead s':>12}"
+          f"{'blocked/full+fsync':>20}{'overhead/full+fsync':>21}")
+    for case, s in summary.items():
+        print(f"{case:<14}{s['bytes_per_save'] / 1e6:>9.1f}{s['blocked_per_save']:>11.3f}"
+              f"{s['overhead_per_save']:>12.3f}{s['blocked_vs_full_fsync']:>20.3f}"
+              f"{s['overhead_vs_full_fsync']:>21.3f}")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "save_bench.json").write_text(json.dumps(
+        {"args": vars(args), "loop_without_saves_s": none, "summary": summary, "rows": rows},
+        indent=2))
     print(f"wrote {OUT / 'save_bench.json'}")
 
 

@@ -1,10 +1,12 @@
 """One rank of the save benchmark (started by bench/save_bench.py through tinytrain.launch).
 
-Trains one step, then times, side by side and repeated, a full `engine.save_checkpoint` and
-`save_layers` under the parity and filter policies on the same engine, synchronous and
-asynchronous (the time training is blocked: the slices copied to host buffers; the background
-write is timed apart, joined before the next save). With extra["stats"], LayerwiseCheckpointer's
-partial saves with and without `stats=` instead (`stats_cases`). Rank 0 writes JSON.
+Trains one step, then, with extra["loop"] (save_bench's default), times saves inside a
+training loop (`loop_cases`). Without it (save_bench --isolated), times side by side and
+repeated a full `engine.save_checkpoint` and `save_layers` under the parity and filter
+policies on the same engine, synchronous and asynchronous, each save alone (the time
+training is blocked; the background write is timed apart, joined before the next save).
+With extra["stats"], LayerwiseCheckpointer's partial saves with and without `stats=` instead
+(`stats_cases`). Rank 0 writes JSON.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from mpitailor.publish.staging import fsync_tree
 from dev.tinytrain.spec import TrainSpec
+from dev.tinytrain.model import task_batch
 from dev.tinytrain.worker import build_engine, shutdown, train
 from mpitailor.training.partial_save import all_slices_elements, save_layers, take
 from mpitailor.training.policies import Filter, Parity
@@ -76,14 +79,92 @@ def stats_cases(engine, save_dir: Path, reps: int) -> list[dict]:
     return rows
 
 
+def step(spec: TrainSpec, engine, i: int) -> None:
+    ids, labels = task_batch(spec, i, engine.global_rank)
+    engine.backward(engine(input_ids=ids, labels=labels).loss)
+    engine.step()
+
+
+def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict]:
+    """Saves inside a training loop, as a run makes them: per case and repetition (cases
+    interleaved), `steps` training steps with a save after steps 1, 3, 5, ... (the last
+    step follows a save). "blocked": seconds the loop stood still because of the saves:
+    inside save calls, the optimizer steps held for an overlapped copy (StepGuard), and the
+    wait for the last save after the loop. "wall": the whole loop, that wait included; the
+    case "none" is the same loop without saves (the overhead's baseline)."""
+    from mpitailor.training.checkpointer import LayerwiseCheckpointer
+    steps = int(spec.extra.get("loop_steps", 8))
+    at = list(range(1, steps, 2))
+    save_dir = Path(spec.save_dir)
+    policies = {"parity": Parity(), "filter": Filter(always=(0, 1, -2, -1), every=4)}
+    ckpts = {}
+    for name, policy in policies.items():  # made once: host buffers warm after the first
+        for asynchronous in (False, True):
+            case = f"{name}{'-async' if asynchronous else ''}"
+            ckpts[case] = LayerwiseCheckpointer(engine, save_dir / case, policy,
+                                                asynchronous=asynchronous)
+    cases = ("none", "full+fsync", *ckpts)
+    rows, counter = [], [0]
+
+    def save(case: str, k: int) -> None:
+        tag = f"{case}-{counter[0]}"
+        counter[0] += 1
+        if case == "full+fsync":
+            engine.save_checkpoint(str(save_dir / case), tag=tag)
+            fsync_tree_files(save_dir / case / tag)
+            dist.barrier()  # a collective save ends when every rank's part is done
+            return
+        ckpt = ckpts[case]
+        layers = ckpt.policy.decide(k + 1, keys).layers
+        ckpt.save_partial(tag, layers, None)
+        if ckpt.writer is None:
+            dist.barrier()
+
+    for rep in range(-1, reps):  # rep -1: warm-up (host buffers, page cache), not recorded
+        for case in cases:
+            ckpt = ckpts.get(case)
+            guard = ckpt.guard if ckpt is not None else None
+            held0 = guard.waited if guard is not None else 0.0
+            dist.barrier()
+            t0 = time.perf_counter()
+            blocked = 0.0
+            saves = 0
+            for i in range(1, steps + 1):
+                step(spec, engine, i)
+                if case != "none" and i in at:
+                    t = time.perf_counter()
+                    save(case, saves)
+                    blocked += time.perf_counter() - t
+                    saves += 1
+            if ckpt is not None:
+                t = time.perf_counter()
+                ckpt.wait()
+                blocked += time.perf_counter() - t
+            dist.barrier()
+            wall = time.perf_counter() - t0
+            if guard is not None:
+                blocked += guard.waited - held0
+            if engine.global_rank == 0 and rep >= 0:
+                rows.append({"case": case, "rep": rep, "steps": steps, "saves": saves,
+                             "wall": wall, "blocked": blocked,
+                             "bytes": du(save_dir / case) // max(saves, 1)
+                             if case != "none" else 0})
+            if engine.global_rank == 0 and case != "none":
+                for saved in (save_dir / case).iterdir():  # the checkpointer keeps its dir
+                    shutil.rmtree(saved) if saved.is_dir() else saved.unlink()
+            dist.barrier()
+    return rows
+
+
 def main(spec_path: str, result_path: str) -> None:
     spec = TrainSpec.from_json(Path(spec_path).read_text())
     reps = int(spec.extra.get("reps", 3))
     engine = build_engine(spec)
     train(spec, engine, 0)
     keys = model_layer_keys(engine)
-    if spec.extra.get("stats"):
-        rows = stats_cases(engine, Path(spec.save_dir), reps)
+    if spec.extra.get("stats") or spec.extra.get("loop"):
+        rows = stats_cases(engine, Path(spec.save_dir), reps) if spec.extra.get("stats") \
+            else loop_cases(spec, engine, keys, reps)
         if engine.global_rank == 0:
             Path(result_path).write_text(json.dumps({"rows": rows, "layers": len(keys)}))
         shutdown()
