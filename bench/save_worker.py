@@ -136,17 +136,19 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
                     save(case, saves)
                     blocked += time.perf_counter() - t
                     saves += 1
+            in_saves, last_wait = blocked, 0.0
             if ckpt is not None:
                 t = time.perf_counter()
                 ckpt.wait()
-                blocked += time.perf_counter() - t
+                last_wait = time.perf_counter() - t
             dist.barrier()
             wall = time.perf_counter() - t0
-            if guard is not None:
-                blocked += guard.waited - held0
+            held = guard.waited - held0 if guard is not None else 0.0
+            blocked = in_saves + held + last_wait
             if engine.global_rank == 0 and rep >= 0:
                 rows.append({"case": case, "rep": rep, "steps": steps, "saves": saves,
-                             "wall": wall, "blocked": blocked,
+                             "wall": wall, "blocked": blocked, "in_saves": in_saves,
+                             "steps_held": held, "last_wait": last_wait,
                              "bytes": du(save_dir / case) // max(saves, 1)
                              if case != "none" else 0})
             if engine.global_rank == 0 and case != "none":
