@@ -105,6 +105,7 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
                                                 asynchronous=asynchronous)
     cases = ("none", "full+fsync", *ckpts)
     rows, counter = [], [0]
+    parts: dict[str, float] = {}  # rebound per loop: the snapshots' own seconds, summed
 
     def save(case: str, k: int) -> None:
         tag = f"{case}-{counter[0]}"
@@ -116,9 +117,15 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
             return
         ckpt = ckpts[case]
         layers = ckpt.policy.decide(k + 1, keys).layers
+        before = ckpt.writer._snap if ckpt.writer is not None else None
         ckpt.save_partial(tag, layers, None)
         if ckpt.writer is None:
             dist.barrier()
+            return
+        for key, value in ckpt.writer._snap.seconds.items():  # where the blocked time goes
+            parts[key] = parts.get(key, 0.0) + value
+        if before is not None:
+            parts["waited"] = parts.get("waited", 0.0) + before.seconds.get("waited", 0.0)
 
     for rep in range(-1, reps):  # rep -1: warm-up (host buffers, page cache), not recorded
         for case in cases:
@@ -129,6 +136,7 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
             t0 = time.perf_counter()
             blocked = 0.0
             saves = 0
+            parts: dict[str, float] = {}
             for i in range(1, steps + 1):
                 step(spec, engine, i)
                 if case != "none" and i in at:
@@ -149,6 +157,7 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
                 rows.append({"case": case, "rep": rep, "steps": steps, "saves": saves,
                              "wall": wall, "blocked": blocked, "in_saves": in_saves,
                              "steps_held": held, "last_wait": last_wait,
+                             "parts": parts,
                              "bytes": du(save_dir / case) // max(saves, 1)
                              if case != "none" else 0})
             if engine.global_rank == 0 and case != "none":

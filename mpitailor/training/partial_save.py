@@ -14,7 +14,6 @@ Collective over the engine's data-parallel group: call on every rank.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -231,13 +230,10 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
         rank, leader, flat = engine.global_rank, save_leader(engine), flat_engine(engine)
         names = partial_files(rank)
         guard = STAGE12_MODEL if flat and leader else None if flat else model_file(rank)
-        small = {guard: _ResumeGuard(str(final))} if guard is not None else {}
-        small[names["model"]] = states
-        small[names["optim"]] = optimizer_meta(engine)
-        small[names["rng"]] = rng_state()
-        # overlapped: a copy of them as they are now, serialised by the writer
-        later = _copied(small) if overlapped else None
-        blobs = {} if later is not None else {k: torch_bytes(v) for k, v in small.items()}
+        blobs = {guard: torch_bytes(_ResumeGuard(str(final)))} if guard is not None else {}
+        blobs[names["model"]] = torch_bytes(states)
+        blobs[names["optim"]] = torch_bytes(optimizer_meta(engine))
+        blobs[names["rng"]] = torch_bytes(rng_state())
     finally:
         if hasattr(opt, "checkpoint_event_epilogue"):
             opt.checkpoint_event_epilogue()
@@ -255,26 +251,13 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
     snap = Snapshot(final, rank, leader, blobs, slices, fields, on_published,
                     seconds={"gather": t1 - t0, "copy": t2 - t1, "serialise": t3 - t2})
     if overlapped:
-        snap.copy = _overlapped_copy(snap, host, step_guard, later)
+        snap.copy = _overlapped_copy(snap, host, step_guard)
     return snap
 
 
-def _copied(small: dict) -> dict | None:
-    """A deep copy of the small states (tensors copied, sharing kept), or None when one of
-    them cannot be copied (a client_state object that refuses): then they are serialised
-    while training waits, as a synchronous save does. torch.save writes the same bytes of
-    the copy as of the original."""
-    try:
-        return copy.deepcopy(small)
-    except Exception:  # noqa: BLE001 - any refusal: serialise now instead
-        return None
-
-
-def _overlapped_copy(snap: Snapshot, host: HostBuffers, guard: StepGuard,
-                     small: dict | None):
+def _overlapped_copy(snap: Snapshot, host: HostBuffers, guard: StepGuard):
     """The host copy of snap's live slices, to run in the writer while the next step runs:
-    armed here (the next optimizer step waits from now on), released once copied or failed;
-    then the small states (`small`, copied at the snapshot) serialised."""
+    armed here (the next optimizer step waits from now on), released once copied or failed."""
     live = snap.slices
     after = None
     if any(t.device.type == "cuda" for t in live.values()):
@@ -282,18 +265,15 @@ def _overlapped_copy(snap: Snapshot, host: HostBuffers, guard: StepGuard,
         after.record()  # the state is final once the training stream gets here
     guard.arm()
 
-    def copy_now() -> dict[str, torch.Tensor]:
+    def copy() -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         try:
             failpoints.hit("snapshot-copy", snap.final.name)
-            slices = host.copy(live, after)
+            return host.copy(live, after)
         finally:
             guard.release()
             snap.seconds["copy_overlapped"] = time.perf_counter() - t0
-        if small is not None:
-            snap.blobs = {name: torch_bytes(obj) for name, obj in small.items()}
-        return slices
-    return copy_now
+    return copy
 
 
 def save_leader(engine) -> bool:

@@ -7,8 +7,8 @@ that are allocated once and reused (`HostBuffers`) and has a background writer r
 while training goes on; overlapped (overlap.py), the copy itself is the writer's first
 step (`Snapshot.copy`), while the next training step's forward and backward run, and the
 optimizer's step waits for it. The small states (DeepSpeed's model states, the optimizer's
-non-tensor state, rng) are serialised while the engine is still still (the file's bytes are
-the snapshot), or, overlapped, deep-copied then and serialised by the writer.
+non-tensor state, rng) are serialised while the engine is still still: the file's bytes
+are the snapshot.
 """
 from __future__ import annotations
 
