@@ -125,11 +125,7 @@ def _write(comm: Comm, plan: MergePlan, tag_dir: Path, verify: bool, progress: b
     finally:
         copy.close()
     t_copy = lap()
-    joined: dict[int, list[tuple[int, int, int]]] = {}
-    for part in comm.allgather(crcs):
-        for b, pieces in part.items():
-            joined.setdefault(b, []).extend(pieces)
-    records = comm.step(_finish, laid, bufs, joined, tag_dir)
+    records = comm.step(_finish, laid, bufs, _gathered(comm, crcs), tag_dir)
     t_finish = lap()
     # the files this rank is home for, less their flat buffers (the copiers' `written`)
     flat = {lay.name: sum(bufs[b].nbytes for b in lay.flat_records) for lay in laid.values()}
@@ -169,11 +165,8 @@ def write_weights(comm: Comm, weights: Weights, dest: Path, verify: bool = False
             copy.close()
     finally:
         shards.close()
-    joined: dict[int, list[tuple[int, int, int]]] = {}
-    for part in comm.allgather(crcs):
-        for b, pieces in part.items():
-            joined.setdefault(b, []).extend(pieces)
-    records = comm.step(_finish_weights, {u: files[u] for u in mine}, joined, dest)
+    records = comm.step(_finish_weights, {u: files[u] for u in mine}, _gathered(comm, crcs),
+                        dest)
     return {name: rec for part in comm.allgather(records) for name, rec in part.items()}
 
 
@@ -193,7 +186,7 @@ def _finish_weights(files: dict, joined: dict[int, list[tuple[int, int, int]]],
     synced the data it wrote); {file name: manifest record}."""
     records = {}
     for u, f in files.items():
-        ranges = [(len(f.prefix) + lo, hi - lo, c) for lo, hi, c in joined.get(u, [])]
+        ranges = [(len(f.prefix) + first, n, c) for first, n, c in joined.get(u, [])]
         crc = _join(ranges, f.size, f.name, crc32(f.prefix), len(f.prefix))
         records[f.name] = {"bytes": f.size, "crc32": f"{crc:08x}"}
     return records
@@ -324,8 +317,7 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
     for lay in laid.values():
         crcs = list(lay.crcs)
         for b, i in lay.flat_records.items():
-            crcs[i] = _join([(lo, hi - lo, c) for lo, hi, c in joined.get(b, [])],
-                            bufs[b].nbytes, lay.name)
+            crcs[i] = _join(joined.get(b, []), bufs[b].nbytes, lay.name)
         pwrite_synced(tag_dir / lay.name, lay.layout.pieces(crcs))
         records[lay.name] = {"bytes": lay.layout.size, "crc32": f"{lay.layout.file_crc(crcs):08x}"}
         if lay.name.startswith("zero/"):  # a Universal file
@@ -337,6 +329,17 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
         name = lay.model_name
         records[name] = ptzip.write_torch_file(tag_dir / name, lay.model)
     return records
+
+
+def _gathered(comm: Comm, crcs: dict[int, list[tuple[int, int, int]]]
+              ) -> dict[int, list[tuple[int, int, int]]]:
+    """Collective: every rank's CRCs of its ranges [lo, hi) of each buffer, as buffer ->
+    [(first byte, bytes, CRC-32)] (what join_crcs takes)."""
+    joined: dict[int, list[tuple[int, int, int]]] = {}
+    for part in comm.allgather(crcs):
+        for b, ranges in part.items():
+            joined.setdefault(b, []).extend((lo, hi - lo, c) for lo, hi, c in ranges)
+    return joined
 
 
 def _join(ranges: list[tuple[int, int, int]], nbytes: int, name: str, crc: int = 0,

@@ -28,6 +28,7 @@ class Weights:
     plan: WeightsPlan
     metas: dict[str, CheckpointMeta]  # key -> checkpoint: every one the export may read
     source_of: dict[str, str]         # tensor -> its checkpoint's key
+    slots: dict[str, dict[str, Slot]]  # key -> its trainable parameters by name
 
     @classmethod
     def of(cls, plan: WeightsPlan, meta: CheckpointMeta,
@@ -36,7 +37,8 @@ class Weights:
         sources = sources or {}
         metas = {str(m.path): m for m in [meta, *sources.values()]}
         names = [p.name for f in plan.files for p in f.pieces]
-        return cls(plan, metas, {n: str(sources.get(n, meta).path) for n in names})
+        return cls(plan, metas, {n: str(sources.get(n, meta).path) for n in names},
+                   {key: m.layout.by_name() for key, m in metas.items()})
 
     def runs(self, b: program.Buffer, t: program.Task) -> list[tuple[FileTensor, int, int]]:
         """Task t's elements of file b, by tensor: [(tensor, first, end element)]."""
@@ -59,7 +61,7 @@ class Weights:
             for piece, lo, hi in ps:
                 key = self.source_of[piece.name]
                 meta = self.metas[key]
-                slot = meta.layout.by_name().get(piece.name)
+                slot = self.slots[key].get(piece.name)
                 if slot is None:
                     continue
                 for r in range(meta.world_size):
@@ -77,7 +79,7 @@ class Weights:
             key = self.source_of[piece.name]
             meta = self.metas[key]
             shards = [get(key, r) for r in range(meta.world_size)]
-            fill = _reader(shards, meta.layout.by_name().get(piece.name), piece.name)
+            fill = _reader(shards, self.slots[key].get(piece.name), piece.name)
             crc = copier.cast(fill, lo, hi, self.plan.dtype, out, at, crc)
             at += (hi - lo) * self.plan.itemsize
         return crc

@@ -59,11 +59,5 @@ class StepGuard:
         self._done.wait()
         return time.perf_counter() - t0
 
-    def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-        self._done.set()
-
     def _before_step(self, *_) -> None:
         self.waited += self.wait()
