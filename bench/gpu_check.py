@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.gpu.common import REPO, RunSpec, child_env, free_port, write_json
+from mpitailor import failpoints
 
 PER_RUN_TIMEOUT = 180.0  # seconds, one training or one CLI call
 TOTAL_BUDGET = 450.0     # seconds for the whole check (the goal is under 8 minutes)
@@ -213,10 +214,13 @@ def deepspeed_check(label: str, stage: int, dtype: str, device: str, root: Path,
     t0 = time.monotonic()
     u_spec = replace(base, name="U", save_dir=str(work / "U-saves"))
     c_spec = replace(base, name="C", save_dir=str(work / "C-saves"), crash_after=10)
-    # S: the same saves made synchronously (steps 1-4: a full save at 2, a partial one at 4)
-    s_spec = replace(base, name="S-sync", save_dir=str(work / "S-saves"), steps=4,
+    # S: the same saves made synchronously (steps 1-6: a full save at 2, partial at 4 and 6)
+    s_spec = replace(base, name="S-sync", save_dir=str(work / "S-saves"), steps=6,
                      asynchronous=False)
     (u_job, u_res), (c_job, c_res) = train_job(u_spec, work), train_job(c_spec, work)
+    # U's overlapped copies start a second late, long after the next step's forward and
+    # backward: its optimizer step must wait for them (else the copy reads a later state)
+    u_job.env[failpoints.ENV] = "snapshot-copy:0:sleep=1"
     s_job, s_res = train_job(s_spec, work)
     ok = run_jobs([u_job, c_job, s_job], budget)
     rows.append(sync_row(label, s_job, s_res, work / "S-saves", time.monotonic() - t0))
@@ -246,6 +250,12 @@ def deepspeed_check(label: str, stage: int, dtype: str, device: str, root: Path,
                     time.monotonic() - t0,
                     {"U": U, "C": C, "U_vs_C_steps_1_10": same_start,
                      "seconds": {"U": u_job.seconds, "C": c_job.seconds}}))
+
+    try:
+        rows.append(overlap_row(label, U, work / "U-saves", work / "S-saves"))
+    except Exception as e:  # noqa: BLE001 - S failed (its own row says why): a FAIL row
+        rows.append(Row(label, "overlapped async saves == synchronous (steps 4, 6)", False,
+                        f"{type(e).__name__}: {e}", 0.0))
 
     # the save dir as it stood after step 8 (hard links: saves are written once), and all of it
     view = work / "C-saves-after-step8"
@@ -366,10 +376,75 @@ def sync_row(label: str, job: Job, res: Path, saves: Path, seconds: float) -> Ro
                    {"error": job_error(job)})
     S = json.loads(res.read_text())
     kinds = [(s["step"], s["full"]) for s in S["saves"]]
-    good = kinds == [(2, True), (4, False)] and (saves / "global_step4").is_dir()
+    good = kinds == [(2, True), (4, False), (6, False)] and (saves / "global_step4").is_dir()
     return Row(label, what, good, f"saves {kinds} (step, full), partial "
                f"{mb(dir_bytes(saves / 'global_step4'))} in {S['saves'][-1]['seconds']:.2f}s",
                seconds, {"S": S})
+
+
+def overlap_row(label: str, U: dict, u_saves: Path, s_saves: Path) -> Row:
+    """U's asynchronous partial saves of steps 4 and 6 (copied on a side stream while the next
+    step ran, that step's optimizer step held) hold what S's synchronous ones hold: the
+    layers' slices byte for byte, the small states value for value."""
+    from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
+    from mpitailor.formats.opaque import Opaque
+    from mpitailor.formats.safeload import load
+    t0 = time.monotonic()
+    differ, compared = [], 0
+    for step in (4, 6):
+        a, b = s_saves / f"global_step{step}", u_saves / f"global_step{step}"
+        ma, mb_ = read_manifest(a / PARTIAL_MANIFEST), read_manifest(b / PARTIAL_MANIFEST)
+        if sorted(ma.files) != sorted(mb_.files) or ma["layers"] != mb_["layers"]:
+            differ.append(f"step {step}: files or layers differ")
+            continue
+        for name in ma.files:
+            compared += 1
+            if name.endswith(".safetensors"):
+                same_file = (a / name).read_bytes() == (b / name).read_bytes()
+            else:
+                va, vb = (load(d / name, opaque_ok=True, allow=("numpy", "deepspeed"))
+                          for d in (a, b))
+                if isinstance(va, Opaque) and isinstance(vb, Opaque):
+                    # the guard that refuses DeepSpeed a partial save names its own dir
+                    va, vb = va.__dict__["_args"], vb.__dict__["_args"]
+                    va, vb = va == (str(a),), vb == (str(b),)
+                same_file = same_value(va, vb)
+            if not same_file:
+                differ.append(f"step {step}: {name}")
+    held = {t["step"]: t.get("step_held") for t in U.get("save_timings", []) if not t["full"]}
+    good = not differ and compared > 0 and all((held.get(s) or 0) > 0 for s in (4, 6))
+    return Row(label, "overlapped async saves == synchronous (steps 4, 6), step held", good,
+               f"{compared} files compared, {len(differ)} differ{': ' if differ else ''}"
+               f"{'; '.join(differ[:4])}; optimizer step held for the late copy (s): "
+               + ", ".join(f"{s}: {h:.2f}" if h is not None else f"{s}: -"
+                           for s, h in sorted(held.items())),
+               time.monotonic() - t0, {"differ": differ, "step_held": held})
+
+
+def same_value(a, b) -> bool:
+    """Equal values; tensors by dtype, shape and bytes; objects without an equality by their
+    attributes (DeepSpeed's loss scaler)."""
+    from mpitailor.formats.opaque import Opaque
+    from mpitailor.formats.tensorref import Tensor
+    if isinstance(a, Opaque) or isinstance(b, Opaque):  # as written: class, how, arguments
+        return type(a).global_name == type(b).global_name and all(same_value(getattr(a, "__dict__")[k], b.__dict__[k])
+                                          for k in ("_how", "_args", "_state"))
+    if isinstance(a, type) or isinstance(b, type):
+        return getattr(a, "global_name", a) == getattr(b, "global_name", b)
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and \
+            (a.dtype, a.shape) == (b.dtype, b.shape) and bytes(a.raw_bytes()) == bytes(b.raw_bytes())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        return same_value(vars(a), vars(b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - numpy arrays and the like: compare their bytes
+        import numpy as np
+        return np.array_equal(a, b)
 
 
 # -- 3: Lightning DeepSpeedStrategy ---------------------------------------------------------

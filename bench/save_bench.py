@@ -1,11 +1,14 @@
 """Full DeepSpeed saves against selective layer-wise saves, on one engine, side by side.
 
     python -m bench.save_bench [--layers 32] [--hidden 256] [--reps 3] [--world-size 2]
-                               [--steps 8] [--isolated | --stats]
+                               [--steps 8] [--every 2] [--device cpu|cuda]
+                               [--isolated | --stats]
 
-A 32-layer random-init Llama trained with DeepSpeed ZeRO-3 on CPU. By default, saves inside
-a training loop: per case, `--steps` training steps with a save after steps 1, 3, 5, ... (the
-last step follows a save), the cases interleaved and repeated (after one unrecorded warm-up
+A 32-layer random-init Llama trained with DeepSpeed ZeRO-3 on CPU (gloo), or with `--device
+cuda` on one GPU (NCCL, world size 1, bf16). By default, saves inside a training loop: per
+case, `--steps` training steps with a save after steps 1, 1 + every, 1 + 2 * every, ... (the
+last save followed by every - 1 steps; on a GPU, space the saves so that the writer can
+persist one before the next comes, as a real run does), the cases interleaved and repeated (after one unrecorded warm-up
 round): no saves (the baseline), a fsynced synchronous full save (`engine.save_checkpoint`,
 then every file fsynced, as mpitailor's saves are), and LayerwiseCheckpointer's partial saves
 under parity (a cycle of 2) and filter (first 2 and last 2 layers every save, the others
@@ -17,7 +20,7 @@ of the fsynced synchronous full save's blocked time in the same run:
 - overhead: the loop's wall time with saves minus without (the same repetition), per save:
   what the saves really cost, the background writer's competition for the cores included.
 The JSON's summary gives per case `blocked_vs_full_fsync` and `overhead_vs_full_fsync`.
-Writes bench/out/save_bench.json.
+Writes bench/out/save_bench.json (`--device cuda`: save_bench_cuda.json).
 
 `--isolated`: each save timed alone on a still engine, as versions before 4 measured it
 (bench/out/save_bench_isolated.json). `--stats` measures instead what `stats=` costs:
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -46,24 +50,34 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="training steps per loop")
+    ap.add_argument("--every", type=int, default=2, help="training steps between saves")
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: one GPU, NCCL, world size 1, bf16 (the loop only)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--isolated", action="store_true", help="each save alone (see above)")
     mode.add_argument("--stats", action="store_true", help="the cost of stats= (see above)")
     args = ap.parse_args()
+    extra = {"reps": args.reps, "stats": args.stats, "loop": not (args.isolated or args.stats),
+             "loop_steps": args.steps, "loop_every": args.every}
+    if args.device == "cuda":
+        if args.isolated or args.stats or args.world_size != 1:
+            ap.error("--device cuda measures the loop at --world-size 1 (one GPU)")
+        extra.update(device="cuda", env={
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+            "DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "4", "NCCL_SOCKET_IFNAME": "lo"})
     with tempfile.TemporaryDirectory(prefix="mpitailor-savebench-", dir=OUT.parent) as tmp:
         spec = TrainSpec(save_dir=tmp, world_size=args.world_size, layers=args.layers,
                          hidden=args.hidden, intermediate=2 * args.hidden, vocab=args.vocab,
-                         grouping="per_layer", steps=1, save_at=(),
-                         extra={"reps": args.reps, "stats": args.stats,
-                                "loop": not (args.isolated or args.stats),
-                                "loop_steps": args.steps})
+                         seq_len=args.seq_len, grouping="per_layer", steps=1, save_at=(),
+                         dtype="bf16" if args.device == "cuda" else "fp32", extra=extra)
         result = launch(spec, module="bench.save_worker", timeout=3 * 3600)
     rows = result["rows"]
     if args.stats:
         stats_table(args, rows)
         return
     if not args.isolated:
-        loop_table(args, rows)
+        loop_table(args, rows, result.get("about", {}))
         return
     summary = {}
     for case in ("full", "full+fsync", "parity", "filter", "parity-async", "filter-async"):
@@ -94,7 +108,7 @@ def main() -> None:
     print(f"wrote {OUT / 'save_bench_isolated.json'}")
 
 
-def loop_table(args, rows: list[dict]) -> None:
+def loop_table(args, rows: list[dict], about: dict) -> None:
     """Per case: bytes, blocked and overhead seconds per save, and both as ratios of the
     fsynced synchronous full save's blocked seconds."""
     base = {r["rep"]: r["wall"] for r in rows if r["case"] == "none"}
@@ -113,8 +127,10 @@ def loop_table(args, rows: list[dict]) -> None:
         s["blocked_vs_full_fsync"] = s["blocked_per_save"] / full
         s["overhead_vs_full_fsync"] = s["overhead_per_save"] / full
     none = statistics.mean(base.values())
-    print(f"{args.layers}-layer Llama, hidden {args.hidden}, world size {args.world_size}: "
-          f"{args.steps} steps with {summary['full+fsync']['saves']} saves per loop, "
+    print(", ".join(f"{k} {v}" for k, v in about.items()))
+    print(f"{args.layers}-layer Llama, hidden {args.hidden}, world size {args.world_size} "
+          f"({args.device}): {args.steps} steps with {summary['full+fsync']['saves']} saves "
+          f"per loop, "
           f"{args.reps} repetitions; the loop without saves: {none:.2f} s")
     print(f"{'case':<14}{'MB/save':>9}{'blocked s':>11}{'overhead s':>12}"
           f"{'blocked/full+fsync':>20}{'overhead/full+fsync':>21}")
@@ -123,10 +139,10 @@ def loop_table(args, rows: list[dict]) -> None:
               f"{s['overhead_per_save']:>12.3f}{s['blocked_vs_full_fsync']:>20.3f}"
               f"{s['overhead_vs_full_fsync']:>21.3f}")
     OUT.mkdir(exist_ok=True)
-    (OUT / "save_bench.json").write_text(json.dumps(
-        {"args": vars(args), "loop_without_saves_s": none, "summary": summary, "rows": rows},
-        indent=2))
-    print(f"wrote {OUT / 'save_bench.json'}")
+    out = OUT / ("save_bench_cuda.json" if args.device == "cuda" else "save_bench.json")
+    out.write_text(json.dumps({"args": vars(args), "loop_without_saves_s": none,
+                               "summary": summary, "rows": rows, "about": about}, indent=2))
+    print(f"wrote {out}")
 
 
 def stats_table(args, rows: list[dict]) -> None:

@@ -81,20 +81,22 @@ def stats_cases(engine, save_dir: Path, reps: int) -> list[dict]:
 
 def step(spec: TrainSpec, engine, i: int) -> None:
     ids, labels = task_batch(spec, i, engine.global_rank)
+    ids, labels = ids.to(engine.device), labels.to(engine.device)
     engine.backward(engine(input_ids=ids, labels=labels).loss)
     engine.step()
 
 
 def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict]:
     """Saves inside a training loop, as a run makes them: per case and repetition (cases
-    interleaved), `steps` training steps with a save after steps 1, 3, 5, ... (the last
-    step follows a save). "blocked": seconds the loop stood still because of the saves:
+    interleaved), `steps` training steps with a save after steps 1, 1 + every, 1 + 2 *
+    every, ... (every: 2 unless extra["loop_every"] says; the last save is followed by
+    every - 1 steps). "blocked": seconds the loop stood still because of the saves:
     inside save calls, the optimizer steps held for an overlapped copy (StepGuard), and the
     wait for the last save after the loop. "wall": the whole loop, that wait included; the
     case "none" is the same loop without saves (the overhead's baseline)."""
     from mpitailor.training.checkpointer import LayerwiseCheckpointer
     steps = int(spec.extra.get("loop_steps", 8))
-    at = list(range(1, steps, 2))
+    at = list(range(1, steps, int(spec.extra.get("loop_every", 2))))
     save_dir = Path(spec.save_dir)
     policies = {"parity": Parity(), "filter": Filter(always=(0, 1, -2, -1), every=4)}
     ckpts = {}
@@ -160,11 +162,24 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
                              "parts": parts,
                              "bytes": du(save_dir / case) // max(saves, 1)
                              if case != "none" else 0})
+                print(json.dumps(rows[-1]), flush=True)  # in the rank's log, as it goes
             if engine.global_rank == 0 and case != "none":
                 for saved in (save_dir / case).iterdir():  # the checkpointer keeps its dir
                     shutil.rmtree(saved) if saved.is_dir() else saved.unlink()
             dist.barrier()
     return rows
+
+
+def about(engine) -> dict:
+    """What ran the benchmark: versions, the device, the model's size."""
+    import deepspeed
+    import torch
+    info = {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "device": str(engine.device), "cpus": os.cpu_count(),
+            "params": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())}
+    if engine.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(engine.device)
+    return info
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -177,7 +192,8 @@ def main(spec_path: str, result_path: str) -> None:
         rows = stats_cases(engine, Path(spec.save_dir), reps) if spec.extra.get("stats") \
             else loop_cases(spec, engine, keys, reps)
         if engine.global_rank == 0:
-            Path(result_path).write_text(json.dumps({"rows": rows, "layers": len(keys)}))
+            Path(result_path).write_text(json.dumps({"rows": rows, "layers": len(keys),
+                                                     "about": about(engine)}))
         shutdown()
     policies = {"parity": Parity(), "filter": Filter(always=(0, 1, -2, -1), every=4)}
     cycle = {"parity": [1, 2], "filter": [1, 2, 3, 4]}  # the partial saves of one cycle

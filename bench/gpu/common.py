@@ -105,8 +105,14 @@ def child_env(device: str, port: int | None = None) -> dict[str, str]:
     return env
 
 
-def deterministic() -> None:
+def deterministic(seed: int) -> None:
+    """Bit-exact runs, and the same rng states saved (python's and numpy's seeded too)."""
+    import random
+
+    import numpy as np
     import torch
+    random.seed(seed)
+    np.random.seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

@@ -91,7 +91,7 @@ def main(spec_path: str, result_path: str) -> None:
     t_start = time.perf_counter()
     spec = RunSpec.read(spec_path)
     import torch
-    deterministic()
+    deterministic(spec.seed)
     import deepspeed
 
     from mpitailor.training import LayerwiseCheckpointer, Parity, per_layer_param_groups

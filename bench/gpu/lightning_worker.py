@@ -23,7 +23,7 @@ def main(spec_path: str, result_path: str) -> None:
     spec = RunSpec.read(spec_path)
     import torch
     import torch.nn.functional as F
-    deterministic()
+    deterministic(spec.seed)
     try:
         import lightning.pytorch as pl
         from lightning.pytorch.strategies import DeepSpeedStrategy

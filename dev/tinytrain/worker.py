@@ -82,10 +82,16 @@ def param_groups(spec: TrainSpec, model: torch.nn.Module):
 
 
 def build_engine(spec: TrainSpec):
+    """The run's DeepSpeed engine: on the CPU over gloo, or with extra["device"] = "cuda"
+    (save_bench --device cuda) on the process's GPU over NCCL."""
     import deepspeed
 
-    skip_shm_build()
-    deepspeed.init_distributed(dist_backend="gloo")
+    if spec.extra.get("device") == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        deepspeed.init_distributed(dist_backend="nccl")
+    else:
+        skip_shm_build()
+        deepspeed.init_distributed(dist_backend="gloo")
     model = build_model(spec)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(spec, model),
                                       config=ds_config(spec))
@@ -99,7 +105,7 @@ def train(spec: TrainSpec, engine, first_step: int, on_save=None) -> list[float]
     if first_step == 0 and 0 in spec.save_at:  # before the first optimizer step: no Adam state
         (on_save or _save_full)(engine, spec, 0)
     for step in range(first_step + 1, spec.steps + 1):
-        ids, labels = task_batch(spec, step, rank)
+        ids, labels = (t.to(engine.device) for t in task_batch(spec, step, rank))
         loss = engine(input_ids=ids, labels=labels).loss
         engine.backward(loss)
         engine.step()

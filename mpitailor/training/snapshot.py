@@ -142,7 +142,10 @@ class HostBuffers:
                 self._bufs[dtype] = torch.empty(n, dtype=dtype, pin_memory=_pinnable())
         side = None
         if after is not None:
-            side = torch.cuda.Stream()
+            # On the slices' GPU: this runs in the writer's thread, whose current device is
+            # GPU 0 whatever the training thread set (a node's rank 3 trains on GPU 3).
+            gpu = next(t.device for t in slices.values() if t.device.type == "cuda")
+            side = torch.cuda.Stream(device=gpu)
             side.wait_event(after)
         with torch.cuda.stream(side) if side is not None else nullcontext():
             at: dict[torch.dtype, int] = {}
