@@ -19,7 +19,7 @@ from stats_check import check_norms, read_log
 from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
 from mpitailor.formats.safeload import load
 from mpitailor.formats.tensorref import Tensor
-from dev.tinytrain import launch
+from dev.tinytrain import TrainSpec, launch
 from dev.tinytrain.launch import TrainFailed
 
 LAYERWISE_STEPS = (4, 6, 8)  # partial saves of the fixtures (2 is the full one)
@@ -225,3 +225,16 @@ def test_end_cpu_training_fails_loudly_when_the_save_in_flight_fails(tmp_path):
     assert text.count("mpitailor: end_cpu_training: partial checkpoint not saved") >= 1, text
     assert "; exiting with 1" in text
     assert not (root / "global_step8").exists()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_zero3_module_placeholders_are_the_bytes_deepspeed_writes(tmp_path, tie):
+    # A partial save makes the module's placeholders without DeepSpeed's partitioning round
+    # trip (a collective per save); the bytes must be what DeepSpeed's own prologue gives,
+    # the persistent parameters included (a tiny model: most of them are), tied ones too.
+    spec = TrainSpec(save_dir=str(tmp_path), world_size=2, layers=2, tie=tie, steps=2,
+                     save_at=())
+    ranks = launch(spec, module="tests.states_worker")
+    for r in ranks:
+        assert r["gathered"] > 0 and r["gathered_after"] == r["gathered"], r
+        assert r["equal"], r

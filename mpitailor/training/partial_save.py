@@ -88,9 +88,37 @@ def model_states(engine, client_state: dict | None = None) -> dict:
         params = {n for n, _ in engine.module.named_parameters()}
         module = type(module)((n, t.new_empty(0) if n in params else t)
                               for n, t in module.items())
+    else:
+        module = _zero3_placeholders(engine, module)
     state = _checkpoint_state(engine, module)
     state.update(client_state or {})
     return state
+
+
+def _zero3_placeholders(engine, module: dict) -> dict:
+    """The module state dict as ZeRO-3's engine.save_checkpoint writes it, without its
+    partitioning round trip. DeepSpeed partitions every parameter first (the small,
+    persistent ones too, which stay gathered between steps), so each entry is a
+    parameter's empty `data` (free_param: torch.empty(0) of its dtype and device), and then
+    all-gathers the persistent ones back: a collective per save that costs more than the
+    rest of an asynchronous save's blocked time. The same placeholders are made here
+    directly, one storage per parameter and a tensor per entry (tied weights: two entries,
+    one storage), as `param.detach()` of a freed parameter gives; torch.save then writes the
+    same bytes (tests/test_async_save.py checks them against DeepSpeed's own)."""
+    by_name = dict(engine.module.named_parameters(remove_duplicate=False))
+    empty: dict[int, torch.Tensor] = {}
+    out = type(module)()
+    for name, t in module.items():
+        p = by_name.get(name)
+        if p is None or not hasattr(p, "ds_id"):
+            out[name] = t
+            continue
+        if id(p) not in empty:
+            empty[id(p)] = torch.empty(0, dtype=p.dtype, device=p.device)
+        out[name] = empty[id(p)].detach()
+    if hasattr(module, "_metadata"):
+        out._metadata = module._metadata
+    return out
 
 
 def _checkpoint_state(engine, module: dict) -> dict:
@@ -206,37 +234,29 @@ def take(engine, save_dir: str | os.PathLike, tag: str, layers: Iterable[str],
     classify = classify or LayerClassifier()
     layers = set(layers)
     final = Path(save_dir) / tag
-    opt = engine.optimizer
     comm = training_comm()
     t0 = time.perf_counter()
-    # As in engine.save_checkpoint: partition even the persistent (small) parameters so the
-    # module's state dict holds placeholders, and gather them back afterwards (collective).
-    if hasattr(opt, "checkpoint_event_prologue"):
-        opt.checkpoint_event_prologue()
-    try:
-        def states_and_slices():
-            states = model_states(engine, client_state)
-            return states, layer_slices(engine, states["param_shapes"], layers, classify)
-        states, slices = agree(comm, states_and_slices)
-        t1 = time.perf_counter()
-        overlapped = host is not None and step_guard is not None and step_guard.installed
-        if host is not None:
-            agree(comm, host.check, host.need(slices))
-            if not overlapped:
-                slices = host.copy(slices)
-        else:  # written now, from host memory: slices of GPU buffers are copied down first
-            slices = {k: v if v.device.type == "cpu" else v.cpu() for k, v in slices.items()}
-        t2 = time.perf_counter()
-        rank, leader, flat = engine.global_rank, save_leader(engine), flat_engine(engine)
-        names = partial_files(rank)
-        guard = STAGE12_MODEL if flat and leader else None if flat else model_file(rank)
-        blobs = {guard: torch_bytes(_ResumeGuard(str(final)))} if guard is not None else {}
-        blobs[names["model"]] = torch_bytes(states)
-        blobs[names["optim"]] = torch_bytes(optimizer_meta(engine))
-        blobs[names["rng"]] = torch_bytes(rng_state())
-    finally:
-        if hasattr(opt, "checkpoint_event_epilogue"):
-            opt.checkpoint_event_epilogue()
+
+    def states_and_slices():
+        states = model_states(engine, client_state)
+        return states, layer_slices(engine, states["param_shapes"], layers, classify)
+    states, slices = agree(comm, states_and_slices)
+    t1 = time.perf_counter()
+    overlapped = host is not None and step_guard is not None and step_guard.installed
+    if host is not None:
+        agree(comm, host.check, host.need(slices))
+        if not overlapped:
+            slices = host.copy(slices)
+    else:  # written now, from host memory: slices of GPU buffers are copied down first
+        slices = {k: v if v.device.type == "cpu" else v.cpu() for k, v in slices.items()}
+    t2 = time.perf_counter()
+    rank, leader, flat = engine.global_rank, save_leader(engine), flat_engine(engine)
+    names = partial_files(rank)
+    guard = STAGE12_MODEL if flat and leader else None if flat else model_file(rank)
+    blobs = {guard: torch_bytes(_ResumeGuard(str(final)))} if guard is not None else {}
+    blobs[names["model"]] = torch_bytes(states)
+    blobs[names["optim"]] = torch_bytes(optimizer_meta(engine))
+    blobs[names["rng"]] = torch_bytes(rng_state())
     fields = PartialFields(
         format=PARTIAL_FORMAT, version=VERSION, tag=tag,
         global_steps=engine.global_steps, world_size=engine.dp_world_size,
