@@ -33,8 +33,10 @@ def write(out: Path, plan: Plan, cal: dict, info: dict, records: list[dict], wal
     comparisons = {f"{n} vs {g[0]}": metrics.paired(records, n, g[0], plan.steps)
                    for g in budgets for n in g[1:]}
     identity = identity_check(records)
+    replay = out / "blocked.json"  # bench.quality.blocked: asynchronous saves, one seed
+    blocked = json.loads(replay.read_text()) if replay.exists() else None
     table = render(rows["rows"], budgets, comparisons, identity, plan, len(records), command,
-                   wall)
+                   wall, blocked)
     print(table)
     (out / "table.md").write_text(table)
     save_json(out / "quality.json", {
@@ -99,14 +101,26 @@ HEADER = ("| policy | budget | saves | interval | MB/1k steps | vs full | s bloc
           "| staleness | excess | **lost** | raw crossing | gap@F+H (nats) | expected lost |")
 
 
+def async_cell(row: dict | None) -> str:
+    """The replay's blocked seconds per 1000 steps of an asynchronous saver; "-" otherwise."""
+    return f"{row['blocked_s_per_1k']:.2f} | " if row and row["asynchronous"] else "- | "
+
+
 def render(rows, budgets, comparisons, identity, plan: Plan, seeds: int, command: str,
-           wall: float) -> str:
+           wall: float, blocked: dict | None = None) -> str:
+    header = HEADER if blocked is None else HEADER.replace(
+        "| s blocked/1k ", "| s blocked/1k | async s blocked/1k ")
     lines = [f"`{command}` ({wall / 60:.0f} min wall)", "",
              f"{seeds} seeds x {len(plan.failure_fractions)} failures, {plan.steps} steps; "
              f"layer-wise resumes train to F + {plan.horizon}, full-save resumes to "
              f"F + {plan.check}. Mean ± sd over seeds (of each seed's mean over its "
-             f"failures); steps unless marked.", "", HEADER,
-             "|" + "---|" * (HEADER.count("|") - 1)]
+             f"failures); steps unless marked."]
+    if blocked is not None:
+        lines.append(f"async s blocked/1k: the layer-wise saves made asynchronously (slices "
+                     f"copied while the next step runs), seed {blocked['seed']} replayed at "
+                     f"the study's own save steps (`{blocked['command'].strip()}`); the column "
+                     f"before it is the study's synchronous figure.")
+    lines += ["", header, "|" + "---|" * (header.count("|") - 1)]
     for group in budgets:
         full_mb = rows[group[0]]["mb_per_1k"][0]
         for name in group:
@@ -116,7 +130,9 @@ def render(rows, budgets, comparisons, identity, plan: Plan, seeds: int, command
             lines.append(
                 f"| {policy} | full@{k} | {r['saves'][0]:.0f} | {r['interval'][0]:.1f} | "
                 f"{fmt(r['mb_per_1k'], 0)} | {r['mb_per_1k'][0] / full_mb:.3f} | "
-                f"{fmt(r['blocked_s_per_1k'], 2)} | {fmt(r['staleness'])} | "
+                f"{fmt(r['blocked_s_per_1k'], 2)} | "
+                + (async_cell(blocked["rows"].get(name)) if blocked is not None else "")
+                + f"{fmt(r['staleness'])} | "
                 f"{fmt(r['excess'])} | **{fmt(r['lost'])}** | {fmt(r['crossing'])}{cens} | "
                 f"{fmt(r['gap_end'], 4)} | {fmt(r['expected_lost'])} |")
     lines += ["", "Lost steps (and excess) by failure position, mean ± sd over seeds:", "",

@@ -49,6 +49,8 @@ class Saver:
     bytes_per_step: float = 0.0
     full_bytes: float = 0.0
     first_estimate: float = 0.0
+    at: tuple[int, ...] = ()     # replay (blocked.py): save at exactly these steps instead
+    asynchronous: bool = False   # layer-wise: LayerwiseCheckpointer(asynchronous=True)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ class Job:
     def read(cls, path: Path) -> "Job":
         raw = json.loads(path.read_text())
         raw["model"] = Model(**raw["model"])
-        raw["savers"] = tuple(Saver(**s) for s in raw["savers"])
+        raw["savers"] = tuple(Saver(**{**s, "at": tuple(s.get("at", ()))})
+                              for s in raw["savers"])
         raw["resumes"] = tuple(Resume(**r) for r in raw["resumes"])
         raw["extra_evals"] = tuple(raw["extra_evals"])
         return cls(**raw)
@@ -98,3 +101,4 @@ class SaveLog:
     bytes: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     layers: list[list[str]] = field(default_factory=list)   # [] for a full save
+    held: float = 0.0   # asynchronous: seconds optimizer steps waited for overlapped copies

@@ -116,7 +116,8 @@ class Savers:
                 options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
                 self.ckpts[s.name] = LayerwiseCheckpointer(engine, s.dir,
                                                            make_policy(options.pop("name"),
-                                                                       **options))
+                                                                       **options),
+                                                           asynchronous=s.asynchronous)
 
     def __call__(self, step: int) -> None:
         for s in self.savers:
@@ -124,7 +125,10 @@ class Savers:
                 self.save(s, step)
 
     def due(self, s: Saver, step: int) -> bool:
-        """Full saves: every `every` steps. Layer-wise: when the budget allows (spec.Saver)."""
+        """Full saves: every `every` steps. Layer-wise: when the budget allows (spec.Saver).
+        A replay: at the steps it was given."""
+        if s.at:
+            return step in s.at
         if s.policy == "full":
             return step % s.every == 0
         log = self.logs[s.name]
@@ -148,8 +152,16 @@ class Savers:
         log = self.logs[s.name]
         log.steps.append(step)
         log.seconds.append(seconds)
-        log.bytes.append(agreed_du(Path(s.dir) / tag, self.engine.global_rank))
+        # an asynchronous save is published later (its bytes are the synchronous one's)
+        log.bytes.append(0 if s.asynchronous else
+                         agreed_du(Path(s.dir) / tag, self.engine.global_rank))
         log.layers.append(layers)
+
+    def finish(self) -> None:
+        """Collective: wait for the asynchronous saves in flight; their held seconds."""
+        for name, ckpt in self.ckpts.items():
+            ckpt.wait()
+            self.logs[name].held = sum(t.get("step_held", 0.0) for t in ckpt.timings)
 
 
 def agreed_du(path: Path, rank: int) -> int:
@@ -167,6 +179,7 @@ def train_job(job: Job, engine) -> dict:
     savers = Savers(engine, job.savers)
     start = time.perf_counter()
     losses, evals = trainer.run(job.steps, after_step=savers)
+    savers.finish()
     return {"losses": losses, "evals": evals, "seconds": time.perf_counter() - start,
             "saves": {k: dataclasses.asdict(v) for k, v in savers.logs.items()}}
 

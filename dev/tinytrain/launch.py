@@ -54,13 +54,16 @@ def launch(spec: TrainSpec, *, module: str = "dev.tinytrain.worker",
         result_path = Path(tmp) / "result.json"
         spec.write(spec_path)
         port = free_port()
+        # extra["env"]: variables of the ranks' own (a failpoint, the GPU); the quality
+        # study's Job, launched too, has no extra
+        env = getattr(spec, "extra", {}).get("env", {})
         procs, logs = [], []
         for rank in range(spec.world_size):
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
             logs.append(log)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", module, str(spec_path), str(result_path)],
-                env={**worker_env(rank, spec.world_size, port), **spec.extra.get("env", {})},
+                env={**worker_env(rank, spec.world_size, port), **env},
                 stdout=log,
                 stderr=subprocess.STDOUT))
         try:
