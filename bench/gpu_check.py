@@ -6,8 +6,12 @@ On a machine with one CUDA GPU, in a few minutes:
    one param group per layer, layer-wise saves every 2 steps through
    `mpitailor.training.LayerwiseCheckpointer` with `Parity(full_every=3)`: full at steps 2
    and 8, partial at 4, 6, 10, 12 (odd / even layers + embed, norm, lm_head in turn).
-   The saves are asynchronous (partial slices copied to host buffers, written in the
-   background); S, a short run beside them, makes the same saves synchronously.
+   The saves are asynchronous (partial slices copied to host buffers on a side stream
+   while the next step runs, written in the background); S, a short run beside them, makes
+   the same saves synchronously (steps 1-6). U's copies start a second late (failpoint
+   `snapshot-copy:0:sleep=1`), so its optimizer steps must wait for them: its partial saves
+   of steps 4 and 6 must equal S's (slices byte for byte, small states value for value),
+   and the steps after them must have been held.
    U: 12 steps, uninterrupted. C: the same run "crashes" after the save of step 10 (the
    process dies with os._exit: no barrier, no shutdown). Then, each from a fresh process:
    - full only: `python -m mpitailor recover` of C's saves as they stood after step 8

@@ -97,6 +97,8 @@ def test_asynchronous_save_timings_and_stats_log(tmp_path):
     log = read_log(tmp_path / "s.h5")
     assert log["blocked_s"].shape == (4,) and all(x > 0 for x in log["blocked_s"])
     assert all(x > 0 for x in log["background_s"][1:])
+    held = log["step_held_s"]  # as the timings: the steps after saves 4 and 6 held
+    assert math.isnan(held[0]) and all(held[1:3] > 0) and held[3] == 0, held
     assert np.array_equal(log["saved"], log["chosen"])  # every save was published
     # The saved copy behind the update norms is taken from the host buffers, in the writer.
     assert check_norms(root, log, (2, 4, 6, 8)) == 3 * 5  # held by 4, 6, 8

@@ -291,7 +291,7 @@ class LayerwiseCheckpointer:
             self.timings[row]["step_held"] = held
         self._background = (self.timings[row]["step"] if row >= 0 else None, background)
         if done is not None:
-            self._published(done, background_s=background)
+            self._published(done, background_s=background, step_held_s=held)
         return snap.seconds["waited"]
 
     def _say_if_outpaced(self, waited: float) -> None:

@@ -154,7 +154,7 @@ class UpdateTracker:
 
 
 ROWS = ("step", "full", "chosen", "saved", "update_norm", "weight_norm", "relative_update",
-        "blocked_s", "waited_s", "background_s")
+        "blocked_s", "waited_s", "background_s", "step_held_s")
 
 
 class StatsLog:
@@ -167,7 +167,9 @@ class StatsLog:
     A later row of a step already logged replaces it."""
 
     FIELDS = ("update_norm", "weight_norm", "relative_update")
-    TIMINGS = ("blocked_s", "waited_s", "background_s")  # per save; NaN where unknown
+    # per save; NaN where unknown. step_held_s: an asynchronous save's overlapped copy held
+    # the next optimizer step this long (overlap.py)
+    TIMINGS = ("blocked_s", "waited_s", "background_s", "step_held_s")
 
     def __init__(self, path: str | Path, keys: list[str]) -> None:
         self.path, self.keys = Path(path), list(keys)
@@ -225,7 +227,7 @@ class StatsLog:
 
     def update(self, step: int, saved=None, **timings: float) -> None:
         """Step's row: the layers its save published (`saved`), and timings known later
-        (`blocked_s`, `waited_s`, `background_s`)."""
+        (`blocked_s`, `waited_s`, `background_s`, `step_held_s`)."""
         with self._open() as f:
             rows = np.flatnonzero(f["step"][:] == step)
             if not len(rows):
