@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckpt_fixtures import ASYNC_TWINS, VARIANTS, build, spec_for
+from ckpt_fixtures import ASYNC_TWINS, FROZEN, VARIANTS, build, spec_for
 from conftest import tree_digest
 from merging import run_cli
 from safetensors import safe_open
@@ -229,13 +229,16 @@ def test_end_cpu_training_fails_loudly_when_the_save_in_flight_fails(tmp_path):
     assert not (root / "global_step8").exists()
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_zero3_module_placeholders_are_the_bytes_deepspeed_writes(tmp_path, tie):
+@pytest.mark.parametrize("variant", [{}, dict(tie=True), dict(dtype="bf16", tie=True,
+                                                              frozen=FROZEN)],
+                         ids=["untied", "tied", "bf16-tied-frozen"])
+def test_zero3_module_placeholders_are_the_bytes_deepspeed_writes(tmp_path, variant):
     # A partial save makes the module's placeholders without DeepSpeed's partitioning round
     # trip (a collective per save); the bytes must be what DeepSpeed's own prologue gives,
-    # the persistent parameters included (a tiny model: most of them are), tied ones too.
-    spec = TrainSpec(save_dir=str(tmp_path), world_size=2, layers=2, tie=tie, steps=2,
-                     save_at=())
+    # the persistent parameters included (a tiny model: most of them are), tied and frozen
+    # ones too.
+    spec = TrainSpec(save_dir=str(tmp_path), world_size=2, layers=2, steps=2, save_at=(),
+                     **variant)
     ranks = launch(spec, module="tests.states_worker")
     for r in ranks:
         assert r["gathered"] > 0 and r["gathered_after"] == r["gathered"], r
