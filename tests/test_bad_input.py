@@ -29,6 +29,7 @@ RECIPE_CASES = {
     "regex that runs for minutes": (with_patterns("  '((\\w|\\w\\w|\\.)+)+\\d{5}': embed"),
                                     "took over 1 s on parameter"),
     "duplicate key": (PARITY + "base: old\n", "duplicate key 'base'"),
+    "list as a key": (PARITY + "? [a, b]\n: c\n", "a key that is a list or a mapping"),
 }
 
 

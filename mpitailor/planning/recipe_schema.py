@@ -57,11 +57,16 @@ class RecipeModel(_Strict):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice (PyYAML keeps the last one silently)."""
+    """SafeLoader that refuses a key given twice (PyYAML keeps the last one silently), and a
+    key that is a list or a mapping (YAML's `? [a, b]`), which no recipe key is."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key that is a list or a mapping: recipe keys are names "
+                    "(slices, sources, model, ...)", key_node.start_mark)
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
