@@ -8,7 +8,8 @@ On a machine with one CUDA GPU, in a few minutes:
    and 8, partial at 4, 6, 10, 12 (odd / even layers + embed, norm, lm_head in turn).
    The saves are asynchronous (partial slices copied to host buffers on a side stream
    while the next step runs, written in the background); S, a short run beside them, makes
-   the same saves synchronously (steps 1-6). U's copies start a second late (failpoint
+   the same saves synchronously (steps 1-6), with an update-statistics log (`stats=`: its
+   norms are all-reduced over the training group, on NCCL through the GPU). U's copies start a second late (failpoint
    `snapshot-copy:0:sleep=1`), so its optimizer steps must wait for them: its partial saves
    of steps 4 and 6 must equal S's (slices byte for byte, small states value for value),
    and the steps after them must have been held.
@@ -220,7 +221,7 @@ def deepspeed_check(label: str, stage: int, dtype: str, device: str, root: Path,
     c_spec = replace(base, name="C", save_dir=str(work / "C-saves"), crash_after=10)
     # S: the same saves made synchronously (steps 1-6: a full save at 2, partial at 4 and 6)
     s_spec = replace(base, name="S-sync", save_dir=str(work / "S-saves"), steps=6,
-                     asynchronous=False)
+                     asynchronous=False, extra={"stats": str(work / "S-stats.h5")})
     (u_job, u_res), (c_job, c_res) = train_job(u_spec, work), train_job(c_spec, work)
     # U's overlapped copies start a second late, long after the next step's forward and
     # backward: its optimizer step must wait for them (else the copy reads a later state)
@@ -380,10 +381,26 @@ def sync_row(label: str, job: Job, res: Path, saves: Path, seconds: float) -> Ro
                    {"error": job_error(job)})
     S = json.loads(res.read_text())
     kinds = [(s["step"], s["full"]) for s in S["saves"]]
-    good = kinds == [(2, True), (4, False), (6, False)] and (saves / "global_step4").is_dir()
-    return Row(label, what, good, f"saves {kinds} (step, full), partial "
-               f"{mb(dir_bytes(saves / 'global_step4'))} in {S['saves'][-1]['seconds']:.2f}s",
-               seconds, {"S": S})
+    stats = stats_rows(saves.parent / "S-stats.h5")
+    good = kinds == [(2, True), (4, False), (6, False)] and (saves / "global_step4").is_dir() \
+        and stats["steps"] == [2, 4, 6] and stats["finite_update_norms"]
+    return Row(label, what + " + stats log", good, f"saves {kinds} (step, full), partial "
+               f"{mb(dir_bytes(saves / 'global_step4'))} in {S['saves'][-1]['seconds']:.2f}s; "
+               f"stats log rows {stats['steps']}, update norms finite after the first: "
+               f"{stats['finite_update_norms']}", seconds, {"S": S, "stats": stats})
+
+
+def stats_rows(path: Path) -> dict:
+    """The steps of an update-statistics log, and whether the rows after the first (the full
+    save, before which no layer was saved) hold finite update norms: measured with an
+    all-reduce over the training group (NCCL on a GPU)."""
+    import h5py
+    import numpy as np
+    with h5py.File(path) as f:
+        steps = [int(s) for s in f["step"][:]]
+        norms = f["update_norm"][1:]
+    return {"steps": steps, "finite_update_norms": len(norms) > 0
+            and bool(np.isfinite(norms).all())}
 
 
 def overlap_row(label: str, U: dict, u_saves: Path, s_saves: Path) -> Row:

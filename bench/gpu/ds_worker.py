@@ -130,8 +130,11 @@ def main(spec_path: str, result_path: str) -> None:
                             "client_state_keys": sorted(client or {})}
     ckpt = None
     if spec.save_dir and spec.save_every:
+        # extra["stats"]: an HDF5 update-statistics log (its norms are summed over the ranks
+        # with an all-reduce: on NCCL through the GPU)
         ckpt = LayerwiseCheckpointer(engine, spec.save_dir, Parity(full_every=spec.full_every),
-                                     asynchronous=spec.asynchronous)
+                                     asynchronous=spec.asynchronous,
+                                     stats=spec.extra.get("stats"))
     t_train = time.perf_counter()
     for step in range(first + 1, spec.steps + 1):
         ids = batch(spec, step).to(engine.device)

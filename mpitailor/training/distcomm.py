@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
 from mpitailor.facade import Comm
@@ -77,9 +78,18 @@ def writer_comm() -> Comm:
 
 def sum_over_ranks(t) -> None:
     """Collective over the training ranks (the default group): the tensor t becomes its sum
-    over them, in place; left as it is when torch.distributed is not initialised."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
+    over them, in place; left as it is when torch.distributed is not initialised. A host
+    tensor goes through this rank's GPU where the group has no host backend (NCCL alone, as
+    `deepspeed.init_distributed("nccl")` makes it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    backend = str(dist.get_backend())
+    if t.device.type == "cpu" and "gloo" not in backend and "mpi" not in backend:
+        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_gpu)
+        t.copy_(on_gpu.cpu())
+        return
+    dist.all_reduce(t)
 
 
 def leave_process_group() -> None:
