@@ -9,10 +9,10 @@ On a machine with one CUDA GPU, in a few minutes:
    The saves are asynchronous (partial slices copied to host buffers on a side stream
    while the next step runs, written in the background); S, a short run beside them, makes
    the same saves synchronously (steps 1-6), with an update-statistics log (`stats=`: its
-   norms are all-reduced over the training group, on NCCL through the GPU). U's copies start a second late (failpoint
-   `snapshot-copy:0:sleep=1`), so its optimizer steps must wait for them: its partial saves
-   of steps 4 and 6 must equal S's (slices byte for byte, small states value for value),
-   and the steps after them must have been held.
+   norms are all-reduced over the training group, on NCCL through the GPU). U's copies
+   start a second late (failpoint `snapshot-copy:0:sleep=1`), so its optimizer steps must
+   wait for them: its partial saves of steps 4 and 6 must equal S's (slices byte for byte,
+   small states value for value), and the steps after them must have been held.
    U: 12 steps, uninterrupted. C: the same run "crashes" after the save of step 10 (the
    process dies with os._exit: no barrier, no shutdown). Then, each from a fresh process:
    - full only: `python -m mpitailor recover` of C's saves as they stood after step 8
@@ -407,6 +407,7 @@ def overlap_row(label: str, U: dict, u_saves: Path, s_saves: Path) -> Row:
     """U's asynchronous partial saves of steps 4 and 6 (copied on a side stream while the next
     step ran, that step's optimizer step held) hold what S's synchronous ones hold: the
     layers' slices byte for byte, the small states value for value."""
+    from dev.compare import same
     from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
     from mpitailor.formats.opaque import Opaque
     from mpitailor.formats.safeload import load
@@ -429,7 +430,7 @@ def overlap_row(label: str, U: dict, u_saves: Path, s_saves: Path) -> Row:
                     # the guard that refuses DeepSpeed a partial save names its own dir
                     va, vb = va.__dict__["_args"], vb.__dict__["_args"]
                     va, vb = va == (str(a),), vb == (str(b),)
-                same_file = same_value(va, vb)
+                same_file = same(va, vb)
             if not same_file:
                 differ.append(f"step {step}: {name}")
     held = {t["step"]: t.get("step_held") for t in U.get("save_timings", []) if not t["full"]}
@@ -440,32 +441,6 @@ def overlap_row(label: str, U: dict, u_saves: Path, s_saves: Path) -> Row:
                + ", ".join(f"{s}: {h:.2f}" if h is not None else f"{s}: -"
                            for s, h in sorted(held.items())),
                time.monotonic() - t0, {"differ": differ, "step_held": held})
-
-
-def same_value(a, b) -> bool:
-    """Equal values; tensors by dtype, shape and bytes; objects without an equality by their
-    attributes (DeepSpeed's loss scaler)."""
-    from mpitailor.formats.opaque import Opaque
-    from mpitailor.formats.tensorref import Tensor
-    if isinstance(a, Opaque) or isinstance(b, Opaque):  # as written: class, how, arguments
-        return type(a).global_name == type(b).global_name and all(same_value(getattr(a, "__dict__")[k], b.__dict__[k])
-                                          for k in ("_how", "_args", "_state"))
-    if isinstance(a, type) or isinstance(b, type):
-        return getattr(a, "global_name", a) == getattr(b, "global_name", b)
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and \
-            (a.dtype, a.shape) == (b.dtype, b.shape) and bytes(a.raw_bytes()) == bytes(b.raw_bytes())
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
-        return same_value(vars(a), vars(b))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - numpy arrays and the like: compare their bytes
-        import numpy as np
-        return np.array_equal(a, b)
 
 
 # -- 3: Lightning DeepSpeedStrategy ---------------------------------------------------------

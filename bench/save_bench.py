@@ -8,8 +8,8 @@ A 32-layer random-init Llama trained with DeepSpeed ZeRO-3 on CPU (gloo), or wit
 cuda` on one GPU (NCCL, world size 1, bf16). By default, saves inside a training loop: per
 case, `--steps` training steps with a save after steps 1, 1 + every, 1 + 2 * every, ... (the
 last save followed by every - 1 steps; on a GPU, space the saves so that the writer can
-persist one before the next comes, as a real run does), the cases interleaved and repeated (after one unrecorded warm-up
-round): no saves (the baseline), a fsynced synchronous full save (`engine.save_checkpoint`,
+persist one before the next comes, as a real run does), the cases interleaved and repeated
+(after one unrecorded warm-up round): no saves (the baseline), a fsynced synchronous full save (`engine.save_checkpoint`,
 then every file fsynced, as mpitailor's saves are), and LayerwiseCheckpointer's partial saves
 under parity (a cycle of 2) and filter (first 2 and last 2 layers every save, the others
 every 4th), synchronous and asynchronous (`-async`: the slices copied while the next step

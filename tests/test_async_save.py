@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from ckpt_fixtures import ASYNC_TWINS, FROZEN, VARIANTS, build, spec_for
 from conftest import tree_digest
 from merging import run_cli
@@ -18,31 +17,11 @@ from stats_check import check_norms, read_log
 
 from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
 from mpitailor.formats.safeload import load
-from mpitailor.formats.tensorref import Tensor
+from dev.compare import same
 from dev.tinytrain import TrainSpec, launch
 from dev.tinytrain.launch import TrainFailed
 
 LAYERWISE_STEPS = (4, 6, 8)  # partial saves of the fixtures (2 is the full one)
-
-
-def same(a, b) -> bool:
-    """Equal values, tensors and numpy arrays compared elementwise, inside containers."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor):  # as mpitailor's reader gives them
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and \
-            (a.dtype, a.shape) == (b.dtype, b.shape) and \
-            bytes(a.raw_bytes()) == bytes(b.raw_bytes())
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and \
-            a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
-        return same(vars(a), vars(b))  # objects without an equality (DeepSpeed's LossScaler)
-    return a == b
 
 
 def tag_dirs(root: Path, step: int) -> Path:

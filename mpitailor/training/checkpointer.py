@@ -14,9 +14,9 @@ then (a step pre-hook of the optimizer DeepSpeed wraps: training/overlap.py; wit
 the copy blocks the save, as it once did); a background writer writes, fsyncs and
 publishes it while training goes on. One save is in flight at a time: the next `save()`
 waits for it (and says so, with the figures, when saves come faster than they are
-written), and `wait()` (call it when training ends) waits for the last one. A save that failed in the background raises PartialSaveFailed at
-the next `save()` or `wait()`, on every rank; it was never published. Full saves are
-DeepSpeed's own, synchronous.
+written), and `wait()` (call it when training ends) waits for the last one. A save that
+failed in the background raises PartialSaveFailed at the next `save()` or `wait()`, on every
+rank; it was never published. Full saves are DeepSpeed's own, synchronous.
 
 Recover with `python -m mpitailor recover ckpts -o merged` and resume with
 `engine.load_checkpoint("merged")`. A new checkpointer (after a resume) starts a new chain
