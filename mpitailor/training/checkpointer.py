@@ -107,7 +107,6 @@ class LayerwiseCheckpointer:
                          "waits, not during the next step", type(engine.optimizer).__name__)
         self._outpaced_at = -math.inf  # when saves last outpaced the writer (a warning)
         self._step_held = 0.0  # the guard's `waited` at the last save
-        self._background: tuple[int | None, float] = (None, 0.0)  # the last save written
         self.pending: Published | None = None  # the asynchronous save the writer holds
         self._host_sized = False
         self.timings: list[dict] = []  # per save: seconds blocked, waited, in the background
@@ -289,7 +288,6 @@ class LayerwiseCheckpointer:
         if row >= 0:
             self.timings[row]["background"] = background
             self.timings[row]["step_held"] = held
-        self._background = (self.timings[row]["step"] if row >= 0 else None, background)
         if done is not None:
             self._published(done, background_s=background, step_held_s=held)
         return snap.seconds["waited"]
@@ -297,13 +295,14 @@ class LayerwiseCheckpointer:
     def _say_if_outpaced(self, waited: float) -> None:
         """Rank 0, at a save: a warning (at most one a minute) when it waited for the save
         before: saves come faster than the writer persists them, and training stands still."""
-        if waited < OUTPACED_S or self.engine.global_rank != 0:
+        if waited < OUTPACED_S or self.engine.global_rank != 0 or not self.timings:
             return
         now = time.monotonic()
         if now - self._outpaced_at < 60:
             return
         self._outpaced_at = now
-        step, background = self._background
+        last = self.timings[-1]  # the save just waited for (wait() timed its write)
+        step, background = last["step"], last["background"]
         log.warning("asynchronous saves come faster than they are written: the save of step "
                     "%s took %.2f s to write in the background, and the save of step %s waited "
                     "%.2f s for it while training stood still; save less often, or fewer layers "
