@@ -179,6 +179,21 @@ def test_resume_from_asynchronous_saves(tmp_path):
     assert VARIANTS["w2_parity_async"][0]["async_save"] is True
 
 
+def test_saves_that_outpace_the_writer_are_said_with_the_figures(tmp_path):
+    # Rank 0's writer of step 4 sleeps 3 s: the save of step 6 waits for it while training
+    # stands still, and rank 0 warns once (at most one a minute), naming both saves.
+    spec = replace(spec_for("w2_parity_async", tmp_path / "run"), stats=None,
+                   extra={"env": {"MPITAILOR_FAILPOINT": "partial-write/global_step4:0:sleep=3"}})
+    result = launch(spec, log_dir=tmp_path)
+    waited = {t["step"]: t["waited"] for t in result["save_timings"]}
+    assert waited[6] > 1 and waited[8] < 1, waited
+    warnings = [line for line in (tmp_path / "rank0.log").read_text().splitlines()
+                if "asynchronous saves come faster than they are written" in line]
+    assert len(warnings) == 1, warnings
+    assert "the save of step 4 took" in warnings[0] and "the save of step 6 waited" in warnings[0]
+    assert "come faster" not in (tmp_path / "rank1.log").read_text()
+
+
 def test_end_cpu_training_waits_for_the_save_in_flight(tmp_path):
     """The last line of the docs' training scripts, right after an asynchronous save (the
     writer of step 8 still sleeping): the save is published before the process ends, exit 0."""

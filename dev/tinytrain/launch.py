@@ -43,8 +43,9 @@ def worker_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 def launch(spec: TrainSpec, *, module: str = "dev.tinytrain.worker",
-           timeout: float = 300.0) -> dict:
+           timeout: float = 300.0, log_dir: Path | None = None) -> dict:
     """Run `spec` on spec.world_size processes; return rank 0's result record.
+    log_dir: keep each rank's output there (rank{N}.log), for a test to read.
 
     Raises TrainFailed with the tail of the failing rank's log.
     """
@@ -59,7 +60,7 @@ def launch(spec: TrainSpec, *, module: str = "dev.tinytrain.worker",
         env = getattr(spec, "extra", {}).get("env", {})
         procs, logs = [], []
         for rank in range(spec.world_size):
-            log = open(Path(tmp) / f"rank{rank}.log", "w+")
+            log = open(Path(log_dir or tmp) / f"rank{rank}.log", "w+")
             logs.append(log)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", module, str(spec_path), str(result_path)],
