@@ -113,7 +113,9 @@ def node_state(node: str, env: dict) -> str:
 def kill_node(i: int) -> list[int]:
     """Node nI dies: SIGKILL to every process in its network namespace (mpt-nI, see
     slurm/start-cluster.sh): its slurmd, slurmstepds and job tasks. Its node-local disk stays
-    (the host's dir); start_cluster() starts its slurmd again, as a reboot would. The pids."""
+    (the host's dir); start_cluster() starts its slurmd again, as a reboot would. Returns the
+    pids once every one has died (gone, or a zombie: its sockets closed, which is what its
+    peers see)."""
     found = subprocess.run(["ip", "netns", "pids", f"mpt-n{i}"], capture_output=True,
                            text=True, timeout=30)
     pids = [int(p) for p in found.stdout.split()]
@@ -122,4 +124,13 @@ def kill_node(i: int) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    wait_for(f"n{i}'s processes dead", lambda: not any(map(_alive, pids)), 30, 0.01)
     return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

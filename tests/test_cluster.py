@@ -579,7 +579,11 @@ NETMODS = ["ucx", "ofi"] if os.environ.get("MPITAILOR_ALL_NETMODS") == "1" else 
 def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
         cluster, node_local_run, tmp_path, netmod):
     """n2 dies (its slurmd and the merge's ranks 2 and 3 killed) while rank 0 on n1 waits
-    just before publishing (failpoint commit:0:sleep). The survivors on n1 must end, each
+    just before publishing (failpoint commit:0:pause: held there until n2's processes are
+    gone, so that every rank has finished the step before and rank 0's next collective
+    must reach the dead ranks; a kill that came while ranks 2 and 3 had yet to send their part
+    of that step left both survivors waiting to receive, which no MPI reports, until Slurm
+    found n2 down, as one CI run did). The survivors on n1 must end, each
     with at most one line, no traceback; nothing is published on any node; srun returns once
     Slurm finds n2 down (SlurmdTimeout=10 in the cluster's slurm.conf) or sooner. With
     --kill-on-bad-exit=1 the first survivor that fails ends the other at once.
@@ -601,16 +605,23 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
     host = {i: cluster.node_dir(i) for i in (1, 2, 3)}
     staged = [host[i] / f".{name}.mpitailor-staging" / MANIFEST for i in (1, 2)]
     mpi = {"MPIR_CVAR_CH4_NETMOD": netmod}
+    hold = tmp_path / "hold"  # shared /tmp: rank 0 on n1 sees it
+    hold.mkdir()
     merge = subprocess.Popen(
         ["srun", "--kill-on-bad-exit=1", "-N", "2", "-w", "n1,n2", "-n", "4", "--ntasks-per-node=2",
-         *merge_cmd(recipe)], env={**cluster, **mpi, "MPITAILOR_FAILPOINT": "commit:0:sleep=10"},
+         *merge_cmd(recipe)], env={**cluster, **mpi, "MPITAILOR_FAILPOINT": f"commit:0:pause={hold}"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     killed: list[int] = []
     try:
         try:
-            # Both nodes staged their part; rank 0 now sleeps for 10 s before publishing.
-            wait_for("both nodes staged", lambda: all(p.exists() for p in staged), 120, 0.05)
+            # Both nodes staged their part and rank 0 holds before publishing; n2 dies, then
+            # rank 0 goes on into the collective that meets the dead ranks.
+            wait_for("rank 0 at the commit", lambda: (hold / "reached").exists()
+                     or merge.poll() is not None, 120, 0.05)
+            assert (hold / "reached").exists(), merge.communicate()
+            assert all(p.exists() for p in staged), staged
             killed = kill_node(2)
+            (hold / "go").touch()
             t_kill = time.monotonic()
             out, err = merge.communicate(timeout=120)
             after_kill = time.monotonic() - t_kill
