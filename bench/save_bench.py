@@ -19,6 +19,9 @@ of the fsynced synchronous full save's blocked time in the same run:
   optimizer steps held for an overlapped copy, the wait for the last save after the loop;
 - overhead: the loop's wall time with saves minus without (the same repetition), per save:
   what the saves really cost, the background writer's competition for the cores included.
+Beside them, what a save costs in CPU, per save, against the loop without saves: rank 0's
+process (every thread: training's, the writer's) and the whole machine (every rank, the
+kernel's writeback). Where training keeps every core busy, this CPU is the overhead's cause.
 The JSON's summary gives per case `blocked_vs_full_fsync` and `overhead_vs_full_fsync`.
 Writes bench/out/save_bench.json (`--device cuda`: save_bench_cuda.json).
 
@@ -111,33 +114,43 @@ def main() -> None:
 def loop_table(args, rows: list[dict], about: dict) -> None:
     """Per case: bytes, blocked and overhead seconds per save, and both as ratios of the
     fsynced synchronous full save's blocked seconds."""
-    base = {r["rep"]: r["wall"] for r in rows if r["case"] == "none"}
+    base = {r["rep"]: r for r in rows if r["case"] == "none"}
+
+    def per_save(mine: list[dict], key: str) -> float:
+        """The case's figure minus the loop without saves' (the same repetition), per save."""
+        return statistics.mean((r[key] - base[r["rep"]][key]) / r["saves"] for r in mine)
+
     summary = {}
     for case in dict.fromkeys(r["case"] for r in rows if r["case"] != "none"):
         mine = [r for r in rows if r["case"] == case]
         summary[case] = {
             "bytes_per_save": statistics.mean(r["bytes"] for r in mine),
             "blocked_per_save": statistics.mean(r["blocked"] / r["saves"] for r in mine),
-            "overhead_per_save": statistics.mean((r["wall"] - base[r["rep"]]) / r["saves"]
-                                                 for r in mine),
+            "overhead_per_save": per_save(mine, "wall"),
+            "cpu_rank0_per_save": per_save(mine, "cpu_rank0"),
+            "cpu_machine_per_save": per_save(mine, "cpu_machine"),
+            **{f"{key}_per_save": per_save(mine, key)
+               for key in ("sys_rank0", "faults_rank0", "steal")},
             "wall": statistics.mean(r["wall"] for r in mine), "saves": mine[0]["saves"],
             "reps": len(mine)}
     full = summary["full+fsync"]["blocked_per_save"]
     for s in summary.values():
         s["blocked_vs_full_fsync"] = s["blocked_per_save"] / full
         s["overhead_vs_full_fsync"] = s["overhead_per_save"] / full
-    none = statistics.mean(base.values())
+    none = statistics.mean(r["wall"] for r in base.values())
     print(", ".join(f"{k} {v}" for k, v in about.items()))
     print(f"{args.layers}-layer Llama, hidden {args.hidden}, world size {args.world_size} "
           f"({args.device}): {args.steps} steps with {summary['full+fsync']['saves']} saves "
           f"per loop, "
           f"{args.reps} repetitions; the loop without saves: {none:.2f} s")
     print(f"{'case':<14}{'MB/save':>9}{'blocked s':>11}{'overhead s':>12}"
-          f"{'blocked/full+fsync':>20}{'overhead/full+fsync':>21}")
+          f"{'blocked/full+fsync':>20}{'overhead/full+fsync':>21}"
+          f"{'CPU s rank 0':>14}{'CPU s machine':>15}")
     for case, s in summary.items():
         print(f"{case:<14}{s['bytes_per_save'] / 1e6:>9.1f}{s['blocked_per_save']:>11.3f}"
               f"{s['overhead_per_save']:>12.3f}{s['blocked_vs_full_fsync']:>20.3f}"
-              f"{s['overhead_vs_full_fsync']:>21.3f}")
+              f"{s['overhead_vs_full_fsync']:>21.3f}{s['cpu_rank0_per_save']:>14.3f}"
+              f"{s['cpu_machine_per_save']:>15.3f}")
     OUT.mkdir(exist_ok=True)
     out = OUT / ("save_bench_cuda.json" if args.device == "cuda" else "save_bench.json")
     out.write_text(json.dumps({"args": vars(args), "loop_without_saves_s": none,

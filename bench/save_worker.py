@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import sys
 import time
@@ -35,6 +36,24 @@ def fsync_tree_files(root: Path) -> None:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fsync_tree(root)
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU counters, to subtract: this process's CPU seconds, all its threads ("cpu_rank0"),
+    the kernel's part of them ("sys_rank0") and its page faults ("faults_rank0"); the
+    machine's busy CPU seconds, all cores, the kernel's own threads included ("cpu_machine":
+    /proc/stat's user, nice, system, irq and softirq), and its steal ("steal": seconds a
+    virtual machine's cores waited for the host's, the noise of a shared machine). A loop's
+    figures minus those of the loop without saves are what its saves cost in CPU: on a
+    machine whose cores training keeps busy, the overhead's cause."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return {"cpu_rank0": own.ru_utime + own.ru_stime, "sys_rank0": own.ru_stime,
+            "faults_rank0": own.ru_minflt + own.ru_majflt,
+            "cpu_machine": sum(ticks[i] for i in (0, 1, 2, 5, 6)) / hz,  # not iowait (4)
+            "steal": ticks[7] / hz}
 
 
 def du(path: Path) -> int:
@@ -93,7 +112,8 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
     every - 1 steps). "blocked": seconds the loop stood still because of the saves:
     inside save calls, the optimizer steps held for an overlapped copy (StepGuard), and the
     wait for the last save after the loop. "wall": the whole loop, that wait included; the
-    case "none" is the same loop without saves (the overhead's baseline)."""
+    case "none" is the same loop without saves (the overhead's baseline). And the CPU
+    counters' change over the loop (cpu_seconds)."""
     from mpitailor.training.checkpointer import LayerwiseCheckpointer
     steps = int(spec.extra.get("loop_steps", 8))
     at = list(range(1, steps, int(spec.extra.get("loop_every", 2))))
@@ -135,7 +155,7 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
             guard = ckpt.guard if ckpt is not None else None
             held0 = guard.waited if guard is not None else 0.0
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), cpu_seconds()
             blocked = 0.0
             saves = 0
             parts: dict[str, float] = {}
@@ -153,12 +173,14 @@ def loop_cases(spec: TrainSpec, engine, keys: list[str], reps: int) -> list[dict
                 last_wait = time.perf_counter() - t
             dist.barrier()
             wall = time.perf_counter() - t0
+            cpu = {k: v - cpu0[k] for k, v in cpu_seconds().items()}
             held = guard.waited - held0 if guard is not None else 0.0
             blocked = in_saves + held + last_wait
             if engine.global_rank == 0 and rep >= 0:
                 rows.append({"case": case, "rep": rep, "steps": steps, "saves": saves,
                              "wall": wall, "blocked": blocked, "in_saves": in_saves,
                              "steps_held": held, "last_wait": last_wait,
+                             **cpu,
                              "parts": parts,
                              "bytes": du(save_dir / case) // max(saves, 1)
                              if case != "none" else 0})
