@@ -43,6 +43,8 @@ from pathlib import Path
 from dev.tinytrain import TrainSpec, launch
 
 OUT = Path(__file__).resolve().parent / "out"
+# save_worker.cpu_seconds's counters, in each loop row: per save in the summary
+CPU_COUNTERS = ("cpu_rank0", "sys_rank0", "faults_rank0", "cpu_machine", "steal")
 
 
 def main() -> None:
@@ -127,10 +129,7 @@ def loop_table(args, rows: list[dict], about: dict) -> None:
             "bytes_per_save": statistics.mean(r["bytes"] for r in mine),
             "blocked_per_save": statistics.mean(r["blocked"] / r["saves"] for r in mine),
             "overhead_per_save": per_save(mine, "wall"),
-            "cpu_rank0_per_save": per_save(mine, "cpu_rank0"),
-            "cpu_machine_per_save": per_save(mine, "cpu_machine"),
-            **{f"{key}_per_save": per_save(mine, key)
-               for key in ("sys_rank0", "faults_rank0", "steal")},
+            **{f"{key}_per_save": per_save(mine, key) for key in CPU_COUNTERS},
             "wall": statistics.mean(r["wall"] for r in mine), "saves": mine[0]["saves"],
             "reps": len(mine)}
     full = summary["full+fsync"]["blocked_per_save"]
