@@ -589,7 +589,7 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
     --kill-on-bad-exit=1 the first survivor that fails ends the other at once.
 
     What the survivors do is up to MPI (NETMODS: which of MPICH's netmods run): with the
-    default, UCX, rank 1, waiting in the collective, dies by SIGSEGV inside MPICH/UCX when rank 0 wakes
+    default, UCX, rank 1, waiting in the collective, dies by SIGSEGV inside MPICH/UCX when rank 0 goes on
     and the collective reaches the dead ranks (no line from it; srun says "Segmentation
     fault"); srun then ends rank 0, which removes its staging dir and prints one line. With
     OFI (MPIR_CVAR_CH4_NETMOD=ofi) MPI returns an error instead, which mpitailor turns into
@@ -609,7 +609,8 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
     hold.mkdir()
     merge = subprocess.Popen(
         ["srun", "--kill-on-bad-exit=1", "-N", "2", "-w", "n1,n2", "-n", "4", "--ntasks-per-node=2",
-         *merge_cmd(recipe)], env={**cluster, **mpi, "MPITAILOR_FAILPOINT": f"commit:0:pause={hold}"},
+         *merge_cmd(recipe)],
+        env={**cluster, **mpi, "MPITAILOR_FAILPOINT": f"commit:0:pause={hold}"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     killed: list[int] = []
     try:
@@ -641,7 +642,7 @@ def test_node_killed_during_a_merge_publishes_nothing_and_a_rerun_succeeds(
         assert "Traceback" not in err and "error stack" not in err, err
         if netmod == "ofi":  # MPI's error, as one line of mpitailor's, and exit 1
             # from whichever survivor's collective reached a dead rank first (a race: rank
-            # 1's allgather with rank 3, or rank 0's once it wakes); srun ends the other
+            # 1's allgather with rank 3, or rank 0's once it goes on); srun ends the other
             failed = [r for r in (0, 1) if ends[r] == "Exited with exit code 1" and re.search(
                 rf"^\[rank {r}\] mpitailor: error: MPI communication failed on rank {r} ",
                 err, re.M)]
