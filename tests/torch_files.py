@@ -98,13 +98,12 @@ def as_refs(obj):
         elif s.dtype != dtype:
             raise TypeError("as_refs: one storage viewed as two dtypes (torch refuses too)")
         meta = torch._utils.get_tensor_metadata(t)
-        ref = Tensor(s, t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                     t.requires_grad, meta or None)
         state = torch._utils._get_obj_state(t)
+        wrapper = None
         if type(t) is not torch.Tensor or state:
             kind = type(t)
-            ref.wrapper = (opaque.stand_in(f"{kind.__module__}.{kind.__qualname__}"),
-                           conv(state))
-        return ref
+            wrapper = (opaque.stand_in(f"{kind.__module__}.{kind.__qualname__}"), conv(state))
+        return Tensor(s, t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                      t.requires_grad, meta or None, wrapper)
 
     return conv(obj)

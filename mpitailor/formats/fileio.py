@@ -1,5 +1,6 @@
 """Whole-file I/O: a new file written and fsynced with its manifest record, a file copied so,
-a whole file's CRC-32, and one buffer size for every whole-file read.
+a whole file's CRC-32, one buffer size for every whole-file read, and the one loop that
+fills a buffer from a byte range of a file.
 
 The engine's storage seam (engine/storage.py) moves byte ranges between files it holds open;
 this is its counterpart for files read or written whole, kept in the format layer so that the
@@ -19,6 +20,18 @@ from mpitailor.formats.crc import crc32
 from mpitailor.formats.filerecord import FileRecord
 
 FILE_CHUNK = 4 << 20  # bytes a whole-file read or copy holds at a time
+
+
+def read_into(fd: int, offset: int, out) -> None:
+    """Fill the writable buffer `out` (a numpy array, a bytearray) with the bytes at
+    `offset` of file `fd`; EOFError if the file ends first."""
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise EOFError(f"file ends {len(view) - done} bytes early")
+        done += n
 
 
 @contextmanager

@@ -11,28 +11,35 @@ arguments, and DeepSpeed's `load_checkpoint` builds the objects from it exactly 
 from the source. What mpitailor reads of them: the fields of their state (`a.numel` of a
 `fragment_address`) and the value of an int enum (`int(zero_stage)`).
 
-Globals of modules that exist to run code (os, subprocess, builtins, ...) never get a
-stand-in: a file naming them is refused, as before.
+Which globals may be carried: those of allow-lists (torchpickle.py, `--safe-globals`), and
+otherwise only classes of the user's own modules (not Python's own, whose every module is
+refused, nor torch's, numpy's or DeepSpeed's beyond their allow-lists), and those only as plain
+instances: made by NEWOBJ and given a state by BUILD, as a dataclass pickles. A file that
+calls such a global (REDUCE: what a payload does to run code) is refused, so the output can
+make DeepSpeed's loader build an object, never call a function.
 """
 from __future__ import annotations
 
+import _compat_pickle
 import copyreg
 import functools
 import pickle
+import sys
 
-# Modules whose globals are how pickle payloads run code. torch itself refuses sys, os,
-# posix and nt; torch's own globals are either on its allow-list or not for us to carry.
-DENIED_MODULES = frozenset({
-    "builtins", "__builtin__", "os", "posix", "nt", "sys", "subprocess", "shutil", "pty",
-    "importlib", "runpy", "code", "codeop", "pickle", "_pickle", "marshal", "socket",
-    "ctypes", "io", "_io", "operator", "types", "copyreg", "signal", "multiprocessing",
-    "webbrowser", "tempfile", "threading", "asyncio", "torch", "pdb", "timeit", "trace",
-})
+# Frameworks whose globals are carried only where an allow-list names them.
+_FRAMEWORKS = frozenset({"torch", "numpy", "deepspeed", "transformers", "accelerate",
+                         "safetensors", "mpitailor"})
 _NOSTATE = object()
 
 
 class _OpaqueMeta(type):
-    """The metaclass of stand-ins: lets the pickler below spot one and name its global."""
+    """The metaclass of stand-ins: lets the pickler below spot one and name its global.
+    A stand-in class is shared by every load in the process: read-only once made."""
+
+    def __setattr__(cls, name, value):
+        raise AttributeError(f"stand-in {cls.global_name} is read-only")
+
+    __delattr__ = __setattr__
 
     def __repr__(cls) -> str:
         return f"<opaque global {cls.global_name}>"
@@ -132,7 +139,11 @@ copyreg.pickle(_OpaqueMeta, lambda cls: (stand_in, (cls.global_name,)))
 
 
 def may_stand_in(full_name: str) -> bool:
-    return full_name.split(".", 1)[0] not in DENIED_MODULES
+    """Whether a class of this name may be carried as plain instances without being on an
+    allow-list: one of the user's modules, never Python's own or a framework's."""
+    top = full_name.split(".", 1)[0]
+    return "." in full_name and top not in sys.stdlib_module_names \
+        and top not in _compat_pickle.IMPORT_MAPPING and top not in _FRAMEWORKS
 
 
 class Pickler(pickle._Pickler):  # type: ignore[name-defined]
@@ -155,3 +166,41 @@ class Pickler(pickle._Pickler):  # type: ignore[name-defined]
         self.memoize(cls)
 
     dispatch[_OpaqueMeta] = save_opaque_global
+
+    # Plain dicts and lists batched as the C pickler (torch.save's) batches them, which
+    # differs from the pure one's in the last batch: C writes one item alone (SETITEM,
+    # APPEND) only when it is the container's only item, and after a full batch of a dict
+    # an empty MARK SETITEMS.
+    def save_dict(self, obj: dict) -> None:
+        self.write(pickle.EMPTY_DICT)
+        self.memoize(obj)
+        if len(obj) == 1:
+            for k, v in obj.items():
+                self.save(k)
+                self.save(v)
+            self.write(pickle.SETITEM)
+        elif obj:
+            items, n = list(obj.items()), len(obj)
+            for start in range(0, n + 1 if n % self._BATCHSIZE == 0 else n, self._BATCHSIZE):
+                self.write(pickle.MARK)
+                for k, v in items[start: start + self._BATCHSIZE]:
+                    self.save(k)
+                    self.save(v)
+                self.write(pickle.SETITEMS)
+
+    dispatch[dict] = save_dict
+
+    def save_list(self, obj: list) -> None:
+        self.write(pickle.EMPTY_LIST)
+        self.memoize(obj)
+        if len(obj) == 1:
+            self.save(obj[0])
+            self.write(pickle.APPEND)
+        else:
+            for start in range(0, len(obj), self._BATCHSIZE):
+                self.write(pickle.MARK)
+                for x in obj[start: start + self._BATCHSIZE]:
+                    self.save(x)
+                self.write(pickle.APPENDS)
+
+    dispatch[list] = save_list

@@ -120,11 +120,15 @@ def describe(obj) -> TorchFile:
 
 def read_records(f) -> dict[str, tuple[int, int, int]]:
     """{full record name: (data offset, size, CRC-32)} of the torch zip open as binary file
-    f; zipfile.BadZipFile for a file that is not one (or whose records lie past its end)."""
+    f; zipfile.BadZipFile for a file that is not one, whose records lie past its end, share
+    a name (torch reads the first, zipfile the last) or overlap (one record's bytes would
+    be another's)."""
     size = os.fstat(f.fileno()).st_size
-    out = {}
+    out, spans = {}, []
     with zipfile.ZipFile(f) as z:
         for info in z.infolist():
+            if info.filename in out:
+                raise zipfile.BadZipFile(f"two records named {info.filename}")
             if info.compress_type != zipfile.ZIP_STORED:
                 raise zipfile.BadZipFile(f"record {info.filename} is compressed")
             head = os.pread(f.fileno(), _LOCAL.size, info.header_offset)
@@ -135,6 +139,11 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
             if start + info.file_size > size:
                 raise zipfile.BadZipFile(f"record {info.filename} lies past the end of the file")
             out[info.filename] = (start, info.file_size, info.CRC)
+            spans.append((info.header_offset, start + info.file_size, info.filename))
+    spans.sort()
+    for (_, end, name), (head, _, other) in zip(spans, spans[1:]):
+        if head < end:
+            raise zipfile.BadZipFile(f"records {name} and {other} overlap")
     return out
 
 

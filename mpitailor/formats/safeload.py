@@ -17,6 +17,7 @@ import importlib
 import itertools
 import pickle
 import stat
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats import opaque, ptzip, torchpickle
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.tensorref import Storage
+from mpitailor.formats.tensorref import Storage, Tensor, view_problem
 
 _trusted: set[str] = set()  # names the user allowed with --safe-globals
 
@@ -51,11 +52,18 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
     """Load a torch-serialised file safely; one-line CheckpointError on any failure.
 
     Tensors come back as tensorref.Tensor, their bytes left in the file.
-    opaque_ok: globals outside the allow-list become stand-ins (opaque.py) instead of a
-    refusal, unless they belong to a module that exists to run code.
+    opaque_ok: plain classes of the user's own modules (client state) become stand-ins
+    (opaque.py) instead of a refusal; a call of one is still refused.
     """
+    return load_with_globals(path, allow=allow, opaque_ok=opaque_ok)[0]
+
+
+def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
+                      opaque_ok: bool = False) -> tuple[Any, frozenset[str]]:
+    """load(), and the full name of every global the file's pickle names."""
     path = Path(path)
-    allowed = frozenset(n for name in allow for n in torchpickle.ALLOWED[name]) | _trusted
+    lists = (*allow, "client") if opaque_ok else allow
+    allowed = frozenset(n for name in lists for n in torchpickle.ALLOWED[name]) | _trusted
     require_regular(path)
     try:
         with open(path, "rb") as f:
@@ -73,53 +81,100 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
                                              f"{numel} elements of {dtype}")
             return Storage(dtype, numel, path=path, offset=offset)
 
-        obj = torchpickle.unpickle(data, allowed=allowed, opaque_ok=opaque_ok,
-                                   storage=storage)
-        _check_depth(obj, path)
-        return obj
+        obj, names = torchpickle.unpickle(data, allowed=allowed, opaque_ok=opaque_ok,
+                                          storage=storage)
+        _check_loaded(obj, path)
+        return obj, names
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except torchpickle.Refused as e:
-        hint = f" (if you trust this file, --safe-globals {e.name} allows it)" \
-            if opaque.may_stand_in(e.name) else ""
-        raise CheckpointError(
-            f"{path}: refused to load: it pickles {e.name} outside mpitailor's "
-            f"allow-list; mpitailor never runs code from checkpoint files{hint}") from None
+        raise CheckpointError(_refusal(path, e, opaque_ok)) from None
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError, ValueError,
             TypeError, KeyError, IndexError, AttributeError, RecursionError,
-            MemoryError) as e:
+            MemoryError, OverflowError, UnicodeDecodeError) as e:
         first = str(e).strip().split("\n")[0] or type(e).__name__
         raise CheckpointError(
-            f"{path}: unreadable or truncated checkpoint file ({first}); "
+            f"{path}: unreadable or truncated checkpoint file ({first[:200]}); "
             f"re-copy it from the original save") from None
 
 
+def carried_globals(path: Path | str) -> list[str]:
+    """The globals a model-states file names beyond torch's own tensor machinery
+    (DeepSpeed's classes, the training script's client state), sorted."""
+    names = load_with_globals(path, opaque_ok=True)[1]
+    return sorted(names - torchpickle.TORCH_OWN)
+
+
+def _refusal(path: Path, e: torchpickle.Refused, opaque_ok: bool) -> str:
+    if e.how == "calls":
+        what = (f"it calls {e.name} (a class of yours is carried only as plain instances, "
+                f"as a dataclass pickles; a call could run code when DeepSpeed loads the "
+                f"output)")
+    else:
+        what = f"it pickles {e.name} outside mpitailor's allow-list"
+    # (never suggested for Python's own modules: that is how payloads run code)
+    hint = f" (if you trust this file, --safe-globals {e.name} allows it)" \
+        if e.name.split(".")[0] not in sys.stdlib_module_names else ""
+    return f"{path}: refused to load: {what}; mpitailor never runs code from checkpoint " \
+        f"files{hint}"
+
+
 MAX_DEPTH = 200  # DeepSpeed's and HF's states nest < 10 deep; client state a little more
+# Objects a file may describe, each shared container counted every time it is reached: what
+# a copy that unshares them (rawio.copied) and the walks after the load cost. A real
+# optimizer or model-states file describes thousands.
+MAX_OBJECTS = 1 << 20
 
 
 _CONTAINERS = (dict, list, tuple, set, frozenset, opaque.Opaque)
 
 
-def _check_depth(obj, path: Path) -> None:
-    """Refuse containers nested deeper than MAX_DEPTH: everything after the load (copies,
-    the pickler) walks them recursively. Iterative, each container once (a pickle may share
-    one); leaves are never pushed: this runs on every file a rank loads."""
-    seen, stack = set(), [(obj, 1)] if isinstance(obj, _CONTAINERS) else []
+def _children(x):
+    if isinstance(x, dict):
+        return itertools.chain(x.keys(), x.values())
+    if isinstance(x, opaque.Opaque):
+        return (x._args, x._state)
+    return x
+
+
+def _check_loaded(obj, path: Path) -> None:
+    """After the whole file is read: refuse containers nested deeper than MAX_DEPTH
+    (everything after the load walks them recursively), more than MAX_OBJECTS objects
+    once shared containers are unshared, and any tensor whose view does not lie inside its
+    storage (tensorref checked each when it was made; this holds after anything since).
+    Each container is visited once (memo), in post-order so that its unshared size is the
+    sum of its children's."""
+    size: dict[int, int] = {}  # id -> unshared size, of every container done
+    open_: set[int] = set()  # containers whose children are being visited
+    stack = [(obj, 1, False)]
     while stack:
-        x, depth = stack.pop()
-        if id(x) in seen:
+        x, depth, done = stack.pop()
+        if isinstance(x, Tensor):
+            problem = view_problem(x.storage, x.storage_offset, x.shape, x.stride)
+            if problem is not None:
+                raise CheckpointError(f"{path}: {problem}; a damaged or crafted file")
             continue
-        seen.add(id(x))
+        if not isinstance(x, _CONTAINERS):
+            continue
+        if done:
+            open_.discard(id(x))
+            size[id(x)] = 1 + sum(size.get(id(c), 1) for c in _children(x))
+            if size[id(x)] > MAX_OBJECTS:
+                raise CheckpointError(
+                    f"{path}: describes over {MAX_OBJECTS} objects (containers shared over and "
+                    f"over); not a checkpoint mpitailor reads (a damaged or crafted file)")
+            continue
+        if id(x) in open_:
+            raise CheckpointError(f"{path}: a container that holds itself; not a checkpoint "
+                                  f"mpitailor reads (a damaged or crafted file)")
+        if id(x) in size:
+            continue
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{path}: containers nested over {MAX_DEPTH} levels deep; not "
                                   f"a checkpoint mpitailor reads (a damaged or crafted file)")
-        if isinstance(x, dict):
-            children = itertools.chain(x.keys(), x.values())
-        elif isinstance(x, opaque.Opaque):
-            children = (x._args, x._state)
-        else:
-            children = x
-        stack.extend((c, depth + 1) for c in children if isinstance(c, _CONTAINERS))
+        open_.add(id(x))
+        stack.append((x, depth, True))
+        stack.extend((c, depth + 1, False) for c in _children(x))
 
 
 def require_regular(path: Path) -> None:

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from mpitailor.formats.dtypes import DTYPES
+from mpitailor.formats.fileio import read_into
 
 # numpy's name for the bits of each dtype; bf16 has no numpy type: its bits are uint16.
 _NUMPY = {"fp32": "<f4", "fp16": "<f2", "bf16": "<u2", "f64": "<f8", "i64": "<i8",
@@ -32,14 +33,40 @@ def numpy_dtype(dtype: str) -> str:
 
 class Storage:
     """A storage: `numel` elements of `dtype`, whose bytes lie in file `path` at `offset`,
-    or in memory (`data`), or nowhere yet (a placeholder: the copy step writes them)."""
+    or in memory (`data`), or nowhere yet (a placeholder: the copy step writes them).
+
+    A value, not a target: its fields are set once, here (a pickle's BUILD or any other
+    setattr is refused), and every read is checked to lie inside it. The one change it
+    takes is `hold`: its own bytes, read from its own record, kept in memory."""
 
     __slots__ = ("dtype", "numel", "path", "offset", "data")
 
     def __init__(self, dtype: str, numel: int, *, path: Path | None = None,
                  offset: int | None = None, data: bytes | bytearray | memoryview | None = None):
-        self.dtype, self.numel, self.path, self.offset, self.data = \
-            dtype, numel, path, offset, data
+        if dtype not in DTYPES or type(numel) is not int or numel < 0:
+            raise ValueError(f"a storage of {numel!r} elements of {dtype!r}")
+        if data is not None and len(data) != numel * DTYPES[dtype].itemsize:
+            raise ValueError(f"{len(data)} bytes for a storage of {numel} x {dtype}")
+        for name, value in zip(self.__slots__, (dtype, numel, path, offset, data)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a Storage is read-only (its {name!r} is set when it is made)")
+
+    __delattr__ = __setattr__
+
+    def __setstate__(self, state):
+        raise TypeError("a Storage is made by the reader, never rebuilt from a pickle's state")
+
+    def __reduce__(self):
+        # Other picklers (mpi4py sending states to another rank) carry it by its fields.
+        return _storage, (self.dtype, self.numel, self.path, self.offset, self.data)
+
+    def hold(self, data: bytes) -> None:
+        """Keep this file storage's own bytes in memory (they travel with it then)."""
+        if self.path is None or self.data is not None or len(data) != self.nbytes:
+            raise ValueError("internal error: hold() of bytes that are not this storage's")
+        object.__setattr__(self, "data", data)
 
     @property
     def itemsize(self) -> int:
@@ -49,27 +76,33 @@ class Storage:
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 
-    def read(self, start: int = 0, nbytes: int | None = None) -> bytes | memoryview:
-        """Bytes [start, start + nbytes) of the storage (all of it by default)."""
+    def read(self, start: int = 0, nbytes: int | None = None, fd: int | None = None
+             ) -> bytes | memoryview:
+        """Bytes [start, start + nbytes) of the storage (all of it by default); fd: its file,
+        already open. Never a byte outside the storage: ValueError."""
         nbytes = self.nbytes - start if nbytes is None else nbytes
+        if start < 0 or nbytes < 0 or start + nbytes > self.nbytes:
+            raise ValueError(f"bytes [{start}, {start + nbytes}) of a storage of "
+                             f"{self.nbytes} bytes")
         if nbytes == 0:
             return b""
         if self.data is not None:
             return memoryview(self.data)[start: start + nbytes]
         if self.path is None:
             raise RuntimeError("internal error: a placeholder's bytes were read")
-        fd = os.open(self.path, os.O_RDONLY)
+        out = bytearray(nbytes)
+        own = fd is None
+        fd = os.open(self.path, os.O_RDONLY) if own else fd
         try:
-            out = bytearray(nbytes)
-            view, done = memoryview(out), 0
-            while done < nbytes:
-                n = os.preadv(fd, [view[done:]], self.offset + start + done)
-                if n <= 0:
-                    raise EOFError(f"{self.path}: file ends {nbytes - done} bytes early")
-                done += n
-            return out
+            read_into(fd, self.offset + start, out)
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
+        return out
+
+
+def _storage(dtype, numel, path, offset, data) -> Storage:
+    return Storage(dtype, numel, path=path, offset=offset, data=data)
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -81,20 +114,62 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def view_problem(storage: Storage, storage_offset, shape, stride) -> str | None:
+    """Why (storage_offset, shape, stride) is not a view mpitailor reads of `storage`, or
+    None. Every element must lie inside the storage, and a view may not hold more elements
+    than its storage (torch's expand() views may; no checkpoint tensor is one, and a copy
+    of one would be as large as it claims)."""
+    if not (isinstance(shape, tuple) and isinstance(stride, tuple)
+            and all(type(d) is int for d in (storage_offset, *shape, *stride))):
+        return "a tensor with malformed storage offset, shape or stride"
+    if len(shape) != len(stride):
+        return f"a tensor of shape {shape} with {len(stride)} strides"
+    if storage_offset < 0 or any(d < 0 for d in (*shape, *stride)):
+        return "a tensor with a negative storage offset, size or stride"
+    numel = math.prod(shape)
+    if numel > storage.numel:
+        return f"a tensor of {numel} elements over a storage of {storage.numel}"
+    last = storage_offset + sum((d - 1) * s for d, s in zip(shape, stride)) if numel else \
+        storage_offset - 1
+    if last >= storage.numel:
+        return (f"a tensor that lies outside its storage (element {last} of "
+                f"{storage.numel})")
+    return None
+
+
 class Tensor:
-    """A view of a storage, as torch's `_rebuild_tensor_v2` describes one."""
+    """A view of a storage, as torch's `_rebuild_tensor_v2` describes one. Read-only, like
+    Storage; every view lies inside its storage (checked when it is made)."""
 
     __slots__ = ("storage", "storage_offset", "shape", "stride", "requires_grad", "metadata",
                  "wrapper")
 
     def __init__(self, storage: Storage, storage_offset: int, shape: tuple[int, ...],
-                 stride: tuple[int, ...], requires_grad: bool = False, metadata=None):
-        self.storage, self.storage_offset = storage, storage_offset
-        self.shape, self.stride = tuple(shape), tuple(stride)
-        self.requires_grad, self.metadata = requires_grad, metadata
-        # (type, attribute dict) of a tensor saved with attributes of its own or as a
-        # subclass (torch's _rebuild_from_type_v2); None for a plain one.
-        self.wrapper = None
+                 stride: tuple[int, ...], requires_grad: bool = False, metadata=None,
+                 wrapper: tuple | None = None):
+        shape, stride = tuple(shape), tuple(stride)
+        if not isinstance(storage, Storage):
+            raise ValueError("a tensor without a storage")
+        problem = view_problem(storage, storage_offset, shape, stride)
+        if problem is not None:
+            raise ValueError(problem)
+        # wrapper: (type, attribute dict) of a tensor saved with attributes of its own or
+        # as a subclass (torch's _rebuild_from_type_v2); None for a plain one.
+        for name, value in zip(self.__slots__, (storage, storage_offset, shape, stride,
+                                                bool(requires_grad), metadata, wrapper)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a Tensor is read-only (its {name!r} is set when it is made)")
+
+    __delattr__ = __setattr__
+
+    def __setstate__(self, state):
+        raise TypeError("a Tensor is made by the reader, never rebuilt from a pickle's state")
+
+    def __reduce__(self):
+        return Tensor, (self.storage, self.storage_offset, self.shape, self.stride,
+                        self.requires_grad, self.metadata, self.wrapper)
 
     # ---- made here ------------------------------------------------------------------
     @classmethod
@@ -143,6 +218,7 @@ class Tensor:
         """Byte offset of the first element in its file."""
         if self.storage.offset is None:
             raise RuntimeError("internal error: the file offset of a tensor not in a file")
+        self._need_contiguous()
         return self.storage.offset + self.storage_offset * self.itemsize
 
     # ---- values (read on demand) -----------------------------------------------------
@@ -157,6 +233,20 @@ class Tensor:
         """Elements [start, start + count) as a flat numpy array (bf16: its uint16 bits)."""
         import numpy as np
         return np.frombuffer(self.raw_bytes(start, count), dtype=_NUMPY[self.dtype])
+
+    def values(self, fd: int | None = None):
+        """All elements in index order, flat, as numpy (bf16: its bits), whatever the
+        strides; fd: the storage's file, already open."""
+        import numpy as np
+        if self.is_contiguous():
+            data = self.storage.read(self.storage_offset * self.itemsize, self.nbytes, fd)
+            return np.frombuffer(data, dtype=_NUMPY[self.dtype])
+        item = self.itemsize
+        span = 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride))
+        data = np.frombuffer(self.storage.read(self.storage_offset * item, span * item, fd),
+                             dtype=_NUMPY[self.dtype])
+        return np.lib.stride_tricks.as_strided(data, self.shape, [st * item for st in self.stride],
+                                               writeable=False).reshape(-1)
 
     def item(self):
         """The value of a one-element tensor, as a Python number."""

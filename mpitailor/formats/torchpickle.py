@@ -19,6 +19,7 @@ NEWOBJ and BUILD, so the pickle's bytes are those `torch.save` writes for the sa
 """
 from __future__ import annotations
 
+import _compat_pickle
 import codecs
 import collections
 import io
@@ -46,15 +47,14 @@ class _RebuildTensor(opaque.Opaque):
     global_name = "torch._utils._rebuild_tensor_v2"
 
     def __new__(cls, storage, storage_offset, shape, stride, requires_grad=False,
-                hooks=None, metadata=None):
-        if not isinstance(storage, Storage) or not _ints(shape, stride) or \
-                not isinstance(storage_offset, int) or len(shape) != len(stride):
+                hooks=None, metadata=None, *, wrapper=None):
+        if not isinstance(storage, Storage) or not _ints(shape, stride):
             raise pickle.UnpicklingError("a tensor with malformed storage, shape or stride")
-        if storage_offset < 0 or any(d < 0 for d in (*shape, *stride)) or (
-                any(shape) and all(shape) and storage_offset + sum(
-                    (d - 1) * s for d, s in zip(shape, stride)) >= storage.numel):
-            raise pickle.UnpicklingError("a tensor that lies outside its storage")
-        return Tensor(storage, storage_offset, shape, stride, bool(requires_grad), metadata)
+        try:
+            return Tensor(storage, storage_offset, shape, stride, bool(requires_grad),
+                          metadata, wrapper)
+        except ValueError as e:
+            raise pickle.UnpicklingError(str(e)) from None
 
 
 REBUILD_TENSOR = opaque.register(_RebuildTensor)
@@ -69,13 +69,13 @@ class _RebuildFromType(opaque.Opaque):
 
     def __new__(cls, func=None, new_type=None, args=(), state=None):
         if func is REBUILD_TENSOR and isinstance(args, tuple):
-            t = func(*args)
-            t.wrapper = (new_type, state)
-            return t
+            return func(*args, wrapper=(new_type, state))
         return super().__new__(cls, func, new_type, args, state)
 
 
 REBUILD_FROM_TYPE = opaque.register(_RebuildFromType)
+# Stand-ins that are functions in torch: called (REDUCE), never made with NEWOBJ.
+_CALLS_ONLY = frozenset({REBUILD_TENSOR, REBUILD_FROM_TYPE})
 TENSOR_TYPE = opaque.stand_in("torch.Tensor")  # how torch names its type(self)
 
 
@@ -113,14 +113,15 @@ _BASE: dict[str, object] = {
     "torch.Size": Size,
     "collections.OrderedDict": collections.OrderedDict,
     "_codecs.encode": _bytes_from_latin1,
-    "builtins.set": set, "__builtin__.set": set,
-    "builtins.frozenset": frozenset, "__builtin__.frozenset": frozenset,
+    "builtins.set": set, "builtins.frozenset": frozenset, "builtins.bytearray": bytearray,
     "torch._tensor._rebuild_from_type_v2": REBUILD_FROM_TYPE,
     **{f"torch.{name}": _STORAGE_OF[dtype] for name, dtype in STORAGE_TYPES.items()},
 }
 _TORCH_STAND_INS = ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
                     "torch.Tensor", "torch._tensor.Tensor", "torch.nn.parameter.Parameter",
                     "torch.device", *(f"torch.{d}" for d in TORCH_DTYPES))
+# torch's own machinery (tensors, storages, sizes, dtypes): what every torch file names.
+TORCH_OWN = frozenset(_BASE) | frozenset(_TORCH_STAND_INS)
 # The extra names of each allow-list safeload.load takes.
 ALLOWED = {
     "deepspeed": ("deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -129,36 +130,155 @@ ALLOWED = {
                   "deepspeed.utils.tensor_fragment.fragment_address"),
     "numpy": tuple(f"{m}.{n}" for m in ("numpy.core.multiarray", "numpy._core.multiarray")
                    for n in ("_reconstruct", "scalar"))
-    + ("numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType", "numpy.dtypes.Float64DType",
-       "numpy.dtypes.Int64DType"),
+    + ("numpy.ndarray", "numpy.dtype")
+    + tuple(f"numpy.dtypes.{k}DType" for k in (
+        "Bool", "Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64",
+        "Float16", "Float32", "Float64", "LongDouble", "Complex64", "Complex128", "Bytes",
+        "Str")),
 }
+# What training scripts put in DeepSpeed's client_state besides plain data and their own
+# dataclasses: allowed in model-states files (safeload.load(opaque_ok=True)).
+ALLOWED["client"] = ("argparse.Namespace", *ALLOWED["numpy"])
 
 
 class Refused(pickle.UnpicklingError):
-    """A global outside the allow-list; `name` is its full name."""
+    """A global outside the allow-list; `name` is its full name, `how` what the file does
+    with it where that is the reason ("calls": a class carried only as plain instances)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, how: str = "") -> None:
         super().__init__(f"Unsupported global: GLOBAL {name}")
-        self.name = name
+        self.name, self.how = name, how
 
 
-class _Unpickler(pickle.Unpickler):
+class _Opcodes(dict):
+    def __missing__(self, key):
+        raise pickle.UnpicklingError(f"opcode {bytes([key])!r} is not one torch writes")
+
+
+# The opcodes torch's own weights-only unpickler reads (torch.save writes protocol 2), and
+# no others: none of them imports, calls or builds anything but through the handlers below.
+_DATA_OPCODES = (
+    pickle.MARK, pickle.STOP, pickle.PROTO, pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2,
+    pickle.TUPLE3, pickle.EMPTY_TUPLE, pickle.EMPTY_LIST, pickle.EMPTY_DICT,
+    pickle.EMPTY_SET, pickle.NONE, pickle.NEWTRUE, pickle.NEWFALSE, pickle.BININT,
+    pickle.BININT1, pickle.BININT2, pickle.LONG1, pickle.BINFLOAT, pickle.BINUNICODE,
+    pickle.SHORT_BINSTRING, pickle.BINGET, pickle.LONG_BINGET, pickle.BINPUT,
+    pickle.LONG_BINPUT, pickle.BINPERSID)
+
+
+class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Python's own (pure) unpickler, held to torch's weights-only rules: its opcodes only;
+    a global only through find_class; a call (REDUCE) only of a global find_class allowed as
+    callable; a new object (NEWOBJ) only of a stand-in class or OrderedDict; BUILD only on a
+    stand-in instance (which records the state) or an OrderedDict (attributes of its own);
+    items added only to real lists and dicts. The reader's own records (Tensor, Storage,
+    Size) and every class are values, never targets."""
+
+    dispatch = _Opcodes({op[0]: pickle._Unpickler.dispatch[op[0]]  # type: ignore[attr-defined]
+                         for op in _DATA_OPCODES})
+
     def __init__(self, data: bytes, allowed: frozenset[str], opaque_ok: bool,
                  storage: Callable[[str, str, int], Storage]) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(io.BytesIO(data), encoding="utf-8")
         self.allowed, self.opaque_ok = allowed, opaque_ok
         self.storage = storage
         self.storages: dict[str, Storage] = {}
+        self.callable: dict[int, object] = {}  # id -> global find_class allowed as callable
+        self.globals: set[str] = set()  # every global the file names
 
     def find_class(self, module: str, name: str):
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[module, name]
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         full = f"{module}.{name}"
+        self.globals.add(full)
         if full in _BASE:
-            return _BASE[full]
-        if full in self.allowed or full in _TORCH_STAND_INS:
-            return opaque.stand_in(full)
-        if self.opaque_ok and opaque.may_stand_in(full):
-            return opaque.stand_in(full)
-        raise Refused(full)
+            found = _BASE[full]
+        elif full in self.allowed or full in _TORCH_STAND_INS:
+            found = opaque.stand_in(full)
+        elif self.opaque_ok and opaque.may_stand_in(full):
+            return opaque.stand_in(full)  # a plain class of the user's: instances only
+        else:
+            raise Refused(full)
+        self.callable[id(found)] = found
+        return found
+
+    def load_global(self):
+        module = self.readline()[:-1].decode("utf-8")
+        name = self.readline()[:-1].decode("utf-8")
+        self.append(self.find_class(module, name))
+    dispatch[pickle.GLOBAL[0]] = load_global
+
+    def load_reduce(self):
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if self.callable.get(id(func)) is not func:
+            name = getattr(func, "global_name", "")
+            if name:
+                raise Refused(name, "calls")
+            raise pickle.UnpicklingError(f"a call of {type(func).__name__}, not of a global")
+        if not isinstance(args, tuple):
+            raise pickle.UnpicklingError("a call whose arguments are not a tuple")
+        self.stack[-1] = func(*args)
+    dispatch[pickle.REDUCE[0]] = load_reduce
+
+    def load_newobj(self):
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not isinstance(args, tuple) or not (
+                cls is collections.OrderedDict or cls is Size
+                or (isinstance(cls, opaque._OpaqueMeta) and cls not in _CALLS_ONLY)):
+            raise pickle.UnpicklingError(f"a new object of {cls!r:.80}, not of a class the "
+                                         f"file may name")
+        self.append(cls.__new__(cls, *args))
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+
+    def load_build(self):
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if isinstance(inst, opaque.Opaque):  # an instance, never a class: it records state
+            inst.__setstate__(state)
+        elif type(inst) is collections.OrderedDict and type(state) is dict and all(
+                type(k) is str and not hasattr(collections.OrderedDict, k) for k in state):
+            inst.__dict__.update(state)  # a state dict's `_metadata`
+        else:
+            raise pickle.UnpicklingError(f"BUILD on {type(inst).__name__}: only an "
+                                         f"OrderedDict or a carried object takes a state")
+    dispatch[pickle.BUILD[0]] = load_build
+
+    def load_append(self):
+        item = self.stack.pop()
+        self._target(list, "APPEND").append(item)
+    dispatch[pickle.APPEND[0]] = load_append
+
+    def load_appends(self):
+        items = self.pop_mark()
+        self._target(list, "APPENDS").extend(items)
+    dispatch[pickle.APPENDS[0]] = load_appends
+
+    def load_setitem(self):
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._target(dict, "SETITEM")[key] = value
+    dispatch[pickle.SETITEM[0]] = load_setitem
+
+    def load_setitems(self):
+        items = self.pop_mark()
+        target = self._target(dict, "SETITEMS")
+        if len(items) % 2:
+            raise pickle.UnpicklingError("SETITEMS of an odd number of items")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+
+    def _target(self, kind: type, op: str):
+        if not self.stack:
+            raise pickle.UnpicklingError(f"{op} with nothing to add to")
+        target = self.stack[-1]
+        if type(target) is not kind and not (kind is dict
+                                             and type(target) is collections.OrderedDict):
+            raise pickle.UnpicklingError(f"{op} on {type(target).__name__}")
+        return target
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
@@ -177,11 +297,13 @@ class _Unpickler(pickle.Unpickler):
 def unpickle(data: bytes, *, allowed: frozenset[str] = frozenset(),
              opaque_ok: bool = False,
              storage: Callable[[str, str, int], Storage]):
-    """The object `data` (a torch data.pkl) describes. storage(key, dtype, numel) gives the
-    storage of record data/<key>. Raises Refused for a global outside the allow-list (with
-    opaque_ok: only for modules that exist to run code), UnpicklingError and others for a
-    malformed pickle."""
-    return _Unpickler(data, allowed, opaque_ok, storage).load()
+    """The object `data` (a torch data.pkl) describes, and the globals it names.
+    storage(key, dtype, numel) gives the storage of record data/<key>. Raises Refused for a
+    global outside the allow-list (with opaque_ok, plain classes of modules other than
+    Python's and the frameworks' are carried as instances, never called), UnpicklingError
+    and others for a malformed pickle."""
+    u = _Unpickler(data, allowed, opaque_ok, storage)
+    return u.load(), frozenset(u.globals)
 
 
 class StorageRef:

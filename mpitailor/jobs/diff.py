@@ -227,8 +227,7 @@ def _weights16(ma: CheckpointMeta, mb: CheckpointMeta):
             ta, tb = mod_a.get(s.name), mod_b.get(s.name)
             if ta is not None and tb is not None and ta.shape == tb.shape \
                     and ta.dtype == tb.dtype:
-                yield s.name, ta.dtype, functools.partial(_values, ta), \
-                    functools.partial(_values, tb)
+                yield s.name, ta.dtype, ta.values, tb.values
         return
     files_a = [p for p in weight_files(ma) if p.suffix == ".safetensors"]
     files_b = [p for p in weight_files(mb) if p.suffix == ".safetensors"]
@@ -247,19 +246,6 @@ def _weights16(ma: CheckpointMeta, mb: CheckpointMeta):
             if shape == shape_b and dtype == dtype_b:
                 yield name, dtype, functools.partial(_read_at, p, dtype, at_a), \
                     functools.partial(_read_at, where_b[name], dtype, at_b)
-
-
-def _values(t: Tensor) -> np.ndarray:
-    """A tensor's elements in index order, flat (bf16: its bits)."""
-    if t.is_contiguous():
-        return t.raw()
-    if t.numel() == 0:
-        return np.empty(0, dtype=numpy_dtype(t.dtype))
-    item, span = t.itemsize, 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
-    data = np.frombuffer(t.storage.read(t.storage_offset * item, span * item),
-                         dtype=numpy_dtype(t.dtype))
-    return np.lib.stride_tricks.as_strided(data, t.shape, [st * item for st in t.stride],
-                                           writeable=False).reshape(-1)
 
 
 def _safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]:

@@ -1,0 +1,349 @@
+"""The torch-free reader is closed by construction (issue 40, U1-U7, W2): what it builds are
+values, every tensor lies inside its own record, opaque objects come from an allow-list.
+
+Each case is a crafted file: a real torch.save whose data.pkl is rewritten opcode by opcode,
+the way an attacker would; the reader must refuse it in one line (CheckpointError) or read
+it right, never hand back bytes from outside the file's records. The end-to-end case runs
+the real CLI on a real DeepSpeed save carrying the crafted model states.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+import pickletools
+import resource
+import struct
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from merging import run_cli
+
+from mpitailor.errors import CheckpointError
+from mpitailor.formats import opaque, ptzip
+from mpitailor.formats.safeload import MAX_OBJECTS, load, load_with_globals
+from mpitailor.formats.tensorref import Storage, Tensor
+from mpitailor.formats.torchpickle import Size
+
+SECRET = b"SECRET-8d1c-" * 8
+
+
+# ---- crafting --------------------------------------------------------------------------
+
+def saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def records(data: bytes) -> dict[str, bytes]:
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        return {i.filename: z.read(i) for i in z.infolist()}
+
+
+def rezip(recs: dict[str, bytes] | list[tuple[str, bytes]], path: Path) -> Path:
+    """The records as a stored zip (torch.load reads any such zip as a torch file)."""
+    items = recs.items() if isinstance(recs, dict) else recs
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in items:
+            z.writestr(name, data)
+    return path
+
+
+def pickle_of(data: bytes) -> bytes:
+    return records(data)["archive/data.pkl"]
+
+
+def with_pickle(data: bytes, pkl: bytes, path: Path) -> Path:
+    recs = records(data)
+    recs["archive/data.pkl"] = pkl
+    return rezip(recs, path)
+
+
+def after(pkl: bytes, opname: str, nth: int = 0) -> int:
+    """The offset just past the nth `opname` opcode (and the BINPUT that memoizes it)."""
+    ops = list(pickletools.genops(pkl))
+    hits = [i for i, (op, _, _) in enumerate(ops) if op.name == opname]
+    i = hits[nth] + 1
+    if i < len(ops) and ops[i][0].name in ("BINPUT", "LONG_BINPUT"):
+        i += 1
+    return ops[i][2]
+
+
+def uni(s: str) -> bytes:
+    b = s.encode()
+    return b"X" + struct.pack("<I", len(b)) + b
+
+
+def state_dict_ops(**fields) -> bytes:
+    """NONE, {fields}, TUPLE2: the (state, slotstate) form BUILD sets slots with."""
+    out = b"N}"
+    for k, v in fields.items():
+        out += uni(k) + (uni(v) if isinstance(v, str) else b"J" + struct.pack("<i", v)) + b"s"
+    return out + b"\x86"
+
+
+def refused(path: Path, *words: str, **kw) -> str:
+    with pytest.raises(CheckpointError) as e:
+        load(path, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg, msg
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    p = tmp_path / "secret"
+    p.write_bytes(SECRET)
+    return p
+
+
+# ---- U1-U3: BUILD on the reader's own records ------------------------------------------
+
+@pytest.mark.parametrize("field", ["path", "numel", "offset", "dtype"])
+def test_build_on_a_storage_is_refused(tmp_path, secret, field):
+    """U1: BUILD right after the storage's persistent id, setting its slots (the file the
+    bytes come from, their offset or count) before the tensor is made of it."""
+    data = saved({"w": torch.zeros(16)})
+    pkl = pickle_of(data)
+    value = {"path": str(secret), "numel": 64, "offset": 0, "dtype": "u8"}[field]
+    at = after(pkl, "BINPERSID")
+    pkl = pkl[:at] + state_dict_ops(**{field: value}) + b"b" + pkl[at:]
+    refused(with_pickle(data, pkl, tmp_path / "x.pt"), "BUILD on Storage")
+
+
+@pytest.mark.parametrize("field,value", [("storage_offset", -100), ("storage_offset", 90000),
+                                         ("shape", "x")])
+def test_build_on_a_tensor_is_refused(tmp_path, field, value):
+    """U2: BUILD on the tensor after its bounds were checked."""
+    data = saved({"w": torch.zeros(16)})
+    pkl = pickle_of(data)
+    at = after(pkl, "REDUCE", 1)  # the first makes the hooks' OrderedDict
+    pkl = pkl[:at] + state_dict_ops(**{field: value}) + b"b" + pkl[at:]
+    refused(with_pickle(data, pkl, tmp_path / "x.pt"), "BUILD on Tensor")
+
+
+def test_build_on_a_stand_in_class_is_refused_and_changes_nothing(tmp_path):
+    """U3: BUILD on the torch.Size class itself (its global name set to sys.exit): refused,
+    and the process-wide stand-in keeps its name (and no stand-in class takes a setattr)."""
+    data = saved({"s": torch.Size([2, 3])})
+    pkl = pickle_of(data)
+    at = after(pkl, "GLOBAL")  # torch Size, the first global
+    pkl = pkl[:at] + state_dict_ops(global_name="sys.exit") + b"b" + pkl[at:]
+    refused(with_pickle(data, pkl, tmp_path / "x.pt"), "BUILD on")
+    assert Size.global_name == "torch.Size"
+    with pytest.raises(AttributeError):
+        opaque.stand_in("pkg.Thing").global_name = "sys.exit"
+
+
+def test_records_are_read_only_values():
+    s = Storage("fp32", 4, data=bytes(16))
+    t = Tensor(s, 0, (4,), (1,))
+    for obj, field, value in ((s, "path", "/etc/passwd"), (s, "offset", 0), (t, "shape", (9,)),
+                              (t, "storage_offset", 3), (t, "storage", s)):
+        with pytest.raises(AttributeError):
+            setattr(obj, field, value)
+    with pytest.raises(ValueError, match="outside its storage"):
+        Tensor(s, 3, (2,), (1,))
+    with pytest.raises(ValueError):
+        s.read(8, 16)  # past its end
+    # Other picklers (MPI between ranks) carry them by their fields, checked again.
+    again = pickle.loads(pickle.dumps(t))
+    assert (again.shape, again.storage.data) == ((4,), bytes(16))
+
+
+# ---- U4: opaque objects from an allow-list ----------------------------------------------
+
+CALLS = ["cProfile.run", "profile.run", "pkgutil.resolve_name", "_posixsubprocess.fork_exec",
+         "pydoc.pipepager", "_operator.attrgetter", "idlelib.run.exec", "os.system",
+         "builtins.eval", "__builtin__.eval", "numpy.load", "torch.load", "copyreg._reconstructor"]
+
+
+def reduce_of(full: str, arg: str) -> bytes:
+    module, _, name = full.rpartition(".")
+    return (b"\x80\x02}X\x01\x00\x00\x00xc" + module.encode() + b"\n" + name.encode() + b"\n"
+            + uni(arg) + b"\x85Rs.")
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_globals_that_run_code_are_refused_in_client_state(tmp_path, name):
+    """U4: the deny-list let these through as stand-ins; the allow-list refuses each, by
+    name, also where client state (opaque objects) is allowed."""
+    path = rezip({"archive/data.pkl": reduce_of(name, "id")}, tmp_path / "x.pt")
+    msg = refused(path, "refused to load", opaque_ok=True)
+    assert name.replace("__builtin__", "builtins") in msg or "calls" in msg, msg
+
+
+def test_a_class_of_the_users_is_carried_as_an_instance_but_never_called(tmp_path):
+    """A plain object of the user's module (NEWOBJ + BUILD, as a dataclass pickles) is a
+    stand-in; the same class called with arguments (a REDUCE) is refused, naming the class
+    and --safe-globals."""
+    inst = (b"\x80\x02}X\x01\x00\x00\x00xcmytrain.notes\nRunNotes\n)\x81}"
+            + uni("lr") + b"G?\xb9\x99\x99\x99\x99\x99\x9asbs.")
+    obj = load(rezip({"archive/data.pkl": inst}, tmp_path / "a.pt"), opaque_ok=True)
+    assert obj["x"].lr == 0.1 and type(obj["x"]).global_name == "mytrain.notes.RunNotes"
+    call = rezip({"archive/data.pkl": reduce_of("mytrain.notes.RunNotes", "rm -rf")},
+                 tmp_path / "b.pt")
+    refused(call, "it calls mytrain.notes.RunNotes", "--safe-globals mytrain.notes.RunNotes",
+            opaque_ok=True)
+    refused(rezip({"archive/data.pkl": inst}, tmp_path / "c.pt"), "mytrain.notes.RunNotes")
+
+
+def test_real_client_state_is_carried(tmp_path):
+    """What training scripts save in client_state: Namespace, numpy scalars and dtypes,
+    arrays; and bytearray (W2), which torch's weights-only loader accepts too."""
+    state = {"args": argparse.Namespace(lr=0.1, tag="x"), "best": np.float64(0.25),
+             "i": np.int64(3), "dt": np.dtype("float32"), "arr": np.arange(3),
+             "raw": bytearray(b"ab\xff")}
+    path = tmp_path / "c.pt"
+    path.write_bytes(saved(state))
+    obj, names = load_with_globals(path, opaque_ok=True)
+    assert obj["raw"] == bytearray(b"ab\xff") and obj["args"].lr == 0.1
+    assert "argparse.Namespace" in names and "builtins.bytearray" in names
+    out = tmp_path / "w.pt"
+    ptzip.write_torch_file(out, obj)
+    assert pickle_of(out.read_bytes()) == pickle_of(path.read_bytes())
+
+
+# ---- U5: shared containers ---------------------------------------------------------------
+
+def test_exponential_sharing_is_refused_fast_and_small(tmp_path):
+    """U5: 40 levels of lists, each holding the one below twice: 2**40 objects once
+    unshared, 1.7 KB of pickle. Refused by the object bound, in well under a second of
+    work and without growing the process."""
+    pkl = b"\x80\x02]q\x00"
+    for i in range(1, 41):
+        pkl += b"]q" + bytes([i]) + b"(h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"e"
+    pkl += b"."
+    path = rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    refused(path, f"over {MAX_OBJECTS} objects")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KB
+
+
+def test_a_container_that_holds_itself_is_refused(tmp_path):
+    pkl = b"\x80\x02]q\x00h\x00a."  # a list appended to itself
+    refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), "holds itself")
+
+
+# ---- U6: views ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,stride,offset,words", [
+    ((100000,), (0,), 0, "elements over a storage of 1"),
+    ((10 ** 12,), (0,), 0, "elements over a storage of 1"),
+    ((), (), 5, "outside its storage"),          # a 0-d view past its storage
+    ((2,), (1,), 0, "elements over a storage of 1"),
+    ((1,), (1,), 1, "outside its storage"),
+    ((1,), (-1,), 0, "negative"),
+])
+def test_views_outside_their_storage_are_refused(tmp_path, shape, stride, offset, words):
+    """U6: a tensor's view is checked with its real strides: stride 0 over one element,
+    a 0-d tensor whose offset lies past its storage."""
+    t = torch.zeros(1)
+    data = saved({"t": t, "pad": torch.arange(64.0)})  # bytes after t's record to leak
+    pkl = pickle_of(data)
+    ops = list(pickletools.genops(pkl))
+    # rewrite the first tensor's (offset, shape, stride) arguments
+    first = next(i for i, (op, _, _) in enumerate(ops) if op.name == "BINPERSID")
+    start = ops[first + 2][2] if ops[first + 1][0].name == "BINPUT" else ops[first + 1][2]
+    end = next(pos for op, _, pos in ops[first:] if op.name == "NEWFALSE")
+
+    def tup(xs):
+        return b"(" + b"".join(b"J" + struct.pack("<i", x) if -2**31 <= x < 2**31
+                               else b"\x8a\x08" + struct.pack("<q", x) for x in xs) + b"t"
+    pkl = pkl[:start] + b"J" + struct.pack("<i", offset) + tup(shape) + tup(stride) + pkl[end:]
+    refused(with_pickle(data, pkl, tmp_path / "x.pt"), words)
+
+
+def test_strided_views_read_right(tmp_path):
+    """An honest non-contiguous view (a transpose) reads as torch reads it."""
+    base = torch.arange(12.0).reshape(3, 4)
+    path = tmp_path / "t.pt"
+    path.write_bytes(saved({"t": base.t(), "s": base[1:, 2:]}))
+    got = load(path)
+    for k, want in (("t", base.t()), ("s", base[1:, 2:])):
+        assert np.array_equal(got[k].values(), want.contiguous().numpy().reshape(-1))
+
+
+# ---- U7: the zip ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("twice", ["archive/data.pkl", "archive/data/0"])
+def test_two_records_of_one_name_are_refused(tmp_path, twice):
+    """U7: torch reads the first of two same-named records, zipfile the last."""
+    recs = list(records(saved({"w": torch.ones(4)})).items())
+    dup = next(r for r in recs if r[0] == twice)
+    if twice.endswith("data.pkl"):
+        dup = (twice, pickle.dumps({"w": 1}, protocol=2))
+    else:
+        dup = (twice, bytes(len(dup[1])))
+    path = rezip(recs + [dup], tmp_path / "x.pt")
+    refused(path, "two records named")
+
+
+def test_overlapping_records_are_refused(tmp_path):
+    """Record 1's central-directory entry pointed at record 0's local header (names of one
+    length): one storage's bytes would be another's."""
+    data = bytearray(saved({"a": torch.ones(4), "b": torch.zeros(4)}))
+    z = zipfile.ZipFile(io.BytesIO(bytes(data)))
+    a = z.getinfo("archive/data/0")
+    entry = bytes(data).find(b"archive/data/1", z.start_dir) - 46  # its central header
+    assert data[entry: entry + 4] == b"PK\x01\x02"
+    struct.pack_into("<I", data, entry + 42, a.header_offset)
+    path = tmp_path / "x.pt"
+    path.write_bytes(bytes(data))
+    refused(path, "overlap")
+
+
+# ---- End to end: the CRITICAL case, through the real CLI --------------------------------
+
+def test_recover_never_copies_another_file_into_its_output(ckpt_copy, tmp_path, secret):
+    """U1 end to end: a real partial-save run whose newest model states carry a BUILD that
+    points a storage at a secret file: recover says so in one line and skips that save (a
+    damaged partial save is skipped, by the recovery rules), and the secret is nowhere in
+    what it wrote."""
+    root = ckpt_copy("w2_parity")
+    victim = sorted((root / "global_step8").glob("*model_states.pt"))[0]
+    data = victim.read_bytes()
+    pkl = pickle_of(data)
+    at = after(pkl, "BINPERSID")
+    pkl = pkl[:at] + state_dict_ops(path=str(secret)) + b"b" + pkl[at:]
+    recs = [(n, pkl if n.endswith("/data.pkl") else d) for n, d in records(data).items()]
+    rezip(recs, victim)
+    out = tmp_path / "out"
+    r = run_cli(["recover", str(root), "-o", str(out)], {}, ranks=2)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "BUILD on Storage" in r.stderr, r.stderr
+    assert f"skipping global_step8: {victim}" in r.stderr, r.stderr
+    assert (out / "latest").read_text() == "global_step6"
+    for p in tmp_path.rglob("*"):
+        if p.is_file() and p != secret:
+            assert SECRET[:12] not in p.read_bytes(), p
+
+
+# ---- W1: the writer, and what inspect says ----------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 999, 1000, 1001, 2000, 2001])
+def test_dicts_and_lists_batch_as_torch_save_does(n):
+    """W1: the C pickler (torch.save's) batches plain dicts and lists differently from the
+    pure one around multiples of 1000 items; the writer's bytes follow torch.save's."""
+    from torch_files import as_refs
+
+    from mpitailor.formats.torchpickle import dumps
+    for obj in ({f"k{i}": i for i in range(n)}, list(range(n)),
+                OrderedDict((i, [i]) for i in range(n))):
+        assert dumps(as_refs(obj))[0] == pickle_of(saved(obj)), (n, type(obj))
+
+
+def test_inspect_lists_the_globals_a_save_carries(ckpt):
+    from ckpt_fixtures import build
+    r = run_cli(["inspect", str(build("w2_client_state") / "global_step8")], {}, ranks=1)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("carries"))
+    for name in ("__main__.RunNotes", "argparse.Namespace", "numpy.dtype"):
+        assert name in line, line
