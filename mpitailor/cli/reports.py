@@ -20,6 +20,8 @@ def format_table(rep: dict) -> str:
     ]
     if rep["tied"]:
         lines.append("tied         " + ", ".join(f"{a} -> {b}" for a, b in rep["tied"].items()))
+    if rep.get("globals"):  # what DeepSpeed's own loader will import to load the model states
+        lines.append("carries      " + ", ".join(rep["globals"]))
     origin = rep["kind"] == "composite"
     header = (f"{'layer':<12}{'params':>8}{'frozen':>8}{'elements':>12}{'bytes/rank':>12}  "
               f"{'sub-groups':<12}" + ("  from (step)" if origin else ""))

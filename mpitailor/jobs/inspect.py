@@ -5,6 +5,7 @@ import os
 
 from mpitailor.formats import OPTIM_BYTES_PER_ELEMENT, CheckpointMeta
 from mpitailor.formats.manifest import MANIFEST, Manifest, read_manifest
+from mpitailor.formats.safeload import carried_globals
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
 
@@ -45,6 +46,7 @@ def report(meta: CheckpointMeta, composite: Manifest | None = None) -> dict:
         "subgroups": len(meta.layout.subgroup_sizes),
         "subgroup_steps": list(meta.subgroup_steps),
         "tied": dict(meta.shared_params),
+        "globals": carried_globals(meta.files.model_path(0)),
         "optimizer_bytes_per_rank": sum(meta.layout.subgroup_sizes) * OPTIM_BYTES_PER_ELEMENT,
         "layers": {k: {**layers[k], "subgroups": sorted(layers[k]["subgroups"])}
                    for k in sort_keys(layers)},
