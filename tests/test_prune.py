@@ -130,7 +130,7 @@ def test_a_save_in_progress_and_a_held_lock_survive(run):
     assert saves_in(run) == ["global_step6", "global_step10", "global_step14", "global_step16",
                              "global_step18"]
     assert (run / ".global_step20.mpitailor-staging" / "mpitailor_partial.json").exists()
-    assert "global_step11: incomplete or unreadable" in r.stdout
+    assert "global_step11: incomplete by its own record" in r.stdout
     assert f"kept {run}/global_step18: newer than the newest usable save" in r.stdout
     assert f"kept {run}/global_step6: a live process holds" in r.stdout
 

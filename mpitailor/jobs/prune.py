@@ -5,7 +5,13 @@ chooses them; deleting is separate (`apply_plan`), so that under node-local stor
 node's leader applies the same decision to its own disk. Each path goes by a rename to a
 hidden `.NAME.mpitailor-pruning` first, under the path's lock, then by rmtree: a prune killed
 half-way leaves nothing that looks like a save, and `mpitailor clean` takes what it left. A
-save of the timeline leaves its tombstone (jobs/tombstones.py) before it goes.
+save of the timeline leaves its tombstone (jobs/tombstones.py) before it goes, and prune's
+record of the tombstones is written before anything goes.
+
+Prune fails safe: it deletes nothing while a save cannot be read now (the plan is
+`blocked`: exit 1, naming it) or while a tombstone a save builds on is not right (vet's
+error); one prune of a save dir at a time (its lock); and a save is deleted only if it is
+the same dir that was judged (a save published again under its name since is kept).
 
 Collective where it takes a `comm`.
 """
@@ -21,13 +27,27 @@ from mpitailor.errors import CheckpointError, MpitailorError, UserError
 from mpitailor.formats.manifest import MANIFEST, read_manifest
 from mpitailor.jobs.clean import not_a_dir
 from mpitailor.jobs.recovery import survey_saves
-from mpitailor.jobs.tombstones import read_tombstones, write_tombstone
-from mpitailor.planning.retention import Composite, RetentionPlan, Verdict, plan_retention
+from mpitailor.jobs.tombstones import (
+    RECORD,
+    read_record,
+    read_tombstones,
+    write_record,
+    write_tombstone,
+)
+from mpitailor.planning.retention import (
+    PRUNED_DIR,
+    Composite,
+    RetentionPlan,
+    Verdict,
+    plan_retention,
+    valid_id,
+)
 from mpitailor.publish.leftovers import (
     LOCK,
     PRUNING,
     STAGING,
     drop_lock,
+    holder_of,
     is_held,
     path_of,
     remove,
@@ -41,6 +61,11 @@ COMPOSITE_PREFIX = "recovered-"
 
 class PruneFailed(MpitailorError):
     """A runtime failure while deleting (exit 1); what was removed before it is said."""
+
+
+class PruneRefused(MpitailorError):
+    """Prune removed nothing: what it would decide on cannot be read now, or another prune
+    of the save dir is running (exit 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +91,36 @@ def prune(comm: Comm, save_dir: str | os.PathLike, keep_last: int,
     CRC-32s first, as recover does (the training side's retention after each save leaves
     it out: survey_saves)."""
     save_dir, composites = check_args(save_dir, keep_last, composites)
-    plan, node_local = plan_prune(comm, save_dir, keep_last, composites, crc)
-    from mpitailor.cluster.nodes import Nodes
-    appliers = Nodes.of(comm).leaders() if node_local else [0]
-    lines = comm.step(lambda: apply_plan(save_dir, plan, dry_run)
-                      if comm.rank in appliers else None)
-    lines = comm.bcast(lines, root=0)
+    lock = path_of(save_dir / PRUNED_DIR, LOCK)  # one prune of a save dir at a time
+    fd = None if dry_run else comm.root_step(_take_prune_lock, lock, save_dir)
+    try:
+        plan, node_local, idents = plan_prune(comm, save_dir, keep_last, composites, crc)
+        if plan.blocked:
+            raise PruneRefused(_refusal(plan))
+        from mpitailor.cluster.nodes import Nodes
+        appliers = Nodes.of(comm).leaders() if node_local else [0]
+        lines = comm.step(lambda: apply_plan(save_dir, plan, dry_run, idents)
+                          if comm.rank in appliers else None)
+        lines = comm.bcast(lines, root=0)
+    finally:
+        if fd is not None and comm.rank == 0:
+            drop_lock(lock, fd)
     return PruneReport(save_dir, plan, dry_run, tuple(lines))
+
+
+def _take_prune_lock(lock: Path, save_dir: Path) -> int:
+    fd = take_lock(lock)
+    if fd is None:
+        raise PruneRefused(f"{save_dir}: another prune of it is running ({holder_of(lock)} "
+                           f"holds {lock.name}); run prune again when it ends")
+    return fd
+
+
+def _refusal(plan: RetentionPlan) -> str:
+    names = "; ".join(f"{v.path} {v.why.split(': it may hold')[0]}" for v in plan.blocked)
+    return (f"prune removed nothing: {names}. A save that cannot be read may hold the newest "
+            f"copy of a layer, and every verdict depends on reading all of them: fix its "
+            f"permissions (or the disk) and run prune again")
 
 
 def check_args(save_dir: str | os.PathLike, keep_last: int,
@@ -92,21 +140,35 @@ def check_args(save_dir: str | os.PathLike, keep_last: int,
             None if composites is None else Path(composites).resolve())
 
 
-def plan_prune(comm: Comm, save_dir: Path, keep_last: int,
-               composites: Path | None = None, crc: bool = True) -> tuple[RetentionPlan, bool]:
-    """Collective: the retention plan (the same on every rank) and whether the save dir is
-    node-local. The saves are found and checked as `recover` does; the composites, the
-    tombstones and the locks are read on rank 0."""
+def plan_prune(comm: Comm, save_dir: Path, keep_last: int, composites: Path | None = None,
+               crc: bool = True) -> tuple[RetentionPlan, bool, dict[str, tuple[int, int]]]:
+    """Collective: the retention plan (the same on every rank), whether the save dir is
+    node-local, and what each path to remove was when judged (device, inode; empty under
+    node-local storage, where each node has its own). The saves are found and checked as
+    `recover` does; the composites, the tombstones and the locks are read on rank 0."""
     saves, chain, place = survey_saves(comm, save_dir, crc=crc)
     folders = [save_dir / RESUME_DIR] + ([composites] if composites is not None else [])
 
-    def decide() -> RetentionPlan:
+    def decide() -> tuple[RetentionPlan, dict[str, tuple[int, int]]]:
         found = [c for f in folders for c in find_composites(f)]
         busy = {str(s.path): why for s in saves if (why := _busy(s.path)) is not None}
         busy.update({str(c.path): why for c in found if (why := _busy(c.path)) is not None})
-        return plan_retention(save_dir, saves, chain, keep_last,
-                              read_tombstones(save_dir, place.fs()), tuple(found), busy)
-    return comm.root_step(decide), place.node_local
+        tombs = read_tombstones(save_dir, place.fs())
+        plan = plan_retention(save_dir, saves, chain, keep_last, tombs.good, tuple(found),
+                              busy, tombs.bad, tombs.listed)
+        idents = {} if place.node_local else {
+            str(v.path): ident for v in plan.removals if (ident := _ident(v.path))}
+        return plan, idents
+    plan, idents = comm.root_step(decide)
+    return plan, place.node_local, idents
+
+
+def _ident(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def find_composites(folder: Path) -> list[Composite]:
@@ -155,11 +217,22 @@ def _names(path: Path) -> list[str]:
         return []
 
 
-def apply_plan(save_dir: Path, plan: RetentionPlan, dry_run: bool = False) -> list[str]:
+def apply_plan(save_dir: Path, plan: RetentionPlan, dry_run: bool = False,
+               idents: dict[str, tuple[int, int]] | None = None) -> list[str]:
     """Carry out plan on this process's view of the disk: one line per verdict. Saves and
-    composites go under their lock, renamed away first; a save of the timeline leaves its
-    tombstone before. Raises PruneFailed (saying what went before) on an I/O error."""
+    composites go under their lock, renamed away first, and only if they are what was
+    judged (idents: path -> (device, inode) then); a save of the timeline leaves its
+    tombstone before. Prune's record of the tombstones is written first. Raises
+    PruneFailed (saying what went before) on an I/O error."""
     lines: list[str] = []
+    if plan.blocked:  # (prune refuses such a plan; a caller of apply_plan must too)
+        raise PruneRefused(_refusal(plan))
+    if not dry_run and plan.removals:
+        try:
+            _record(save_dir, plan)
+        except OSError as e:
+            raise PruneFailed(f"prune: cannot write {save_dir / RECORD} ({e.strerror or e}); "
+                              f"nothing removed") from e
     for v in plan.verdicts:
         if not v.remove:
             lines.append(f"kept {v.path}: {v.why}")
@@ -168,7 +241,7 @@ def apply_plan(save_dir: Path, plan: RetentionPlan, dry_run: bool = False) -> li
             lines.append(f"would remove {v.path}: {v.why}{mark}")
         else:
             try:
-                lines.append(_apply(save_dir, v))
+                lines.append(_apply(save_dir, v, (idents or {}).get(str(v.path))))
             except OSError as e:
                 done = sum(line.startswith("removed") for line in lines)
                 raise PruneFailed(f"prune: cannot remove {v.path} ({e.strerror or e}); "
@@ -178,7 +251,19 @@ def apply_plan(save_dir: Path, plan: RetentionPlan, dry_run: bool = False) -> li
     return lines
 
 
-def _apply(save_dir: Path, v: Verdict) -> str:
+def _record(save_dir: Path, plan: RetentionPlan) -> None:
+    """Prune's record (jobs/tombstones.py): the tombstones there after this prune, written
+    before any is added or removed, so that each id it lists has one or is still a save."""
+    folder = save_dir / PRUNED_DIR
+    there = {n for n in os.listdir(folder) if valid_id(n)} if folder.is_dir() else set()
+    gone = {v.path.name for v in plan.removals if v.kind == "tombstone"}
+    new = {v.tombstone.lineage.save_id for v in plan.removals if v.tombstone is not None}
+    ids = (there - gone) | new
+    if ids or read_record(save_dir):
+        write_record(save_dir, ids)
+
+
+def _apply(save_dir: Path, v: Verdict, ident: tuple[int, int] | None = None) -> str:
     if v.kind == "tombstone":
         v.path.unlink(missing_ok=True)
         return f"removed {v.path}: {v.why}"
@@ -189,6 +274,8 @@ def _apply(save_dir: Path, v: Verdict) -> str:
     try:
         if not os.path.lexists(v.path):
             return f"kept nothing of {v.path}: already gone (removed by another process)"
+        if ident is not None and _ident(v.path) != ident:
+            return f"kept {v.path}: not the dir that was judged (written again since)"
         if v.tombstone is not None:
             write_tombstone(save_dir, v.tombstone)
         gone = path_of(v.path, PRUNING)

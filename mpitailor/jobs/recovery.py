@@ -19,6 +19,7 @@ Collective where it takes a `comm`: the per-rank file checks are spread over the
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths, survey
-from mpitailor.errors import CheckpointError, NothingToRecover, UserError
+from mpitailor.errors import CheckpointError, MpitailorError, NothingToRecover, UserError
 from mpitailor.formats.files import (
     LATEST,
     PARTIAL_MANIFEST,
@@ -44,11 +45,15 @@ from mpitailor.formats.partial_shard import check_partial_rank
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.shard import open_shard
 from mpitailor.jobs.merge import Planned, plan_recipe
+from mpitailor.jobs.readable import cannot_read, odd_entry
+from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.layers import LayerClassifier, check_patterns
+from mpitailor.planning.lineage import CannotReadNow, vet
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.recipe import Recipe
-from mpitailor.planning.recovery import Chain, Save, choose, recovery_recipe
+from mpitailor.planning.recovery import Chain, Save, choose, follow, recovery_recipe
+from mpitailor.planning.retention import PRUNED_DIR
 
 log = logging.getLogger(__name__)
 SAVE_NAMES = ("global_step", "checkpoint-")
@@ -63,31 +68,64 @@ def find_saves(save_dir: Path, view=LOCAL) -> list[Save]:
     found, nested = [], []
     for name in sorted(view.names(save_dir)):
         child = save_dir / name
-        if name.startswith(".") or not view.is_dir(child) or child.is_symlink():
-            continue  # staging dirs of interrupted saves, files
-        if view.exists(child / MANIFEST):
-            continue  # an earlier composite written here is not a save of this run
-        if _holds_saves(child, view):
-            nested.append(name)
-            continue
+        if name.startswith("."):
+            continue  # staging dirs of interrupted saves, tombstones
+        _refuse_link(child)
+        if not view.is_dir(child):
+            continue  # files
         try:
-            meta = read_meta(child, view)  # reads the save's lineage record too
-        except (CheckpointError, OSError) as e:
-            if name.startswith(SAVE_NAMES) or view.exists(child / PARTIAL_MANIFEST):
-                found.append(Save(name, child, None, _lineage(child, view),
-                                  _unfinished(child, view) or str(e)))
-            continue
-        if _hf_unfinished(child, view):
-            found.append(Save(name, child, None, meta.lineage, f"{child}: an incomplete HF "
-                              f"Trainer save (no {HF_LAST}, which the Trainer writes last): a "
-                              f"save killed while it was written"))
-            continue
-        found.append(Save(name, child, meta, meta.lineage))
+            save = _find_one(child, view)
+        except FileNotFoundError:
+            raise _vanished(child) from None
+        if save == "nested":
+            nested.append(name)
+        elif save is not None:
+            found.append(save)
     if nested:
         raise UserError(f"{save_dir}: holds the save dirs {', '.join(nested)} (each with saves "
                         f"of its own), not one run's saves; give one of them, e.g. "
                         f"{save_dir / nested[0]}")
     return sorted(found, key=lambda s: (s.step, s.name))
+
+
+def _refuse_link(child: Path) -> None:
+    """A save that is a symbolic link is refused by name: skipped, it would read as a save
+    that is gone (the saves built on it, another timeline); followed, prune would delete
+    what lies elsewhere."""
+    if child.is_symlink() and (child.name.startswith(SAVE_NAMES) or child.is_dir()):
+        raise UserError(f"{child}: a symbolic link (to {os.readlink(child)}), where a save "
+                        f"dir holds its saves; mpitailor follows no link in a save dir: "
+                        f"replace it with the save itself (`cp -a`), or remove it")
+
+
+def _vanished(path: Path) -> MpitailorError:
+    return MpitailorError(f"{path}: removed while it was read (a prune, a save or `clean` "
+                          f"running now?); run again")
+
+
+def _find_one(child: Path, view) -> Save | str | None:
+    """The save in child, "nested" for a save dir of its own, None for neither."""
+    name = child.name
+    if view.exists(child / MANIFEST):
+        return None  # an earlier composite written here is not a save of this run
+    if _holds_saves(child, view):
+        return "nested"
+    try:
+        meta = read_meta(child, view)  # reads the save's lineage record too
+    except (CheckpointError, OSError) as e:
+        if not (name.startswith(SAVE_NAMES) or view.exists(child / PARTIAL_MANIFEST)):
+            return None
+        if isinstance(e, FileNotFoundError) and not os.path.lexists(child):
+            raise  # the save itself went (find_saves says so), not a file of it
+        why = cannot_read(e)  # not the save's record: incomplete is not proven
+        return Save(name, child, None, _lineage(child, view),
+                    str(e) if why else (_unfinished(child, view) or str(e)),
+                    unreadable=why is not None)
+    if _hf_unfinished(child, view):
+        return Save(name, child, None, meta.lineage, f"{child}: an incomplete HF Trainer save "
+                    f"(no {HF_LAST}, which the Trainer writes last): a save killed while it "
+                    f"was written")
+    return Save(name, child, meta, meta.lineage)
 
 
 # An HF Trainer save writes its training args first and its trainer state last: a
@@ -169,22 +207,24 @@ def check_saves(comm: Comm, saves: list[Save], crc_of: set[str] = frozenset(),
         try:
             owner[i, r] = place.reader(shard_paths(saves[i].meta, r), k)
         except CheckpointError as e:
-            found.setdefault(i, str(e))
+            found.setdefault(i, (str(e), cannot_read(e) is not None))
 
-    def mine() -> list[tuple[int, str]]:
+    def mine() -> list[tuple[int, str, bool]]:
         problems = []
         for i, r in [item for item in items if owner.get(item) == comm.rank]:
             try:
                 _check_rank(saves[i], r, saves[i].name in crc_of)
             except (CheckpointError, OSError) as e:
-                problems.append((i, str(e)))
+                # unreadable now (not incomplete): retention must keep it (readable.py)
+                problems.append((i, str(e), cannot_read(e) is not None))
         return problems
 
     for part in comm.allgather(comm.step(mine)):
-        for i, why in part:
-            found.setdefault(i, why)
-    return [dataclasses.replace(s, problem=found[i]) if i in found else s
-            for i, s in enumerate(saves)]
+        for i, why, now in part:
+            if i not in found or now:  # a rank that cannot read it outweighs one that can
+                found[i] = (why, now or found.get(i, ("", False))[1])
+    return [dataclasses.replace(s, problem=found[i][0], unreadable=found[i][1])
+            if i in found else s for i, s in enumerate(saves)]
 
 
 def _check_rank(save: Save, rank: int, crc: bool) -> None:
@@ -202,6 +242,11 @@ def _latest(save_dir: Path, view) -> str | None:
     try:
         return read_latest(latest, view)
     except CheckpointError as e:
+        if (why := cannot_read(e, also=(errno.ELOOP,))) is not None:  # a link: refused
+            # it names the timeline to take: without it an abandoned one may be chosen
+            raise CannotReadNow(f"{latest}: cannot be read now ({why}); it names the save "
+                                f"to resume from: fix its permissions (or the disk) and run "
+                                f"again") from None
         log.warning("ignoring %s", e)
         return None
 
@@ -223,8 +268,14 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
 
 
 def _timeline_to_recover(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain:
-    """The timeline to recover (planning/recovery.py's choice), or why there is none."""
-    chain = choose(save_dir, saves, _latest(save_dir, view), read_tombstones(save_dir, view))
+    """The timeline to recover (planning/recovery.py's choice), or why there is none. Only
+    the tombstones a save builds on are stepped across (planning/lineage.py's `vet`)."""
+    found = read_tombstones(save_dir, view)
+    vetted = vet(save_dir / PRUNED_DIR, saves, found.good, found.bad, found.listed)
+    for save_id, why in vetted.skipped:
+        log.warning("ignoring %s: not a tombstone (%s); no save builds on it",
+                    save_dir / PRUNED_DIR / save_id, why)
+    chain = choose(save_dir, saves, _latest(save_dir, view), vetted.pruned)
     if chain is None:
         raise _nothing(save_dir, saves, {s.name: s.problem for s in saves
                                          if s.problem is not None}, view)
@@ -237,11 +288,26 @@ def plan_recovery(comm: Comm, save_dir: Path,
     their CRC-32s (a damaged one is skipped and the chain chosen again). until_step: leave
     out saves after this step (resume from an older point). Also where the save dir's files
     lie: the survey that a merge of the chain then reuses (plan_recipe's `place`)."""
-    _, chain, place = survey_saves(comm, save_dir, until_step)
+    saves, chain, place = survey_saves(comm, save_dir, until_step)
+    comm.root_step(_refuse_unreadable, saves, chain)
     if comm.rank == 0:
         for name, why in chain.skipped:
             log.warning("recover: skipping %s: %s", name, why)
     return chain, place
+
+
+def _refuse_unreadable(saves: list[Save], chain: Chain) -> None:
+    """A save that cannot be read now and is on the timeline (or newer than its start: it
+    may be the start) is not skipped as incomplete ones are: recovering without it would
+    take older copies of its layers, silently. CannotReadNow naming it."""
+    path = {s.name for s in follow(chain.full, saves) if isinstance(s, Save)} \
+        if chain.full.lineage is not None else set()
+    for s in saves:
+        if s.unreadable and (s.name in path or s.step >= chain.full.step):
+            raise CannotReadNow(f"{s.path}: cannot be read now ({s.problem}); it may hold "
+                                f"the newest copy of a layer: fix its permissions (or the "
+                                f"disk) and run again, or move it out of the save dir to "
+                                f"recover without it")
 
 
 def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
@@ -255,7 +321,7 @@ def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
     found = comm.step_on(_finder(place, save_dir), find_saves, save_dir, place.fs())
     if until_step is not None:
         found = [s for s in found if s.step <= until_step]
-    saves = check_saves(comm, found, place=place)
+    saves = _looked_at(comm, check_saves(comm, found, place=place), place)
     while True:
         chain = comm.root_step(_timeline_to_recover, save_dir, saves, place.fs())
         if not crc:
@@ -263,11 +329,36 @@ def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
         names = {s.name for s in chain.partials}
         checked = check_saves(comm, [s for s in saves if s.name in names], crc_of=names,
                               place=place)
-        bad = {s.name: s for s in checked if s.problem is not None}
+        bad = {s.name: s for s in _looked_at(comm, checked, place) if s.problem is not None}
         if not bad:
             break
         saves = [bad.get(s.name, s) for s in saves]
+    if not place.node_local:  # a save that went while we read: the reading is not whole
+        comm.root_step(_still_there, saves)
     return saves, chain, place
+
+
+def _looked_at(comm: Comm, saves: list[Save], place: Placement) -> list[Save]:
+    """Collective: the saves whose checks failed for a cause the exception did not name,
+    walked (readable.odd_entry) and marked unreadable if something in them is. Not under
+    node-local storage: one process sees only its node's files."""
+    if place.node_local:
+        return saves
+
+    def look() -> list[Save]:
+        out = []
+        for s in saves:
+            why = odd_entry(s.path) if s.problem is not None and not s.unreadable else None
+            out.append(s if why is None else dataclasses.replace(
+                s, problem=f"{s.problem} ({why})", unreadable=True))
+        return out
+    return comm.root_step(look)
+
+
+def _still_there(saves: list[Save]) -> None:
+    for s in saves:
+        if not os.path.lexists(s.path):
+            raise _vanished(s.path)
 
 
 RANK0_FILES = (model_file(0), STAGE12_MODEL, partial_files(0)["model"])
@@ -305,10 +396,12 @@ def recover_chain(comm: Comm, save_dir: str | os.PathLike, output: str | os.Path
         check_patterns(dict(layer_patterns), where=where)
     save_dir = Path(save_dir).resolve()
     chain, place = plan_recovery(comm, save_dir)
-    return comm.root_step(recovery_recipe, save_dir, chain,
-                          None if output is None else Path(output).resolve(),
-                          dict(layer_patterns) if layer_patterns else None,
-                          world_size), chain, place
+    recipe = comm.root_step(recovery_recipe, save_dir, chain,
+                            None if output is None else Path(output).resolve(),
+                            dict(layer_patterns) if layer_patterns else None, world_size)
+    if not place.node_local:  # held until the process ends, or it recovers again
+        comm.root_step(hold_sources, [path for _, path in recipe.sources])
+    return recipe, chain, place
 
 
 def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike,

@@ -1,5 +1,5 @@
 """Tombstones: what `prune` leaves of a save it deleted, so that recovery still follows the
-saves built on it.
+saves built on it; and prune's record of them.
 
 Recovery follows partial saves by lineage (each names its parent's save id): a deleted save
 in the middle of a timeline would end it there. Before deleting a save, prune writes
@@ -9,48 +9,126 @@ a missing save whose id has one; a gap without one still ends the timeline.
 
 The record is not empty: at a fork (a rollback that left an abandoned branch) recovery takes
 the newest branch, and it can only compare a deleted save with its sibling by its step.
+
+A dotted dir is easy to lose (`cp -r DIR/*` leaves it behind), and without it a pruned
+timeline reads as a rollback. So prune first writes `SAVE_DIR/mpitailor-retention/pruned.json`
+(not dotted: it travels with the saves; a dir, which a composite's carried files never
+include and which is no save), listing the ids it keeps tombstones for; a listed
+tombstone that is missing where a save needs it, or the dir missing or not a dir, is an
+error (planning/lineage.py), never a rollback. The list is rewritten before tombstones are
+added (with them) and before any are removed (without them), so at every moment each id it
+lists has a tombstone or is still a save: a prune killed at any point leaves it true.
+
+Reading never fails on a tombstone no save needs: each is read on its own, bounded, and one
+that is not a tombstone (or cannot be read now) comes back as a BadTombstone for `vet` to
+judge by whether a save builds on it.
 """
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.boundedio import loads
 from mpitailor.formats.files import Lineage
 from mpitailor.formats.fsview import LOCAL
+from mpitailor.jobs.readable import cannot_read
+from mpitailor.planning.lineage import BadTombstone, CannotReadNow
 from mpitailor.planning.recovery import Pruned
 from mpitailor.planning.retention import PRUNED_DIR, valid_id
 from mpitailor.publish.staging import write_replacing
 
 FORMAT = "mpitailor-pruned"
+RECORD = Path("mpitailor-retention") / "pruned.json"  # in the save dir: see above
+RECORD_FORMAT = "mpitailor-pruned-list"
+MAX_TOMBSTONE_BYTES = 4096           # name, step, three ids: a few hundred bytes
+MAX_LIST_BYTES = 64 << 20            # one 64-hex id per line: a million pruned saves
 
 
-def read_tombstones(save_dir: Path, view=LOCAL) -> tuple[Pruned, ...]:
-    """The saves prune deleted from save_dir. Names that are not save ids (a killed write's
-    dotted temporary file) are not tombstones; a tombstone that cannot be read is an error:
-    recovery without it would end the timeline at the gap."""
+@dataclass(frozen=True, slots=True)
+class Tombstones:
+    """What save_dir holds of pruned saves: good (read), bad (not tombstones, or not
+    readable now) and listed (the ids prune's record lists; empty without a record)."""
+
+    good: tuple[Pruned, ...] = ()
+    bad: tuple[BadTombstone, ...] = ()
+    listed: frozenset[str] = frozenset()
+
+
+def read_tombstones(save_dir: Path, view=LOCAL) -> Tombstones:
+    """The tombstones of save_dir, each judged on its own. CheckpointError (CannotReadNow)
+    when prune's record cannot be read, or when it lists tombstones and their dir is gone
+    or not a dir."""
     folder = save_dir / PRUNED_DIR
+    listed = read_record(save_dir, view)
     if not view.is_dir(folder):
-        return ()
-    found = []
+        if listed:
+            what = "not a directory" if view.exists(folder) else "missing"
+            raise CheckpointError(
+                f"{folder}: {what}, but {save_dir / RECORD} lists {len(listed)} tombstone(s) "
+                f"of pruned saves; without them recovery would roll back: restore the dir from "
+                f"where the save dir was copied (`cp -a SRC/. DEST` keeps hidden dirs)")
+        return Tombstones(listed=listed)
+    good, bad = [], []
     for name in sorted(view.names(folder)):
         if not valid_id(name):
-            continue
-        path = folder / name
+            continue  # a killed write's dotted temporary file: not a tombstone
         try:
-            raw = loads(view.read_bytes(path))  # bounded depth: a crafted file is an error
-            if raw.get("format") != FORMAT or raw["save_id"] != name:
-                raise ValueError(f"not a tombstone of save id {name}")
-            lineage = Lineage(name, str(raw["chain"]),
-                              None if raw["parent"] is None else str(raw["parent"]))
-            found.append(Pruned(str(raw["name"]), int(raw["step"]), lineage))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(
-                f"{path}: unreadable tombstone of a pruned save ({e}); recovery needs it to "
-                f"step across that save: restore it, or remove it to recover only the saves "
-                f"before the gap") from None
-    return tuple(found)
+            good.append(_read_one(folder / name, view))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError,
+                CheckpointError) as e:
+            why = cannot_read(e)
+            bad.append(BadTombstone(name, why or _line(e), why is not None))
+    return Tombstones(tuple(good), tuple(bad), listed)
+
+
+def _read_one(path: Path, view) -> Pruned:
+    raw = loads(view.read_bytes(path, MAX_TOMBSTONE_BYTES, "a tombstone"))  # bounded depth
+    if raw.get("format") != FORMAT or raw["save_id"] != path.name:
+        raise ValueError(f"not a tombstone of save id {path.name}")
+    lineage = Lineage.from_json({k: raw[k] for k in ("save_id", "chain", "parent")})
+    if not valid_id(lineage.chain) or not (lineage.parent is None or valid_id(lineage.parent)):
+        raise ValueError("its chain and parent are not save ids")
+    step = raw["step"]
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"step {step!r} is not a number")
+    return Pruned(str(raw["name"]), step, lineage)
+
+
+def _line(e: BaseException) -> str:
+    return str(e).strip().split("\n")[0][:300]
+
+
+def read_record(save_dir: Path, view=LOCAL) -> frozenset[str]:
+    """The ids prune's record lists (empty: no record, a save dir prune never removed a
+    save of the timeline from, or one pruned before the record was kept)."""
+    path = save_dir / RECORD
+    if not view.exists(path) and not (view is LOCAL and path.is_symlink()):
+        return frozenset()
+    try:
+        raw = loads(view.read_bytes(path, MAX_LIST_BYTES, "prune's record"))
+        ids = raw["tombstones"] if raw.get("format") == RECORD_FORMAT else None
+        if not isinstance(ids, list) or not all(valid_id(i) for i in ids):
+            raise ValueError(f"not a {RECORD_FORMAT} record")
+        return frozenset(ids)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError) as e:
+        if (why := cannot_read(e)) is not None:
+            raise CannotReadNow(f"{path}: prune's record of the tombstones cannot be read now "
+                                f"({why}); fix its permissions (or the disk) and run again") \
+                from None
+        raise CheckpointError(f"{path}: prune's record of the tombstones is damaged "
+                              f"({_line(e)}); restore it from a copy of the save dir") from None
+
+
+def write_record(save_dir: Path, ids: set[str] | frozenset[str]) -> Path:
+    """Record the ids prune keeps tombstones for (durably, as write_tombstone)."""
+    final = save_dir / RECORD
+    _folder(final.parent)
+    record = {"format": RECORD_FORMAT, "tombstones": sorted(ids)}
+    write_replacing(final, json.dumps(record, indent=0).encode())
+    return final
 
 
 def write_tombstone(save_dir: Path, pruned: Pruned) -> Path:
@@ -59,10 +137,24 @@ def write_tombstone(save_dir: Path, pruned: Pruned) -> Path:
     if not valid_id(pruned.lineage.save_id):
         raise CheckpointError(f"{save_dir / pruned.name}: save id "
                               f"{pruned.lineage.save_id!r} is not a hex id; not pruned")
-    folder = save_dir / PRUNED_DIR
-    folder.mkdir(exist_ok=True)
+    folder = _folder(save_dir / PRUNED_DIR)
     final = folder / pruned.lineage.save_id
     record = {"format": FORMAT, "name": pruned.name, "step": pruned.step,
               **pruned.lineage.to_json()}
     write_replacing(final, json.dumps(record).encode())
     return final
+
+
+def _folder(folder: Path) -> Path:
+    """folder, made if it is not there, and its making durable (its parent fsynced): the
+    records written into it must not vanish with it at a power cut."""
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        return folder
+    fd = os.open(folder.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return folder

@@ -20,13 +20,17 @@ from mpitailor.planning.recipe import Recipe, recipe_from
 
 @dataclass(frozen=True, slots=True)
 class Save:
-    """One save under the save dir, usable or not (then `problem` says why)."""
+    """One save under the save dir, usable or not (then `problem` says why). unreadable: the
+    problem is a read that failed now (permissions, an I/O error, something that is not a
+    file where one should be), not the save's own record saying it is incomplete: it may
+    read whole again, so retention never takes it for incomplete."""
 
     name: str
     path: Path
     meta: CheckpointMeta | None
     lineage: Lineage | None
     problem: str | None = None
+    unreadable: bool = False
 
     @property
     def partial(self) -> bool:
@@ -110,9 +114,14 @@ def follow(start: Save, saves: list[Save],
     for s in [*saves, *(p for p in pruned if p.lineage.save_id not in present)]:
         if s.lineage is not None and s.lineage.parent is not None:
             children.setdefault(s.lineage.parent, []).append(s)
-    path, node = [], start
+    path, node, seen = [], start, {start.lineage.save_id}
     while node.lineage is not None and children.get(node.lineage.save_id):
         node = max(children[node.lineage.save_id], key=lambda s: (s.step, s.name))
+        # forged records can make a loop (a save that names itself, or a full save that
+        # names a descendant as its parent): the walk ends there rather than going round
+        if node.lineage.save_id in seen:
+            break
+        seen.add(node.lineage.save_id)
         path.append(node)
     return path
 

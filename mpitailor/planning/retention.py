@@ -12,7 +12,14 @@ timelines, incomplete saves older than the newest usable one, and partial saves 
 timeline whose every layer a newer one holds again.
 
 A save of the timeline that goes leaves a tombstone (planning/recovery.py's `Pruned`), so
-that recovery steps across it; a tombstone no remaining save builds on goes too.
+that recovery steps across it; a tombstone no remaining save builds on goes too, and one
+that is not a tombstone (planning/lineage.py: damaged, unreadable) stays.
+
+Nothing goes on a guess. A save that cannot be read now (`Save.unreadable`: permissions, an
+I/O error, not a file where one should be) is not incomplete: it may hold the newest copy of
+a layer, and every verdict depends on reading all of them (it may be the full save that
+starts the timeline, or the parent of the saves after it). While one is there the plan is
+`blocked`: prune removes nothing and says which; it goes on only once they read.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpitailor.planning.lineage import BadTombstone, vet
 from mpitailor.planning.recovery import Chain, Pruned, Save
 
 PRUNED_DIR = ".mpitailor-pruned"  # in the save dir: one tombstone per pruned save, by id
@@ -56,11 +64,13 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True)
 class RetentionPlan:
-    """Every verdict, saves oldest first, then composites, then tombstones."""
+    """Every verdict, saves oldest first, then composites, then tombstones. blocked: the
+    saves that cannot be read now; while there are any, a plan with removals is refused."""
 
     newest: str
     keep_last: int
     verdicts: tuple[Verdict, ...] = field(default_factory=tuple)
+    blocked: tuple[Verdict, ...] = ()
 
     @property
     def removals(self) -> tuple[Verdict, ...]:
@@ -73,19 +83,34 @@ def _order(s: Save | Pruned) -> tuple[int, str]:
 
 def plan_retention(save_dir: Path, saves: list[Save], chain: Chain, keep_last: int,
                    pruned: tuple[Pruned, ...] = (), composites: tuple[Composite, ...] = (),
-                   busy: dict[str, str] | None = None) -> RetentionPlan:
+                   busy: dict[str, str] | None = None, bad: tuple[BadTombstone, ...] = (),
+                   listed: frozenset[str] = frozenset()) -> RetentionPlan:
     """The verdicts on every save of save_dir (`saves`, checked; `chain`, what recovery
-    chose from them), every composite and every tombstone. busy: path -> why a live process
-    may be writing it (kept)."""
+    chose from them), every composite and every tombstone (pruned: those read; bad: those
+    that are not tombstones; listed: the ids prune's record lists). busy: path -> why a
+    live process may be writing it (kept). Raises what planning/lineage.py's `vet` raises
+    for a tombstone a save needs that is not right."""
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
     busy = busy or {}
+    folder = save_dir / PRUNED_DIR
+    vetted = vet(folder, saves, pruned, bad, listed)
     newest = (chain.partials or (chain.full,))[-1]
     verdicts = [_judge_save(s, chain, newest, keep_last, _window(saves, chain, keep_last),
                             busy) for s in saves]
-    verdicts = _mark(verdicts, saves, pruned, save_dir / PRUNED_DIR)
+    verdicts = _mark(verdicts, saves, vetted.pruned + vetted.unused, folder)
+    verdicts += [Verdict("tombstone", folder / i, False, f"not a tombstone ({why}); no save "
+                         f"builds on it: left alone") for i, why in vetted.skipped]
     verdicts += [_judge_composite(c, save_dir, newest, busy) for c in composites]
-    return RetentionPlan(newest.name, keep_last, tuple(verdicts))
+    blocked = tuple(v for s, v in zip(saves, verdicts) if s.unreadable)
+    if blocked and any(v.remove for v in verdicts):
+        # every verdict was taken from a view with these saves missing: none stands
+        verdicts = [v if not v.remove else Verdict(v.kind, v.path, False, f"would go ({v.why}"
+                                                   f"), but nothing goes while a save cannot "
+                                                   f"be read") for v in verdicts]
+    else:
+        blocked = ()
+    return RetentionPlan(newest.name, keep_last, tuple(verdicts), blocked)
 
 
 def _window(saves: list[Save], chain: Chain, keep_last: int) -> tuple[int, str] | None:
@@ -118,6 +143,9 @@ def _judge_save(s: Save, chain: Chain, newest: Save, keep_last: int,
                     f"progress, or one recovery will take up")
     if str(s.path) in busy:
         return keep(busy[str(s.path)])
+    if s.unreadable:
+        return keep(f"cannot be read now ({s.problem}): it may hold the newest copy of a "
+                    f"layer; fix its permissions (or the disk) and run prune again")
     if window is not None and _order(s) >= window:
         return keep(f"within --keep-last {keep_last} (as new as the {keep_last} newest saves "
                     f"of the recovered timeline)")
@@ -134,8 +162,8 @@ def _judge_save(s: Save, chain: Chain, newest: Save, keep_last: int,
         return drop(f"every layer it holds is saved again by a newer save of the timeline "
                     f"({', '.join(p.name for p in later)})")
     if s.problem is not None:
-        return drop(f"incomplete or unreadable ({s.problem}), and older than the newest "
-                    f"usable save {newest.name}")
+        return drop(f"incomplete by its own record ({s.problem}), and older than the "
+                    f"newest usable save {newest.name}")
     if _order(s) < _order(full):
         return drop(f"older than {full.name}, the full save the recovered timeline starts "
                     f"from (an older chain, or saves before it)")
@@ -160,7 +188,9 @@ def _mark(verdicts: list[Verdict], saves: list[Save], pruned: tuple[Pruned, ...]
     needed: set[str] = set()
     for s in staying:  # marks between a remaining save and a remaining ancestor are needed
         pid, between = s.lineage.parent, []
-        while pid is not None and pid in marks and pid not in staying_ids:
+        # (a loop of the saves' own records, which vet does not walk, ends the walk)
+        while pid is not None and pid in marks and pid not in staying_ids and \
+                pid not in between:
             between.append(pid)
             pid = marks[pid].lineage.parent
         if pid in staying_ids:

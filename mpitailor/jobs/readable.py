@@ -1,0 +1,91 @@
+"""Incomplete, or unreadable now? What recovery's checks found wrong with a save, sorted
+into the two, because retention deletes the one and keeps the other.
+
+Incomplete is proven only by the save's own record: no commit marker (killed mid-save), a
+file the record names absent, sizes or CRC-32s that disagree with it. Anything else that
+stops a read is "cannot read now" (EACCES, EIO, a stale handle, a FIFO or a link or a dir
+where a file should be): it may read whole tomorrow, and it may hold the newest copy of a
+layer. Two independent looks say so, and either is enough to keep the save:
+
+- the exception: an OSError anywhere in its chain (the readers in formats/ turn them into
+  one-line CheckpointErrors, `from None`, which keeps the OSError as `__context__`) whose
+  errno is not absence (ENOENT) or a path that is not a dir (ENOTDIR);
+- a walk of the save's tree as this process sees it, opening every file, after the checks:
+  a reader that swallowed the OSError, or a file that became unreadable since, shows here.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+# errnos that say "not there", which a save's own record can prove incomplete
+ABSENT = (errno.ENOENT, errno.ENOTDIR)
+# the names a save's files have: a directory by such a name is not a save's file
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".json")
+MAX_ENTRIES = 100_000  # a save of 8,192 ranks has ~40,000 files
+MAX_DEPTH = 3          # checkpoint-N/global_stepN/files
+
+
+def cannot_read(e: BaseException, also: tuple[int, ...] = ()) -> str | None:
+    """Why e says the read failed for now (its OSError's text), else None. also: more
+    errnos that are not "now" for the caller."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno not in ABSENT + also:
+            return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def odd_entry(save: Path) -> str | None:
+    """The first thing in save's tree that cannot be read now or is not a plain file or dir
+    (said: path and why), else None. Follows no link; reads one byte of each file (a file
+    that opens reads on: a disk error deeper in shows in the checks' own exception)."""
+    todo, count = [(save, 0)], 0
+    while todo:
+        folder, depth = todo.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as e:
+            if e.errno in ABSENT and folder != save:
+                continue
+            return f"{folder}: cannot be listed ({e.strerror})"
+        for entry in entries:
+            count += 1
+            if count > MAX_ENTRIES:  # not looked at whole: not proven incomplete
+                return f"{save}: more than {MAX_ENTRIES} entries; not looked at whole"
+            why = _entry(Path(entry.path))
+            if why is not None:
+                return why
+            if entry.is_dir(follow_symlinks=False) and depth < MAX_DEPTH:
+                todo.append((Path(entry.path), depth + 1))
+    return None
+
+
+def _entry(path: Path) -> str | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path}: cannot be looked at ({e.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return f"{path}: a directory where a file is expected" \
+            if path.name.endswith(FILE_SUFFIXES) else None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        return f"{path}: {kind}, where a save holds only files"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.pread(fd, 1, 0)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path}: cannot be read now ({e.strerror})"
+    return None
