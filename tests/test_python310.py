@@ -186,6 +186,35 @@ def test_every_merge_side_module_imports(py310, installed, tmp_path):
     assert len(modules) > 50, modules  # the walk found the package
 
 
+def test_training_modules_name_their_extra_without_torch(py310, installed, tmp_path):
+    """The core install has no torch: each training module imported directly (not through a
+    name of mpitailor.training) is one ImportError that names the extra to install, never a
+    bare ModuleNotFoundError (C1 of issue 40). Modules that need no framework import."""
+    names = sorted(p.stem for p in (REPO / "mpitailor" / "training").glob("*.py")
+                   if p.stem != "__init__")
+    script = textwrap.dedent("""
+        import importlib, json, sys
+        out = {}
+        for name in json.loads(sys.argv[1]):
+            try:
+                importlib.import_module("mpitailor.training." + name)
+                out[name] = "imported"
+            except BaseException as e:
+                out[name] = type(e).__name__ + ": " + str(e)
+        print(json.dumps(out))
+    """)
+    r = subprocess.run([str(py310), "-c", script, json.dumps(names)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=env_for(installed))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    refused = {n: why for n, why in got.items() if why != "imported"}
+    assert {"hf", "accel", "stats", "partial_save", "checkpointer"} <= set(refused), got
+    for name, why in refused.items():
+        assert why.startswith("ImportError: ") and "pip install 'mpitailor[train" in why \
+            and "\n" not in why, (name, why)
+    assert got["policies"] == "imported", got  # torch-free: stats plot and the docs use it
+
+
 # Run by 3.10 over the package's source: every stdlib module it imports, every stdlib
 # attribute it reads (`from M import N`, `M.N`, `M.sub.N`) and every builtin it names must
 # exist in 3.10. The calling (newer) Python passes its own stdlib module names (3.10's list

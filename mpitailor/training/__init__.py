@@ -18,6 +18,8 @@ tests/test_layering.py holds it to both.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = ["AccelerateCheckpointer", "Adaptive", "Filter", "LayerwiseCheckpointer",
            "LayerwiseTrainer", "Parity", "Policy", "enable_cpu_training", "end_cpu_training",
@@ -53,19 +55,28 @@ def missing_message(missing: str, needed_by: str = "mpitailor.training") -> str:
             f"pip install 'mpitailor[{extras}]'")
 
 
-def __getattr__(name: str):
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module 'mpitailor.training' has no attribute {name!r}")
+@contextmanager
+def dependencies(needed_by: str) -> Iterator[None]:
+    """Around a training module's imports of torch, DeepSpeed, transformers, accelerate or
+    h5py: one of them missing is the one line that names the extra to install (also when
+    the module is imported directly, not through a name of this package)."""
     try:
-        module = importlib.import_module(f"mpitailor.training.{where}")
+        yield
     except ModuleNotFoundError as e:
         top = (e.name or "").split(".")[0]
         if top not in _EXTRA:
             raise
-        needed_by = "mpitailor.training" if _EXTRA[top] == "train" else \
-            f"mpitailor.training.{name}"
         raise ImportError(missing_message(top, needed_by), name=e.name) from None
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'mpitailor.training' has no attribute {name!r}")
+    needed_by = "mpitailor.training" if where not in ("hf", "accel") else \
+        f"mpitailor.training.{name}"
+    with dependencies(needed_by):
+        module = importlib.import_module(f"mpitailor.training.{where}")
     value = getattr(module, name)
     globals()[name] = value  # the next lookup does not come here
     return value

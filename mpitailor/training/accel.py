@@ -24,8 +24,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from accelerate.checkpointing import save_accelerator_state, save_custom_state
-from accelerate.utils import MODEL_NAME, DeepSpeedSchedulerWrapper
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    from accelerate.checkpointing import save_accelerator_state, save_custom_state
+    from accelerate.utils import MODEL_NAME, DeepSpeedSchedulerWrapper
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError

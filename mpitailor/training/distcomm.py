@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 
-import torch
-import torch.distributed as dist
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    import torch
+    import torch.distributed as dist
 
 from mpitailor.facade import Comm
 

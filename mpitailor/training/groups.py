@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    import torch
 
 from mpitailor.facade import classify as default_classify
 

@@ -25,9 +25,12 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-import transformers
-from accelerate.utils import DeepSpeedSchedulerWrapper
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    import torch
+    import transformers
+    from accelerate.utils import DeepSpeedSchedulerWrapper
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError

@@ -17,7 +17,10 @@ from __future__ import annotations
 import threading
 import time
 
-import torch
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    import torch
 
 
 def inner_optimizer(engine) -> torch.optim.Optimizer | None:

@@ -23,7 +23,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    import torch
 
 from mpitailor import failpoints
 from mpitailor.facade import LayerClassifier

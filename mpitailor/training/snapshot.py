@@ -18,7 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    import torch
 
 from mpitailor import failpoints
 from mpitailor.errors import MpitailorError, UserError

@@ -20,7 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    import torch
 
 from mpitailor.facade import classify as default_classify
 from mpitailor.facade import sort_keys
