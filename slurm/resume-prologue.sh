@@ -118,7 +118,8 @@ if not (save / PARTIAL_MANIFEST).is_file() and (save / "latest").is_file():
     tag = save / read_latest(save / "latest")
 lineage = read_save_record(tag, (tag / PARTIAL_MANIFEST).is_file())[0]
 world = int(sys.argv[3]) if sys.argv[3] else m["source_world_size"]
-sys.exit(base["path"] != sys.argv[2] or m["world_size"] != world
+# (the manifest names the tag dir: in an HF or Accelerate checkpoint-N/, the one inside it)
+sys.exit(base["path"] not in (sys.argv[2], str(tag)) or m["world_size"] != world
          or base.get("save_id") != (lineage.save_id if lineage else None))' "$1" "$2" "$WORLD" \
         || return 1
     ((NODES == 1)) && return 0

@@ -91,6 +91,17 @@ def test_the_readme_accelerate_loop_resumes_at_another_size(killed, tmp_path, wo
     assert (new.world_size, new.global_steps) == (world, 8)
 
 
+@pytest.mark.parametrize("world", [None, 3])
+def test_the_prologue_recovers_an_accelerate_run_once(killed, tmp_path, world):
+    """The shipped Slurm prologue on the killed run's save dir (checkpoint-N/pytorch_model),
+    at its size and another, twice: the second run reuses the first recovery (D1 of issue
+    41: every run failed, leaving one more full-size recovery each time)."""
+    from test_prologue import check_prologue
+    saves = copy_run(killed, tmp_path / "job") / "run"
+    composite = check_prologue(saves, tmp_path / "out", world, 6)
+    assert (composite / "latest").read_text() == "pytorch_model"
+
+
 def test_the_readme_accelerate_loop_killed_in_its_first_save_starts_afresh(tmp_path):
     (tmp_path / "train.py").write_text(doc_script("accelerate-example"))
     codes = run_ranks(tmp_path / "train.py", tmp_path,
