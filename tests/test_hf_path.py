@@ -54,6 +54,23 @@ def test_resume_from_a_partial_checkpoint_path(run, tmp_path):
     assert len(composites) == 1
 
 
+def test_resume_from_a_checkpoint_killed_while_saved(run, tmp_path):
+    """D2 of issue 41: a checkpoint-N killed half-way (no `latest`; what HF's
+    get_last_checkpoint returns, as it goes by names) given as the path: the run's newest
+    complete state before it, the half-written one skipped and said. inspect names it an
+    incomplete save and says what to run."""
+    killed = run / "checkpoint-10"
+    shutil.copytree(run / "checkpoint-8" / "global_step8", killed / "global_step10")
+    (killed / "global_step10" / "mpitailor_partial.json").unlink()  # killed before publishing
+    r = run_cli(["inspect", str(killed)], {})
+    assert r.returncode == 2 and f"{killed}: an incomplete save" in r.stderr, r.stderr
+    assert f"mpitailor recover {run}" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    spec = replace(spec_for(NAME, run), steps=10, save_at=(1000,))
+    resumed = hf(spec, load_dir=str(killed))
+    assert resumed["global_steps"] == 10 and len(resumed["losses"]) == 10
+    assert len(list((run / ".mpitailor-resume").glob("recovered-checkpoint-8-*"))) == 1
+
+
 def test_per_layer_groups_by_default_make_recovery_exact(run, tmp_path):
     out = tmp_path / "out"
     r = run_cli(["recover", str(run), "-o", str(out)], {}, ranks=2)

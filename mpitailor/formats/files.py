@@ -187,6 +187,11 @@ def _find(path: Path, view) -> CheckpointFiles:
         if view.exists(path / tag / PARTIAL_MANIFEST):
             return _partial(path / tag, path, view)
         return _scan_tag_dir(path / tag, path, view)
+    if _HF_CHECKPOINT.fullmatch(path.name):
+        raise CheckpointError(
+            f"{path}: an incomplete save (no `latest` file: killed while it was saved, or still "
+            f"being written); `mpitailor recover {path.parent}` assembles the run's newest "
+            f"complete state, or name an earlier checkpoint-N")
     raise CheckpointError(
         f"{path}: neither a DeepSpeed tag dir (zero_pp_rank_*_model_states.pt) nor a save dir "
         f"with a `latest` file; name the tag dir, e.g. {path}/global_stepN")
@@ -241,6 +246,7 @@ def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFile
                            save_dir=save_dir, partial=True, flat=stage in (1, 2))
 
 
+_HF_CHECKPOINT = re.compile(r"checkpoint-\d+")  # an HF Trainer's or Accelerate's save
 PARTIAL_MODEL_RE = re.compile(r"rank_(\d+)_model_states\.pt")
 PARTIAL_DTYPES = ("fp32", "bf16", "fp16")
 _CRC_RE = re.compile(r"[0-9a-f]{8}")

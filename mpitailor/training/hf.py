@@ -21,6 +21,7 @@ build on away.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -110,8 +111,12 @@ class LayerwiseTrainer(transformers.Trainer):
         if wanted is True:
             return recover_for_resume(self.args.output_dir)
         path = Path(wanted)
-        if any(path.glob(f"global_step*/{PARTIAL_MANIFEST}")):  # a partial checkpoint-N
-            step = int(path.name.rpartition("-")[2])
+        step = _checkpoint_step(path)
+        if step is not None and (any(path.glob(f"global_step*/{PARTIAL_MANIFEST}"))
+                                 or not (path / LATEST).exists()):
+            # A partial checkpoint-N; or one killed while it was saved, which HF's
+            # get_last_checkpoint returns all the same (it goes by names): the run's newest
+            # complete state up to it, the incomplete save skipped, and said.
             return recover_for_resume(path.parent, until_step=step)
         if any(path.glob("checkpoint-*")):  # the run's output dir
             return recover_for_resume(path)
@@ -182,3 +187,9 @@ class LayerwiseTrainer(transformers.Trainer):
         # `latest` last, once the tag dir is published (by the writer, if asynchronous)
         self._layerwise.save_partial(tag, layers, lineage, save_dir=out,
                                      on_published=lambda: (out / LATEST).write_text(tag))
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """N of a Trainer's checkpoint-N dir, else None."""
+    m = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    return int(m.group(1)) if m and path.is_dir() else None
