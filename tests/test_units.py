@@ -101,3 +101,13 @@ def test_inspect_table_shows_sub_group_sets_as_ranges():
     assert lines[-3].split()[-1] == "1,6"      # not 1-6: sub-groups 2-5 are not embed's
     assert lines[-2].split()[-1] == "2-4,6"
     assert lines[-1].split()[-1] == "-"
+
+
+def test_a_layer_selector_may_be_an_unquoted_number(tmp_path):
+    """D4 of issue 41: `layers: {3: a}` is natural YAML (an int key); it selects layer 3 as
+    "3" does, not a pydantic message."""
+    from mpitailor.planning.recipe import parse_recipe
+    quoted, bare = (parse_recipe(f"sources: {{a: /tmp, b: /x}}\nlayers: {{{k}: a, rest: b}}\n"
+                                 f"output: {tmp_path / 'o'}\n", origin="r.yml",
+                                 base_dir=tmp_path) for k in ("'3'", "3"))
+    assert bare.layer_rules == quoted.layer_rules == (('3', 'a'), ('rest', 'b'))

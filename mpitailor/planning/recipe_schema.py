@@ -55,6 +55,14 @@ class RecipeModel(_Strict):
     layer_patterns: dict[str, str] | None = None
     safe_globals: list[str] | None = None
 
+    @field_validator("layers", mode="before")
+    @classmethod
+    def number_selectors(cls, v):
+        # `layers: {3: old}`: YAML reads an unquoted number as an int; the selector is "3"
+        if isinstance(v, dict):
+            return {str(k) if type(k) is int else k: x for k, x in v.items()}
+        return v
+
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses a key given twice (PyYAML keeps the last one silently), and a
