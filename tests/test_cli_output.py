@@ -165,3 +165,22 @@ def test_errors_that_differ_or_only_one_rank_sees_are_said_by_each_rank(tmp_path
         [f"[rank {k}] mpitailor: error: rank {k} saw its own thing" for k in (0, 1)]
     assert sorted(error_lines(r.stderr)) == want, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv,subcommand", [
+    (["-q", "recipe.yml"], ["merge", "-q", "recipe.yml"]),
+    (["recipe.yml", "-q"], ["merge", "recipe.yml", "-q"]),
+    (["-v", "recover", "run", "-o", "x"], ["recover", "-v", "run", "-o", "x"]),
+    (["inspect", "-q", "x"], ["inspect", "-q", "x"]),
+    (["--help"], ["--help"]),
+])
+def test_options_before_the_recipe_or_the_subcommand(argv, subcommand):
+    """D7 of issue 41: `mpitailor -q recipe.yml` was argparse's 'invalid choice'."""
+    from mpitailor.cli.main import with_subcommand
+    assert with_subcommand(argv) == subcommand
+
+
+def test_an_option_before_the_recipe_reaches_the_recipes_error(tmp_path):
+    r = run_cli(["-q", str(tmp_path / "missing.yml")], {})
+    assert r.returncode == 2 and r.stderr.startswith("mpitailor: error: "), r.stderr
+    assert "missing.yml" in r.stderr and "invalid choice" not in r.stderr, r.stderr

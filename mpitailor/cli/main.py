@@ -116,7 +116,8 @@ def cmd_slurm_prologue(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=program_name(),
-        description="Assemble composite DeepSpeed ZeRO-3 checkpoints layer by layer, with MPI. "
+        description="Assemble composite DeepSpeed ZeRO checkpoints (stages 1-3) layer by layer, "
+                    "with MPI. "
                     "`python -m mpitailor RECIPE.yml` is short for `merge RECIPE.yml`.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -227,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(d)
     d.set_defaults(func=cmd_diff, uses_mpi=True)
 
-    i = sub.add_parser("inspect", help="describe a ZeRO-3 checkpoint layer by layer")
+    i = sub.add_parser("inspect", help="describe a ZeRO checkpoint (stages 1-3) layer by layer")
     i.add_argument("checkpoint", help="tag dir, save dir with `latest`, or HF checkpoint-N/")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     trust_option(i)
@@ -341,6 +342,19 @@ def quiet_broken_pipe() -> int:
     return SIGPIPE_EXIT
 
 
+def with_subcommand(argv: list[str]) -> list[str]:
+    """`RECIPE.yml ...` is short for `merge RECIPE.yml ...`; options may come before either
+    (`-q RECIPE.yml`, `-v recover DIR`): the subcommand is moved to the front."""
+    if not argv or argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help"):
+        return argv
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if first is None:
+        return argv  # options alone: argparse says what is missing
+    if argv[first] in SUBCOMMANDS:
+        return [argv[first], *argv[:first], *argv[first + 1:]]
+    return ["merge", *argv]
+
+
 def main(argv: list[str] | None = None) -> int:
     from mpitailor.publish import interrupt
     interrupt.install()  # before MPI starts threads: they must all block SIGINT/SIGTERM
@@ -348,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     # A path that is not UTF-8 (display.py) must never end a summary line in a traceback.
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(errors="backslashreplace")
-    if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
-        argv.insert(0, "merge")
+    argv = with_subcommand(argv)
     args = build_parser().parse_args(argv)
     verbosity = -1 if args.quiet else args.verbose
     from mpitailor.publish.leftovers import set_holder
