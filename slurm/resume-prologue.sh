@@ -64,6 +64,11 @@ else
     RANKS=${MPITAILOR_MERGE_RANKS:-2}
 fi
 LAUNCH=${MPITAILOR_LAUNCH:-srun --mpi=pmi2 -n $RANKS}
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    HINT="inside a job, --ntasks must be at least MPITAILOR_MERGE_RANKS=$RANKS"
+else
+    HINT="outside a Slurm job, set MPITAILOR_LAUNCH to a launcher that runs here, e.g. MPITAILOR_LAUNCH='mpiexec -n 2'"
+fi
 WORLD=${MPITAILOR_WORLD_SIZE:-}
 if [[ -z $WORLD && -n ${SLURM_JOB_ID:-} ]]; then
     WORLD=${SLURM_NTASKS:-}
@@ -192,6 +197,8 @@ if exists "$OUT"; then
     exit 0
 fi
 
+command -v "${LAUNCH%% *}" >/dev/null \
+    || fail 2 "launcher ${LAUNCH%% *} not found ($HINT)"
 log "recovering into $OUT: $LAUNCH $PY -m mpitailor recover ..."
 start=$SECONDS
 rc=0
@@ -201,7 +208,7 @@ $LAUNCH "$PY" -m mpitailor recover "$SAVE_DIR" -o "$OUT" --no-progress \
 if ((rc != 0)); then
     # A prologue running beside this one may have published the same recovery first.
     is_recovery_of "$OUT" "$base_path" \
-        || fail 1 "recover exited $rc after $((SECONDS - start)) s (inside a job, --ntasks must be at least MPITAILOR_MERGE_RANKS=$RANKS)"
+        || fail 1 "recover exited $rc after $((SECONDS - start)) s ($HINT)"
     log "recover exited $rc, but $OUT is complete: published by a concurrent run"
 fi
 is_recovery_of "$OUT" "$base_path" \

@@ -53,3 +53,26 @@ def test_prologue_recovers_and_reuses_for_each_layout(tmp_path, name, world):
     save = tmp_path / "run"
     shutil.copytree(build(name), save)
     check_prologue(save, tmp_path / "out", world, 8)
+
+
+def test_prologue_outside_a_job_without_srun_names_mpitailor_launch(tmp_path):
+    """D6 of issue 41: outside a job (no SLURM_JOB_ID) and without srun, the prologue says
+    to set MPITAILOR_LAUNCH, not to raise --ntasks; exit 2, nothing recovered."""
+    save = tmp_path / "run"
+    shutil.copytree(build("w2_parity"), save)
+    env = {k: v for k, v in child_env().items() if not k.startswith("SLURM_")}
+    env["MPITAILOR_PYTHON"] = sys.executable
+    bare = tmp_path / "bin"  # a PATH without srun, whatever this machine has
+    bare.mkdir()
+    for tool in ("bash", "env", "sed", "date", "realpath", "dirname", "mkdir", "rm", "mv",
+                 "mktemp", "cat", "printf"):
+        found = shutil.which(tool)
+        if found:
+            (bare / tool).symlink_to(found)
+    env["PATH"] = f"{Path(sys.executable).parent}:{bare}"
+    r = subprocess.run([sys.executable, "-m", "mpitailor", "slurm-prologue", str(save),
+                        str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "launcher srun not found" in r.stderr and "MPITAILOR_LAUNCH" in r.stderr, r.stderr
+    assert not list((tmp_path / "out").glob("recovered-*"))
