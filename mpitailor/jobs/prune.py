@@ -146,7 +146,7 @@ def plan_prune(comm: Comm, save_dir: Path, keep_last: int, composites: Path | No
     node-local, and what each path to remove was when judged (device, inode; empty under
     node-local storage, where each node has its own). The saves are found and checked as
     `recover` does; the composites, the tombstones and the locks are read on rank 0."""
-    saves, chain, place = survey_saves(comm, save_dir, crc=crc)
+    saves, chain, place = survey_saves(comm, save_dir, crc=crc, look=True)
     folders = [save_dir / RESUME_DIR] + ([composites] if composites is not None else [])
 
     def decide() -> tuple[RetentionPlan, dict[str, tuple[int, int]]]:

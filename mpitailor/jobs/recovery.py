@@ -311,17 +311,18 @@ def _refuse_unreadable(saves: list[Save], chain: Chain) -> None:
 
 
 def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
-                 crc: bool = True) -> tuple[list[Save], Chain, Placement]:
+                 crc: bool = True, look: bool = False) -> tuple[list[Save], Chain, Placement]:
     """Collective: plan_recovery's work, returning every save found (checked: `problem`
     says why one is not usable), the chain chosen and where the files lie (prune needs all
     three). crc=False leaves out the CRC-32 pass over the chain's partial saves (the
     training side's retention after each save: they were just written and checked by
-    size)."""
+    size). look: walk each save that failed a check for what cannot be read in it
+    (prune's care: it must not delete such a save; recover skips it, as it did)."""
     place = survey(comm, [save_dir], depth=3)
     found = comm.step_on(_finder(place, save_dir), find_saves, save_dir, place.fs())
     if until_step is not None:
         found = [s for s in found if s.step <= until_step]
-    saves = _looked_at(comm, check_saves(comm, found, place=place), place)
+    saves = _looked_at(comm, check_saves(comm, found, place=place), place, look)
     while True:
         chain = comm.root_step(_timeline_to_recover, save_dir, saves, place.fs())
         if not crc:
@@ -329,7 +330,8 @@ def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
         names = {s.name for s in chain.partials}
         checked = check_saves(comm, [s for s in saves if s.name in names], crc_of=names,
                               place=place)
-        bad = {s.name: s for s in _looked_at(comm, checked, place) if s.problem is not None}
+        bad = {s.name: s for s in _looked_at(comm, checked, place, look)
+               if s.problem is not None}
         if not bad:
             break
         saves = [bad.get(s.name, s) for s in saves]
@@ -338,11 +340,11 @@ def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
     return saves, chain, place
 
 
-def _looked_at(comm: Comm, saves: list[Save], place: Placement) -> list[Save]:
+def _looked_at(comm: Comm, saves: list[Save], place: Placement, look: bool) -> list[Save]:
     """Collective: the saves whose checks failed for a cause the exception did not name,
     walked (readable.odd_entry) and marked unreadable if something in them is. Not under
     node-local storage: one process sees only its node's files."""
-    if place.node_local:
+    if place.node_local or not look:
         return saves
 
     def look() -> list[Save]:
