@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import shutil
 from dataclasses import replace
@@ -241,3 +242,25 @@ def test_the_in_job_resume_reuses_its_composite_per_world_size(tmp_path):
     resharded = reshard_for_resume(full, tmp_path / "resume")
     assert resharded != full and read_meta(resharded).world_size == 1
     assert reshard_for_resume(full, tmp_path / "resume") == resharded
+
+
+def test_the_in_job_resume_removes_what_a_killed_save_left(tmp_path, caplog):
+    """D8 of issue 41: a save killed while writing leaves its staging dir and lock beside
+    the saves; the resume that follows removes them (nobody holds the lock) and says so,
+    rather than leaving them until the next partial save or `mpitailor clean`."""
+    import logging
+
+    from mpitailor.publish.leftovers import LOCK, STAGING, path_of
+    from mpitailor.training import recover_for_resume
+    root = tmp_path / "run"
+    shutil.copytree(build("w2_parity"), root)
+    staging, lock = (path_of(root / "global_step10", s) for s in (STAGING, LOCK))
+    staging.mkdir()
+    (staging / "rank_0_model_states.pt").write_bytes(b"half")
+    lock.write_text("")
+    with caplog.at_level(logging.INFO, logger="mpitailor.training.resume"):
+        out = recover_for_resume(root)
+    assert read_meta(out).global_steps == 8
+    assert not os.path.lexists(staging) and not os.path.lexists(lock)
+    line, = [r.getMessage() for r in caplog.records if r.name == "mpitailor.training.resume"]
+    assert "removed what interrupted saves left" in line and staging.name in line, line

@@ -63,10 +63,13 @@ def recover_in_job(comm: Comm, save_dir: str | os.PathLike, until_step: int | No
             logging.WARNING)
     world = comm.size
     came_from = _origin(chain)
+    # What killed saves left (staging dirs, stale locks) would otherwise stay until the next
+    # partial save or `mpitailor clean`; no save of this job runs yet.
+    tidied = comm.root_step(_tidy, save_dir)
     if not chain.partials and chain.full.meta.world_size == world:
         return ResumePoint(chain.full.path, f"resuming from the full save {chain.full.path} "
                                             f"itself (step {chain.full.step}, world size "
-                                            f"{world}): no partial save follows it")
+                                            f"{world}): no partial save follows it{tidied}")
     base = chain.partials[-1] if chain.partials else chain.full
     out_root = Path(output_root) if output_root is not None else save_dir / RESUME_DIR
     save_id = base.lineage.save_id[:12] if base.lineage else "x"
@@ -77,7 +80,8 @@ def recover_in_job(comm: Comm, save_dir: str | os.PathLike, until_step: int | No
     reused = _written_once(comm, out, base, world, lambda: recovery_recipe(
         save_dir, chain, out, None, None if chain.full.meta.world_size == world else world),
         place)
-    return ResumePoint(out, f"{where}, recovered{' before' if reused else ''} from {came_from}")
+    return ResumePoint(out, f"{where}, recovered{' before' if reused else ''} from {came_from}"
+                            f"{tidied}")
 
 
 def reshard_in_job(comm: Comm, checkpoint: str | os.PathLike,
@@ -135,6 +139,13 @@ def _is_recovery_of(out: Path, base, world: int) -> bool:
     if base.lineage is not None:
         return source.get("save_id") == base.lineage.save_id
     return Path(source["path"]) in (base.path, base.meta.files.tag_dir)
+
+
+def _tidy(save_dir: Path) -> str:
+    """Rank 0: remove what killed writers left in save_dir (publish/leftovers.py: never what
+    a live process holds); the words that say so, or ""."""
+    done = clean(save_dir).done
+    return f" (removed what interrupted saves left: {', '.join(done)})" if done else ""
 
 
 def _unfinished(save_dir: Path) -> list[str]:
