@@ -1,0 +1,332 @@
+"""What the reader fuzzer checks of an object mpitailor's reader accepted (reader_oracle.py):
+
+- `same(ours, theirs)`: it describes what torch.load(weights_only=True) built: the same
+  containers (types, order, sharing of storages), scalars (bit for bit), tensors (dtype,
+  shape, stride, storage offset, storage size and bytes, element values through raw_bytes),
+  torch.Size as mpitailor's Size, stand-ins as what the real classes reduce to;
+- `outside(ours, path)`: no tensor reaches past its storage, no storage names another file
+  or holds the planted marker's bytes;
+- `walkers(ours, path)`: the package's walkers of loaded objects (rawio.copied,
+  rawio.materialize, torchpickle.dumps) do work in proportion to the objects, not to the
+  paths through them.
+Each returns None when all is well, else one line. Walks are iterative and visit each object
+once (the inputs nest deep and share a lot).
+"""
+from __future__ import annotations
+
+import copyreg
+import math
+import os
+import struct
+import sys
+
+import reader_fuzzing as fz
+
+from mpitailor.formats import opaque, rawio, torchpickle
+from mpitailor.formats.dtypes import name_of
+from mpitailor.formats.tensorref import Storage, Tensor
+from mpitailor.formats.torchpickle import Size
+
+MAX_NODES = 200_000  # objects a check visits before it gives up (no input has as many)
+WALK_PATHS = 4  # paths per object above which the walkers are run under a call budget
+
+
+def _children(x):
+    if isinstance(x, dict):
+        return [*x.keys(), *x.values()]
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return list(x)
+    if isinstance(x, opaque.Opaque):
+        return [x.__dict__.get("_args"), x.__dict__.get("_state")]
+    if isinstance(x, Tensor):
+        return [x.storage]
+    return []
+
+
+def _objects(root):
+    """Every object reachable from root, once each (up to MAX_NODES)."""
+    seen, stack, out = set(), [root], []
+    while stack and len(out) < MAX_NODES:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        out.append(x)
+        stack.extend(_children(x))
+    return out
+
+
+# ---- bytes only from the file's own records ----------------------------------------------
+
+def _span(t: Tensor) -> tuple[int, int] | None:
+    """Lowest and highest element index the view touches (None when it has no elements)."""
+    if any(d == 0 for d in t.shape):
+        return None
+    lo = t.storage_offset + sum(min(0, (d - 1) * s) for d, s in zip(t.shape, t.stride))
+    hi = t.storage_offset + sum(max(0, (d - 1) * s) for d, s in zip(t.shape, t.stride))
+    return lo, hi
+
+
+def outside(root, path) -> str | None:
+    size, real = os.path.getsize(path), os.path.realpath(path)
+    for x in _objects(root):
+        if isinstance(x, Tensor):
+            if not isinstance(x.storage, Storage):
+                return "a tensor whose storage is not a storage"
+            span = _span(x)
+            if span and (span[0] < 0 or span[1] >= x.storage.numel):
+                return "a tensor view reaches outside its storage"
+            if span and x.is_contiguous() and len(x.raw_bytes()) != x.nbytes:
+                return "raw_bytes() of a tensor is not its size"
+        elif isinstance(x, Storage):
+            where = getattr(x, "path", None)
+            if where is not None and os.path.realpath(where) != real:
+                return "a storage names another file than the one loaded"
+            if not isinstance(x.numel, int) or x.numel < 0 or x.nbytes > size:
+                return "a storage claims more bytes than its file holds"
+            if fz.MARKER in bytes(x.read()):
+                return "the planted marker file's bytes came back from a load"
+    return None
+
+
+# ---- the same as torch's ----------------------------------------------------------------------
+
+def name(obj) -> str:
+    """module.qualname of a class or function, as a pickle's GLOBAL names it."""
+    name = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+    return name.replace("numpy.core.", "numpy._core.")
+
+
+def _elements(storage: bytes, itemsize: int, offset: int, shape, stride) -> bytes:
+    """The bytes of a view's elements in order, gathered from its storage's bytes (bit for
+    bit: a copy in torch would turn a bool's byte 2 into 1)."""
+    import numpy as np
+    items = np.frombuffer(storage, dtype=np.dtype(f"V{itemsize}"))
+    view = np.lib.stride_tricks.as_strided(items[offset:], shape=tuple(shape),
+                                           strides=tuple(s * itemsize for s in stride))
+    return np.ascontiguousarray(view).tobytes()
+
+
+def _storage_bytes(u) -> bytes:
+    import torch
+    return torch.empty(0, dtype=torch.uint8).set_(u).numpy().tobytes()
+
+
+def _scalar_same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+class _Compare:
+    def __init__(self) -> None:
+        self.stack: list = []
+        self.seen: set = set()
+        self.storage_of: dict = {}  # torch storage (pointer, bytes) -> id of ours
+        self.torch_of: dict = {}    # id of our storage -> torch storage
+        self.storage_bytes: dict = {}
+
+    def bytes_of(self, u) -> bytes:
+        key = (u.data_ptr(), u.nbytes())
+        if key not in self.storage_bytes:
+            self.storage_bytes[key] = _storage_bytes(u)
+        return self.storage_bytes[key]
+
+    def push(self, ours, theirs, where: str) -> None:
+        self.stack.append((ours, theirs, where))
+
+    def run(self, ours, theirs) -> str | None:
+        self.push(ours, theirs, "obj")
+        while self.stack:
+            m, t, where = self.stack.pop()
+            if (id(m), id(t)) in self.seen:
+                continue
+            self.seen.add((id(m), id(t)))
+            if len(self.seen) > MAX_NODES:
+                return None
+            problem = self.one(m, t, where)
+            if problem:
+                return f"{where}: {problem}"
+        return None
+
+    def one(self, m, t, where: str) -> str | None:
+        import torch
+        if isinstance(t, torch.nn.Parameter):
+            if not (isinstance(m, opaque.Opaque)
+                    and type(m).global_name.startswith("torch._utils._rebuild_parameter")):
+                return f"a Parameter read as {type(m).__name__}"
+            self.push(m._args[0], t.data, where + ".data")
+            return None if m._args[1] == t.requires_grad else "requires_grad"
+        if isinstance(t, torch.Tensor):
+            return self.tensor(m, t, where)
+        if isinstance(t, torch.storage.TypedStorage):
+            if not isinstance(m, Storage):
+                return f"a storage read as {type(m).__name__}"
+            if (name_of(t.dtype), t.size()) != (m.dtype, m.numel):
+                return f"storage {name_of(t.dtype)} x {t.size()} read as {m.dtype} x {m.numel}"
+            return None if bytes(m.read()) == _storage_bytes(t._untyped_storage) \
+                else "storage bytes differ"
+        if isinstance(t, torch.serialization.StorageType):
+            dtype = torchpickle.STORAGE_TYPES.get(getattr(m, "global_name", "")[6:])
+            return None if dtype == name_of(t.dtype) else f"storage class {m!r:.60}"
+        if isinstance(t, torch.Size):
+            return None if type(m) is Size and tuple(m) == tuple(t) else f"torch.Size {m!r:.60}"
+        if isinstance(t, torch.dtype):
+            return None if getattr(m, "global_name", None) == str(t) else f"dtype {m!r:.60}"
+        if isinstance(t, torch.device):
+            ok = isinstance(m, opaque.Opaque) and type(m).global_name == "torch.device" \
+                and str(torch.device(*m._args)) == str(t)
+            return None if ok else f"device {m!r:.60}"
+        if isinstance(m, (opaque.Opaque, opaque._OpaqueMeta)):
+            return self.stand_in(m, t, where)
+        if isinstance(t, type) or callable(t):
+            return None if isinstance(m, type) and name(m) == name(t) else f"global {name(t)}"
+        if isinstance(t, (dict, list, tuple, set, frozenset)):
+            return self.container(m, t, where)
+        if t is None or isinstance(t, (int, float, str, bytes, bytearray, complex)):
+            return None if _scalar_same(m, t) else f"{t!r:.40} read as {m!r:.40}"
+        return f"torch's {type(t).__name__} read as {type(m).__name__}"
+
+    def container(self, m, t, where: str) -> str | None:
+        if type(m) is not type(t):
+            return f"{type(t).__name__} read as {type(m).__name__}"
+        if len(m) != len(t):
+            return f"{type(t).__name__} of {len(t)} read with {len(m)}"
+        if isinstance(t, dict):
+            for i, ((mk, mv), (tk, tv)) in enumerate(zip(m.items(), t.items())):
+                self.push(mk, tk, f"{where}.key{i}")
+                self.push(mv, tv, f"{where}[{tk!r:.20}]")
+        elif isinstance(t, (set, frozenset)):
+            if all(isinstance(x, (int, str, bytes, float)) for x in t) and m != t:
+                return "set elements"
+        else:
+            for i, (a, b) in enumerate(zip(m, t)):
+                self.push(a, b, f"{where}[{i}]")
+        return None
+
+    def tensor(self, m, t, where: str) -> str | None:
+        if not isinstance(m, Tensor):
+            return f"a tensor read as {type(m).__name__}"
+        fields = (name_of(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                  t.requires_grad, t.untyped_storage().nbytes())
+        got = (m.dtype, m.shape, m.stride, m.storage_offset, m.requires_grad, m.storage.nbytes)
+        names = ("dtype", "shape", "stride", "storage_offset", "requires_grad", "storage bytes")
+        for n, a, b in zip(names, fields, got):
+            if a != b:
+                return f"tensor {n} {a} read as {b}"
+        attrs = dict(t.__dict__)
+        if attrs:
+            if m.wrapper is None:
+                return "a tensor's attributes were dropped"
+            self.push(m.wrapper[1], attrs, where + ".__dict__")
+        u = t.untyped_storage()
+        key = (u.data_ptr(), u.nbytes())
+        if u.nbytes():
+            if self.storage_of.setdefault(key, id(m.storage)) != id(m.storage) or \
+                    self.torch_of.setdefault(id(m.storage), key) != key:
+                return "tensors that share a storage in torch do not in mpitailor, or back"
+            if (id(m.storage), "bytes") not in self.seen:
+                self.seen.add((id(m.storage), "bytes"))
+                if bytes(m.storage.read()) != self.bytes_of(u):
+                    return "storage bytes differ"
+        if m.numel() and m.is_contiguous():
+            theirs = _elements(self.bytes_of(u), t.element_size(), t.storage_offset(),
+                               t.shape, t.stride())
+            if bytes(m.raw_bytes()) != theirs:
+                return "element values (raw_bytes) differ"
+        return None
+
+    def stand_in(self, m, t, where: str) -> str | None:
+        """A stand-in against the real object: the instructions the real one reduces to."""
+        if isinstance(m, opaque._OpaqueMeta):  # a class or function the pickle names
+            return None if m.global_name == name(t) else f"global {m.global_name} vs {name(t)}"
+        red = t.__reduce_ex__(2)
+        func, args = red[0], red[1]
+        state = red[2] if len(red) > 2 else None
+        newobj = func is copyreg.__newobj__
+        if newobj:
+            func, args = args[0], args[1:]
+        if type(m).global_name != name(func):
+            return f"stand-in {type(m).global_name} vs {name(func)}"
+        if args or not newobj:  # object.__new__ drops NEWOBJ's arguments; the stand-in keeps them
+            self.push(m._args, tuple(args), where + ".args")
+        if state is not None or m._state is not opaque._NOSTATE:
+            self.push(m._state, state, where + ".state")
+        return None
+
+
+def same(ours, theirs) -> str | None:
+    return _Compare().run(ours, theirs)
+
+
+# ---- the walkers of loaded objects ----------------------------------------------------------------
+
+def _paths(root, cap: int) -> tuple[int, int, bool]:
+    """(paths through the object graph from root, capped; distinct objects; a cycle?)."""
+    memo: dict[int, int] = {}
+    cycle = False
+    stack = [(root, False)]
+    on_path: set[int] = set()
+    while stack:
+        x, done = stack.pop()
+        if done:
+            on_path.discard(id(x))
+            memo[id(x)] = min(cap, 1 + sum(memo.get(id(c), 1) for c in _children(x)))
+            continue
+        if id(x) in memo:
+            continue
+        if id(x) in on_path:
+            cycle = True
+            continue
+        on_path.add(id(x))
+        stack.append((x, True))
+        stack.extend((c, False) for c in _children(x) if id(c) not in memo)
+    return memo.get(id(root), 1), len(memo), cycle
+
+
+class _Budget(Exception):
+    pass
+
+
+def _budgeted(fn, calls: int):
+    count = [0]
+
+    def prof(frame, event, arg):
+        if event == "call":
+            count[0] += 1
+            if count[0] > calls:
+                raise _Budget()
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+
+
+def walkers(root, path) -> str | None:
+    """Where the object shares a lot (or loops), the package's walkers must not walk it once
+    per path: each is given 50 calls per distinct object (plus 10,000)."""
+    paths, distinct, cycle = _paths(root, 10**9)
+    if not cycle and paths <= WALK_PATHS * distinct:
+        return None
+    budget = 50 * distinct + 10_000
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for name, fn in (("rawio.copied", lambda: rawio.copied(root, fd)),
+                         ("rawio.materialize", lambda: rawio.materialize(root)),
+                         ("torchpickle.dumps", lambda: torchpickle.dumps(root))):
+            try:
+                _budgeted(fn, budget)
+            except _Budget:
+                why = "a cycle" if cycle else f"over {WALK_PATHS} paths per object"
+                return f"{name} walks shared objects once per path ({why}): over 50 calls each"
+            except RecursionError:
+                return f"{name} recurses without end ({'a cycle' if cycle else 'deep nesting'})"
+            except Exception:  # noqa: BLE001 - other failures of a walker are not this check's
+                pass
+    finally:
+        os.close(fd)
+    return None
+
