@@ -209,8 +209,11 @@ class _Compare:
     def tensor(self, m, t, where: str) -> str | None:
         if not isinstance(m, Tensor):
             return f"a tensor read as {type(m).__name__}"
-        fields = (name_of(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                  t.requires_grad, t.untyped_storage().nbytes())
+        import torch
+        # Through the class: a file may have set attributes named like the methods (BUILD).
+        u = torch.Tensor.untyped_storage(t)
+        fields = (name_of(t.dtype), tuple(t.shape), tuple(torch.Tensor.stride(t)),
+                  torch.Tensor.storage_offset(t), t.requires_grad, u.nbytes())
         got = (m.dtype, m.shape, m.stride, m.storage_offset, m.requires_grad, m.storage.nbytes)
         names = ("dtype", "shape", "stride", "storage_offset", "requires_grad", "storage bytes")
         for n, a, b in zip(names, fields, got):
@@ -221,7 +224,6 @@ class _Compare:
             if m.wrapper is None:
                 return "a tensor's attributes were dropped"
             self.push(m.wrapper[1], attrs, where + ".__dict__")
-        u = t.untyped_storage()
         key = (u.data_ptr(), u.nbytes())
         if u.nbytes():
             if self.storage_of.setdefault(key, id(m.storage)) != id(m.storage) or \
@@ -232,8 +234,8 @@ class _Compare:
                 if bytes(m.storage.read()) != self.bytes_of(u):
                     return "storage bytes differ"
         if m.numel() and m.is_contiguous():
-            theirs = _elements(self.bytes_of(u), t.element_size(), t.storage_offset(),
-                               t.shape, t.stride())
+            theirs = _elements(self.bytes_of(u), torch.Tensor.element_size(t), fields[3],
+                               fields[1], fields[2])
             if bytes(m.raw_bytes()) != theirs:
                 return "element values (raw_bytes) differ"
         return None

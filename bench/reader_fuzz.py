@@ -1,0 +1,242 @@
+"""The reader fuzzer's long run (issue 40, part 3a): mpitailor's torch-free reader against
+torch.load(weights_only=True), input by input (tests/reader_fuzzing.py, reader_oracle.py).
+
+    python -m bench.reader_fuzz [--count 1000000] [--seed 1] [--jobs 2] [--start 0]
+        [--shrink 400] [--json bench/out/reader_fuzz.json]
+        [--findings bench/out/reader_fuzz_findings]
+    python -m bench.reader_fuzz --seed S --only INDEX   (replay one input, and keep it)
+
+Input number i of seed S is always the same bytes, so --jobs processes share the numbers
+(each takes every jobs-th chunk). Per input: the verdict (agree-accept, agree-refuse,
+stricter, stand-in, or a finding), the time of both loads and the checks, and the growth of
+the process's peak RSS (ru_maxrss; so only new peaks count). An input slower than
+reader_oracle.SLOW_S or growing the peak by more than MEMORY_MB is a finding too. For each
+kind of finding the smallest input is shrunk (records dropped, then the pickle cut by ddmin,
+--shrink loads at most) and saved in --findings as NN-verdict.pt with NN-verdict.txt, one
+line saying what it is; index.txt lists them all. Prints a table; writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+import reader_fuzzing as fz  # noqa: E402 - tests/ is put on the path just above
+import reader_oracle as oracle  # noqa: E402
+
+CHUNK = 500
+_worker: dict = {}
+
+
+def _tmp_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _seeds() -> list:
+    from ckpt_fixtures import build  # real DeepSpeed runs, built once and cached
+    return fz.load_seeds(fz.seed_files([Path(build(n)) for n in fz.SEED_FIXTURES]))
+
+
+def _init(seed_files: list[str]) -> None:
+    import torch
+    torch.set_num_threads(1)
+    _worker["seeds"] = fz.load_seeds([Path(f) for f in seed_files])
+    _worker["path"] = Path(_tmp_dir()) / f"mpitailor-reader-fuzz-{os.getpid()}.pt"
+    fz.plant_marker()
+    oracle.limit_memory()
+    for allow in (fz.DEEPSPEED, fz.NUMPY):  # imports deepspeed and numpy once, not in an input
+        oracle.torch_side(b"", allow)
+
+
+def _tally() -> dict:
+    return {"inputs": collections.Counter(), "verdicts": collections.Counter(),
+            "stricter": collections.Counter(), "findings": {}, "worst_s": (0.0, -1),
+            "worst_rss_mb": (0.0, -1), "seconds": 0.0,
+            "kind_s": collections.Counter()}
+
+
+def _verdict(o: oracle.Outcome) -> tuple[str, str]:
+    if oracle.finding(o):
+        return o.verdict, o.sig
+    if o.seconds > oracle.SLOW_S:
+        return "slow", f"one input took over {oracle.SLOW_S} s ({o.verdict})"
+    if o.rss_mb > oracle.MEMORY_MB:
+        return "memory", f"one input grew the peak RSS by over {oracle.MEMORY_MB} MB"
+    return o.verdict, o.sig
+
+
+def _run(job: tuple[int, range]) -> dict:
+    seed, indices = job
+    t = _tally()
+    start = time.perf_counter()
+    for i in indices:
+        inp = fz.make_input(seed, i, _worker["seeds"])
+        o = oracle.judge(inp, _worker["path"])
+        verdict, sig = _verdict(o)
+        t["inputs"][inp.kind] += 1
+        t["kind_s"][inp.kind] += o.seconds
+        t["verdicts"][f"{inp.kind} {verdict}"] += 1
+        if verdict == "stricter":
+            t["stricter"][sig] += 1
+        elif verdict in oracle.FINDINGS:
+            key = f"{verdict}\t{sig}"
+            n, best = t["findings"].get(key, (0, None))
+            if best is None or len(inp.data) < best[0]:
+                best = (len(inp.data), i, inp.kind, inp.note[:200], o.detail[:200])
+            t["findings"][key] = (n + 1, best)
+        t["worst_s"] = max(t["worst_s"], (o.seconds, i))
+        t["worst_rss_mb"] = max(t["worst_rss_mb"], (o.rss_mb, i))
+    t["seconds"] = time.perf_counter() - start
+    return t
+
+
+def _merge(total: dict, t: dict) -> None:
+    for k in ("inputs", "verdicts", "stricter", "kind_s"):
+        total[k].update(t[k])
+    for key, (n, best) in t["findings"].items():
+        m, old = total["findings"].get(key, (0, None))
+        total["findings"][key] = (m + n, best if old is None or best[0] < old[0] else old)
+    for k in ("worst_s", "worst_rss_mb"):
+        total[k] = max(total[k], t[k])
+    total["seconds"] += t["seconds"]
+
+
+def fuzz(seed: int, start: int, count: int, jobs: int, seeds: list) -> dict:
+    files = sorted({str(f) for f in fz.seed_files([Path(_build(n)) for n in fz.SEED_FIXTURES])})
+    work = [(seed, range(a, min(a + CHUNK, start + count)))
+            for a in range(start, start + count, CHUNK)]
+    total, done, t0, last = _tally(), 0, time.time(), 0.0
+    ctx = multiprocessing.get_context("forkserver")
+    with ctx.Pool(jobs, initializer=_init, initargs=(files,), maxtasksperchild=200) as pool:
+        for t in pool.imap_unordered(_run, work):
+            _merge(total, t)
+            done += sum(t["inputs"].values())
+            if time.time() - last > 30:
+                last = time.time()
+                found = sum(n for n, _ in total["findings"].values())
+                print(f"  {done:,} of {count:,} inputs, {done / (last - t0):.0f}/s, "
+                      f"{found} findings", file=sys.stderr, flush=True)
+    total["wall_s"] = time.time() - t0
+    return total
+
+
+def _build(name: str) -> str:
+    from ckpt_fixtures import build
+    return build(name)
+
+
+def save_findings(total: dict, seed: int, seeds: list, out: Path, budget: int) -> list[dict]:
+    """Shrink the smallest input of each kind of finding and write it to `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*"):
+        if old.suffix in (".pt", ".txt"):
+            old.unlink()
+    fz.plant_marker()
+    oracle.limit_memory()
+    path = Path(_tmp_dir()) / f"mpitailor-reader-shrink-{os.getpid()}.pt"
+    saved = []
+    for n, key in enumerate(sorted(total["findings"], key=lambda k: -total["findings"][k][0])):
+        verdict, sig = key.split("\t", 1)
+        count, (size, index, kind, note, detail) = total["findings"][key]
+        inp = fz.make_input(seed, index, seeds)
+        want = oracle.judge(inp, path)
+        small = inp
+        if (want.verdict, want.sig) == (verdict, sig) and verdict not in ("slow", "memory"):
+            small = oracle.shrink(inp, want, path, budget)
+        name = f"{n:02d}-{verdict}"
+        (out / f"{name}.pt").write_bytes(small.data)
+        line = (f"{verdict}: {sig} | {count} inputs | seed {seed} index {index} ({kind}: "
+                f"{note}) | {len(small.data)} bytes, shrunk from {len(inp.data)}")
+        (out / f"{name}.txt").write_text(line + "\n")
+        saved.append({"file": f"{name}.pt", "verdict": verdict, "kind": sig, "count": count,
+                      "seed": seed, "index": index, "input_kind": kind, "note": note,
+                      "detail": detail, "bytes": len(small.data), "bytes_before": len(inp.data)})
+    (out / "index.txt").write_text("".join(
+        f"{s['file']}: {s['verdict']}: {s['kind']} ({s['count']} inputs)\n" for s in saved))
+    path.unlink(missing_ok=True)
+    return saved
+
+
+def table(total: dict, saved: list[dict], count: int, jobs: int) -> str:
+    lines = ["inputs tried, by kind and verdict:",
+             f"  {'kind':16s} {'inputs':>9s} {'agree':>9s} {'stricter':>9s} {'stand-in':>9s} "
+             f"{'findings':>9s} {'ours ms':>9s}"]
+    for kind in fz.KINDS:
+        v = {x.split(" ", 1)[1]: n for x, n in total["verdicts"].items() if x.startswith(kind)}
+        agree = v.get("agree-accept", 0) + v.get("agree-refuse", 0)
+        found = sum(n for x, n in v.items() if x in oracle.FINDINGS)
+        lines.append(f"  {kind:16s} {total['inputs'][kind]:9,} {agree:9,} "
+                     f"{v.get('stricter', 0):9,} {v.get('stand-in', 0):9,} {found:9,} "
+                     f"{total['kind_s'][kind] / max(total['inputs'][kind], 1) * 1e3:9.2f}")
+    lines.append("stricter refusals (mpitailor refuses, torch reads), by kind:")
+    lines += [f"  {n:8,}  {sig}" for sig, n in total["stricter"].most_common(25)]
+    if len(total["stricter"]) > 25:
+        lines.append(f"  ... {len(total['stricter']) - 25} more kinds in the JSON")
+    lines.append(f"findings (disagreements): {sum(s['count'] for s in saved):,} inputs, "
+                 f"{len(saved)} kinds")
+    lines += [f"  {s['count']:8,}  {s['file']}: {s['kind']}" for s in saved]
+    (ws, wi), (wr, ri) = total["worst_s"], total["worst_rss_mb"]
+    lines.append(f"worst time {ws:.3f} s (index {wi}); worst peak-RSS growth {wr:.1f} MB "
+                 f"(index {ri}); {total['wall_s']:.0f} s wall for {count:,} inputs on {jobs} "
+                 f"processes ({total['seconds'] / max(count, 1) * 1e3:.2f} ms an input)")
+    return "\n".join(lines)
+
+
+def replay(seed: int, index: int, seeds: list, out: Path) -> None:
+    fz.plant_marker()
+    oracle.limit_memory()
+    inp = fz.make_input(seed, index, seeds)
+    o = oracle.judge(inp, Path(_tmp_dir()) / f"mpitailor-reader-replay-{os.getpid()}.pt")
+    out.mkdir(parents=True, exist_ok=True)
+    keep = out / f"replay-{seed}-{index}.pt"
+    keep.write_bytes(inp.data)
+    print(f"{inp.kind}: {inp.note}\n{o.verdict}: {o.sig}\n{o.detail}\n"
+          f"{o.seconds:.3f} s; input kept in {keep}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--count", type=int, default=1_000_000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--start", type=int, default=0, help="first input number")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--shrink", type=int, default=400, help="loads per reproducer, at most")
+    ap.add_argument("--only", type=int, help="replay this one input number")
+    ap.add_argument("--json", type=Path, default=REPO / "bench" / "out" / "reader_fuzz.json")
+    ap.add_argument("--findings", type=Path,
+                    default=REPO / "bench" / "out" / "reader_fuzz_findings")
+    a = ap.parse_args(argv)
+    seeds = _seeds()
+    if a.only is not None:
+        replay(a.seed, a.only, seeds, a.findings)
+        return 0
+    total = fuzz(a.seed, a.start, a.count, a.jobs, seeds)
+    saved = save_findings(total, a.seed, seeds, a.findings, a.shrink)
+    print(table(total, saved, a.count, a.jobs))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit, "seed": a.seed,
+        "start": a.start, "count": a.count, "jobs": a.jobs, "wall_s": total["wall_s"],
+        "ms_per_input": total["seconds"] / max(a.count, 1) * 1e3,
+        "inputs": dict(total["inputs"]), "verdicts": dict(total["verdicts"]),
+        "stricter": dict(total["stricter"].most_common()), "findings": saved,
+        "worst_s": total["worst_s"], "worst_rss_mb": total["worst_rss_mb"],
+        "seeds": [s.label for s in seeds]}, indent=1))
+    print(f"JSON: {a.json}; reproducers: {a.findings}")
+    return 1 if saved else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
