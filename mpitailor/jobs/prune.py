@@ -109,7 +109,11 @@ def prune(comm: Comm, save_dir: str | os.PathLike, keep_last: int,
 
 
 def _take_prune_lock(lock: Path, save_dir: Path) -> int:
-    fd = take_lock(lock)
+    try:
+        fd = take_lock(lock)
+    except OSError as e:
+        raise PruneFailed(f"{lock}: cannot take prune's lock ({e.strerror or e}); prune "
+                          f"writes in {save_dir}: run it where the save dir is writable") from e
     if fd is None:
         raise PruneRefused(f"{save_dir}: another prune of it is running ({holder_of(lock)} "
                            f"holds {lock.name}); run prune again when it ends")

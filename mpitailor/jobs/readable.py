@@ -11,14 +11,26 @@ layer. Two independent looks say so, and either is enough to keep the save:
   one-line CheckpointErrors, `from None`, which keeps the OSError as `__context__`) whose
   errno is not absence (ENOENT) or a path that is not a dir (ENOTDIR);
 - a walk of the save's tree as this process sees it, opening every file, after the checks:
-  a reader that swallowed the OSError, or a file that became unreadable since, shows here.
+  a reader that swallowed the OSError, or a file that became unreadable since, shows here
+  (prune's survey only: `looked_at`).
+
+And what recovery does with them: `refuse_unreadable` (recover takes no older copy of a
+layer because the newer one cannot be read now) and `still_there` (a survey during which a
+save went is not whole: one line, run again).
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
 from pathlib import Path
+
+from mpitailor.cluster.comm import Comm
+from mpitailor.cluster.nodes import Placement
+from mpitailor.errors import MpitailorError
+from mpitailor.planning.lineage import CannotReadNow
+from mpitailor.planning.recovery import Chain, Save, follow
 
 # errnos that say "not there", which a save's own record can prove incomplete
 ABSENT = (errno.ENOENT, errno.ENOTDIR)
@@ -89,3 +101,45 @@ def _entry(path: Path) -> str | None:
     except OSError as e:
         return f"{path}: cannot be read now ({e.strerror})"
     return None
+
+
+def refuse_unreadable(saves: list[Save], chain: Chain) -> None:
+    """A save that cannot be read now and is on the timeline (or newer than its start: it
+    may be the start) is not skipped as incomplete ones are: recovering without it would
+    take older copies of its layers, silently. CannotReadNow naming it."""
+    path = {s.name for s in follow(chain.full, saves) if isinstance(s, Save)} \
+        if chain.full.lineage is not None else set()
+    for s in saves:
+        if s.unreadable and (s.name in path or s.step >= chain.full.step):
+            raise CannotReadNow(f"{s.path}: cannot be read now ({s.problem}); it may hold "
+                                f"the newest copy of a layer: fix its permissions (or the "
+                                f"disk) and run again, or move it out of the save dir to "
+                                f"recover without it")
+
+
+def looked_at(comm: Comm, saves: list[Save], place: Placement, look: bool) -> list[Save]:
+    """Collective: the saves whose checks failed for a cause the exception did not name,
+    walked (readable.odd_entry) and marked unreadable if something in them is. Not under
+    node-local storage: one process sees only its node's files."""
+    if place.node_local or not look:
+        return saves
+
+    def look() -> list[Save]:
+        out = []
+        for s in saves:
+            why = odd_entry(s.path) if s.problem is not None and not s.unreadable else None
+            out.append(s if why is None else dataclasses.replace(
+                s, problem=f"{s.problem} ({why})", unreadable=True))
+        return out
+    return comm.root_step(look)
+
+
+def still_there(saves: list[Save]) -> None:
+    for s in saves:
+        if not os.path.lexists(s.path):
+            raise vanished(s.path)
+
+
+def vanished(path: Path) -> MpitailorError:
+    return MpitailorError(f"{path}: removed while it was read (a prune, a save or `clean` "
+                          f"running now?); run again")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths, survey
-from mpitailor.errors import CheckpointError, MpitailorError, NothingToRecover, UserError
+from mpitailor.errors import CheckpointError, NothingToRecover, UserError
 from mpitailor.formats.files import (
     LATEST,
     PARTIAL_MANIFEST,
@@ -45,14 +45,20 @@ from mpitailor.formats.partial_shard import check_partial_rank
 from mpitailor.formats.read import read_meta
 from mpitailor.formats.shard import open_shard
 from mpitailor.jobs.merge import Planned, plan_recipe
-from mpitailor.jobs.readable import cannot_read, odd_entry
+from mpitailor.jobs.readable import (
+    cannot_read,
+    looked_at,
+    refuse_unreadable,
+    still_there,
+    vanished,
+)
 from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.layers import LayerClassifier, check_patterns
 from mpitailor.planning.lineage import CannotReadNow, vet
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.recipe import Recipe
-from mpitailor.planning.recovery import Chain, Save, choose, follow, recovery_recipe
+from mpitailor.planning.recovery import Chain, Save, choose, recovery_recipe
 from mpitailor.planning.retention import PRUNED_DIR
 
 log = logging.getLogger(__name__)
@@ -76,7 +82,7 @@ def find_saves(save_dir: Path, view=LOCAL) -> list[Save]:
         try:
             save = _find_one(child, view)
         except FileNotFoundError:
-            raise _vanished(child) from None
+            raise vanished(child) from None
         if save == "nested":
             nested.append(name)
         elif save is not None:
@@ -96,11 +102,6 @@ def _refuse_link(child: Path) -> None:
         raise UserError(f"{child}: a symbolic link (to {os.readlink(child)}), where a save "
                         f"dir holds its saves; mpitailor follows no link in a save dir: "
                         f"replace it with the save itself (`cp -a`), or remove it")
-
-
-def _vanished(path: Path) -> MpitailorError:
-    return MpitailorError(f"{path}: removed while it was read (a prune, a save or `clean` "
-                          f"running now?); run again")
 
 
 def _find_one(child: Path, view) -> Save | str | None:
@@ -289,25 +290,11 @@ def plan_recovery(comm: Comm, save_dir: Path,
     out saves after this step (resume from an older point). Also where the save dir's files
     lie: the survey that a merge of the chain then reuses (plan_recipe's `place`)."""
     saves, chain, place = survey_saves(comm, save_dir, until_step)
-    comm.root_step(_refuse_unreadable, saves, chain)
+    comm.root_step(refuse_unreadable, saves, chain)
     if comm.rank == 0:
         for name, why in chain.skipped:
             log.warning("recover: skipping %s: %s", name, why)
     return chain, place
-
-
-def _refuse_unreadable(saves: list[Save], chain: Chain) -> None:
-    """A save that cannot be read now and is on the timeline (or newer than its start: it
-    may be the start) is not skipped as incomplete ones are: recovering without it would
-    take older copies of its layers, silently. CannotReadNow naming it."""
-    path = {s.name for s in follow(chain.full, saves) if isinstance(s, Save)} \
-        if chain.full.lineage is not None else set()
-    for s in saves:
-        if s.unreadable and (s.name in path or s.step >= chain.full.step):
-            raise CannotReadNow(f"{s.path}: cannot be read now ({s.problem}); it may hold "
-                                f"the newest copy of a layer: fix its permissions (or the "
-                                f"disk) and run again, or move it out of the save dir to "
-                                f"recover without it")
 
 
 def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
@@ -322,7 +309,7 @@ def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
     found = comm.step_on(_finder(place, save_dir), find_saves, save_dir, place.fs())
     if until_step is not None:
         found = [s for s in found if s.step <= until_step]
-    saves = _looked_at(comm, check_saves(comm, found, place=place), place, look)
+    saves = looked_at(comm, check_saves(comm, found, place=place), place, look)
     while True:
         chain = comm.root_step(_timeline_to_recover, save_dir, saves, place.fs())
         if not crc:
@@ -330,37 +317,14 @@ def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
         names = {s.name for s in chain.partials}
         checked = check_saves(comm, [s for s in saves if s.name in names], crc_of=names,
                               place=place)
-        bad = {s.name: s for s in _looked_at(comm, checked, place, look)
+        bad = {s.name: s for s in looked_at(comm, checked, place, look)
                if s.problem is not None}
         if not bad:
             break
         saves = [bad.get(s.name, s) for s in saves]
     if not place.node_local:  # a save that went while we read: the reading is not whole
-        comm.root_step(_still_there, saves)
+        comm.root_step(still_there, saves)
     return saves, chain, place
-
-
-def _looked_at(comm: Comm, saves: list[Save], place: Placement, look: bool) -> list[Save]:
-    """Collective: the saves whose checks failed for a cause the exception did not name,
-    walked (readable.odd_entry) and marked unreadable if something in them is. Not under
-    node-local storage: one process sees only its node's files."""
-    if place.node_local or not look:
-        return saves
-
-    def look() -> list[Save]:
-        out = []
-        for s in saves:
-            why = odd_entry(s.path) if s.problem is not None and not s.unreadable else None
-            out.append(s if why is None else dataclasses.replace(
-                s, problem=f"{s.problem} ({why})", unreadable=True))
-        return out
-    return comm.root_step(look)
-
-
-def _still_there(saves: list[Save]) -> None:
-    for s in saves:
-        if not os.path.lexists(s.path):
-            raise _vanished(s.path)
 
 
 RANK0_FILES = (model_file(0), STAGE12_MODEL, partial_files(0)["model"])
