@@ -55,12 +55,11 @@ def rezip(recs: dict[str, bytes] | list[tuple[str, bytes]], path: Path) -> Path:
 
 
 def pickle_of(data: bytes) -> bytes:
-    return records(data)["archive/data.pkl"]
+    return next(d for n, d in records(data).items() if n.endswith("/data.pkl"))
 
 
 def with_pickle(data: bytes, pkl: bytes, path: Path) -> Path:
-    recs = records(data)
-    recs["archive/data.pkl"] = pkl
+    recs = {n: pkl if n.endswith("/data.pkl") else d for n, d in records(data).items()}
     return rezip(recs, path)
 
 
@@ -347,3 +346,119 @@ def test_inspect_lists_the_globals_a_save_carries(ckpt):
     line = next(x for x in r.stdout.splitlines() if x.startswith("carries"))
     for name in ("__main__.RunNotes", "argparse.Namespace", "numpy.dtype"):
         assert name in line, line
+
+
+# ---- Found by an hour of attack on the closed reader, each a standing case --------------
+
+def glob_(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def top(*pairs: bytes) -> bytes:
+    """A protocol-2 pickle of one dict with these (key + value) pairs."""
+    return b"\x80\x02}" + b"".join(p + b"s" for p in pairs) + b"."
+
+
+def test_rebuild_from_type_names_only_the_tensor_rebuild(tmp_path):
+    """torch's _rebuild_from_type_v2 calls its first argument: carried as a stand-in with
+    another function there (sympy.sympify, which evaluates a string), the output made
+    DeepSpeed's own loader call it. Refused unless it rebuilds a tensor of a tensor type."""
+    call = (glob_("torch._tensor", "_rebuild_from_type_v2") + b"(" + glob_("sympy", "sympify")
+            + glob_("torch", "Tensor") + uni("__import__('os')") + b"\x85}tR")
+    path = rezip({"archive/data.pkl": top(uni("x") + call)}, tmp_path / "x.pt")
+    refused(path, "_rebuild_from_type_v2 of something other than a tensor", opaque_ok=True)
+
+
+def test_a_zip_whose_central_directory_is_not_where_its_end_record_says(tmp_path):
+    """zipfile shifts every offset by the difference (data before a zip), torch's miniz does
+    not: one file, two readings. Refused."""
+    path = tmp_path / "x.pt"
+    path.write_bytes(b"\0" * 64 + saved({"w": torch.ones(2)}))
+    refused(path, "central directory is not where the end record says")
+
+
+def test_a_shared_tensor_is_copied_once_and_views_are_bounded(tmp_path):
+    from mpitailor.formats.rawio import copied
+    t = torch.arange(8.0)
+    path = tmp_path / "s.pt"
+    path.write_bytes(saved({"a": [t, t], "b": t}))
+    obj = load(path)
+    with open(path, "rb") as f:
+        out = copied(obj, f.fileno())
+    assert out["a"][0] is out["a"][1] is out["b"] and out["b"] is not obj["b"]
+    # 3000 distinct views of one 256 KiB storage, each of all of it: 750 MiB to copy
+    big = torch.zeros(1 << 16)
+    path.write_bytes(saved([big.view(-1) for _ in range(3000)]))
+    refused(path, "view", "bytes of storages that hold")
+
+
+def test_stand_ins_as_dict_keys_hash_apart():
+    """Every stand-in of a class hashed alike: 20000 of them as dict keys cost 80 s of
+    comparisons. Their hashes follow what the pickle gave them."""
+    cls = opaque.stand_in("deepspeed.utils.tensor_fragment.fragment_address")
+    keys = [cls.__new__(cls, i) for i in range(1000)]
+    assert len({hash(k) for k in keys}) == 1000
+    assert hash(cls.__new__(cls, 5)) == hash(keys[5]) and cls.__new__(cls, 5) == keys[5]
+
+
+def test_bytearray_of_a_size_is_refused(tmp_path):
+    """bytearray(3 * 10**9) from 60 bytes of pickle: torch would allocate it."""
+    pkl = top(uni("b") + glob_("builtins", "bytearray") + b"\x8a\x05\x00\x5e\xd0\xb2\x00\x85R")
+    refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), "bytearray of something")
+
+
+@pytest.mark.parametrize("value", [b"X\x01\x00\x00\x002", b"G@\x00\x00\x00\x00\x00\x00\x00",
+                                   b"\x88", b"N"])
+def test_counters_of_the_wrong_type_are_one_line(ckpt_copy, value):
+    """global_steps as "2", 2.0, True or None in a real model-states file: one line, rc 2,
+    on inspect (it was a traceback, or a silent exit 0)."""
+    root = ckpt_copy("w2_fp32_one")
+    for f in sorted((root / "global_step10").glob("*model_states.pt")):
+        data = f.read_bytes()
+        pkl = pickle_of(data)
+        assert pkl.endswith(b".")
+        recs = [(n, pkl[:-1] + uni("global_steps") + value + b"s." if n.endswith("data.pkl")
+                 else d) for n, d in records(data).items()]
+        rezip(recs, f)
+    r = run_cli(["inspect", str(root / "global_step10")], {})
+    assert r.returncode == 2 and "global_steps is" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_file_naming_hundreds_of_globals_is_refused(tmp_path):
+    """Each global a stand-in class the process keeps: 100000 of them, 263 MB."""
+    pkl = b"\x80\x02]" + b"(" + b"".join(glob_("u", f"C{i}") + b")\x81" for i in range(300)) \
+        + b"e."
+    refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), "different globals",
+            opaque_ok=True)
+
+
+def test_what_tensors_and_ordered_dicts_carry_is_walked_too(tmp_path):
+    """A tensor's attributes (_rebuild_from_type_v2's state) and an OrderedDict's (BUILD)
+    nested 300 deep, as torch.save writes them: refused at load, not a RecursionError when
+    written."""
+    deep: list = []
+    for _ in range(300):
+        deep = [deep]
+    t = torch.zeros(2)
+    t.ds_id = deep
+    od = OrderedDict(w=torch.zeros(1))
+    od._metadata = deep
+    for name, obj in (("t", {"t": t}), ("o", od)):
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(saved(obj))
+        refused(path, "nested over 200")
+
+
+@pytest.mark.parametrize("pkl,words", [
+    (top(uni("x") + b"]" + glob_("builtins", "set") + b"a"), "keeps 'set' as a value"),
+    (top(uni("x") + glob_("_codecs", "encode")), "keeps '_bytes_from_latin1' as a value"),
+    (top(uni("x") + glob_("collections", "OrderedDict") + b")R}" + uni("__setstate__")
+         + b"K\x01sb"), "BUILD on OrderedDict"),
+    (top(uni("x") + glob_("", "x")), "not module.Name"),
+    (top(uni("x") + glob_("evilpkg", "os.system")), "not module.Name"),
+])
+def test_globals_kept_as_values_and_odd_names_are_refused(tmp_path, pkl, words):
+    """Written back, a class or function kept as a value named a global of Python's or
+    mpitailor's; a dotted name was split at another dot (evilpkg.os.system)."""
+    refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), words, opaque_ok=True)

@@ -105,7 +105,13 @@ class Opaque(metaclass=_OpaqueMeta):
                 and self._args == other._args and self._state == other._state)
 
     def __hash__(self) -> int:
-        return hash(type(self).global_name)
+        # Of what the pickle gave, so that many stand-ins of one class as dict keys do not
+        # all collide (a file of N such keys would cost N**2 comparisons); unhashable
+        # arguments: the object itself (no two such stand-ins are then one key).
+        try:
+            return hash((type(self).global_name, self._how, self._args))
+        except TypeError:
+            return id(self)
 
     def __repr__(self) -> str:
         return f"<opaque {type(self).global_name}>"

@@ -126,6 +126,11 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
     size = os.fstat(f.fileno()).st_size
     out, spans = {}, []
     with zipfile.ZipFile(f) as z:
+        # zipfile shifts every offset when the central directory does not lie where the end
+        # record says (data prepended to a zip); torch (miniz) does not: two readings.
+        end = zipfile._EndRecData(f)  # type: ignore[attr-defined]
+        if end is None or end[zipfile._ECD_OFFSET] != z.start_dir:  # type: ignore[attr-defined]
+            raise zipfile.BadZipFile("the central directory is not where the end record says")
         for info in z.infolist():
             if info.filename in out:
                 raise zipfile.BadZipFile(f"two records named {info.filename}")
@@ -148,9 +153,14 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
 
 
 def archive_of(records: dict[str, tuple[int, int, int]]) -> str:
-    """The folder every record name starts with ("archive" when saved to a file object)."""
+    """The folder every record name starts with ("archive" when saved to a file object);
+    zipfile.BadZipFile where a record lies outside it (torch refuses such a file)."""
     first = next(iter(records), "")
-    return first.partition("/")[0]
+    archive = first.partition("/")[0]
+    stray = next((n for n in records if n.partition("/")[0] != archive or "/" not in n), None)
+    if stray is not None:
+        raise zipfile.BadZipFile(f"record {stray} is not in the folder {archive}/")
+    return archive
 
 
 def read_pickle(f, records: dict[str, tuple[int, int, int]]) -> bytes:

@@ -51,18 +51,22 @@ def materialize(obj, skip: frozenset[int] = frozenset()):
     return obj
 
 
-def copied(obj, fd: int, skip: frozenset[int] = frozenset()):
+def copied(obj, fd: int, skip: frozenset[int] = frozenset(), _memo: dict | None = None):
     """A copy of obj in which every tensor but those whose id() is in `skip` is read from
-    `fd` into a new contiguous tensor of its own, and every dict, list and tuple is new.
-    A full checkpoint's optimizer state is held in this form, which writes containers the
-    file shared unshared: keep it, or the pickles of merged optimizer files change. (The
-    reader bounds how large a file's containers are when unshared: safeload.MAX_OBJECTS.)"""
+    `fd` into a new contiguous tensor of its own (once: a tensor the file shares stays
+    shared), and every dict, list and tuple is new. A full checkpoint's optimizer state is
+    held in this form, which writes containers the file shared unshared: keep it, or the
+    pickles of merged optimizer files change. (The reader bounds how large a file's
+    containers are when unshared, and how many bytes its views hold: safeload.)"""
+    memo = {} if _memo is None else _memo
     if isinstance(obj, Tensor):
         if id(obj) in skip:
             return obj
-        return Tensor.of_bytes(obj.values(fd).tobytes(), obj.dtype, obj.shape)
+        if id(obj) not in memo:
+            memo[id(obj)] = Tensor.of_bytes(obj.values(fd).tobytes(), obj.dtype, obj.shape)
+        return memo[id(obj)]
     if isinstance(obj, dict):
-        return type(obj)((k, copied(v, fd, skip)) for k, v in obj.items())
+        return type(obj)((k, copied(v, fd, skip, memo)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(copied(v, fd, skip) for v in obj)
+        return type(obj)(copied(v, fd, skip, memo) for v in obj)
     return obj

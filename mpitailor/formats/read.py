@@ -32,6 +32,27 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
     optim = load(files.optim_path(0))  # structure only: tensors are read where needed
     _require_keys(files.model_path(0), model, ("param_shapes", "dp_world_size", "global_steps"))
     _require_keys(files.optim_path(0), optim, ("optimizer_state_dict",))
+    for key in ("global_steps", "dp_world_size", "global_samples", "mp_world_size"):
+        value = model.get(key)
+        optional = key in ("global_samples", "mp_world_size")  # DeepSpeed may leave them out
+        if not (optional and value is None) and (type(value) is not int or value < 0):
+            raise CheckpointError(f"{files.model_path(0)}: {key} is {shown_value(value)}, not a "
+                                  f"count; a damaged or foreign model-states file")
+    try:
+        return _read_meta(files, view, model, optim)
+    except (TypeError, ValueError, OverflowError, AttributeError, KeyError, IndexError) as e:
+        # A field of the wrong type or shape somewhere in DeepSpeed's metadata: one line.
+        raise CheckpointError(f"{files.model_path(0)}: malformed DeepSpeed metadata "
+                              f"({type(e).__name__}: {str(e)[:120]}); a damaged or foreign "
+                              f"checkpoint") from None
+
+
+def shown_value(value) -> str:
+    """A pickled value as an error shows it: its type, and a short repr."""
+    return f"{type(value).__name__} {repr(value)[:40]}"
+
+
+def _read_meta(files, view, model: dict, optim: dict) -> CheckpointMeta:
     osd = optim["optimizer_state_dict"]
     stage = _stage(files, osd)
     if int(model.get("mp_world_size") or 1) > 1:
@@ -74,9 +95,10 @@ def read_meta(path: Path | str, view=LOCAL) -> CheckpointMeta:
         global_samples=int(model.get("global_samples", 0)),
         param_groups=tuple(tuple(int(i) for i in g["params"]) for g in inner["param_groups"]),
         subgroup_steps=_read_steps(files.optim_path(0), inner["state"], n_sub),
-        frozen_shapes=tuple((n, tuple(int(d) for d in s))
-                            for n, s in (model.get("frozen_param_shapes") or {}).items()),
-        shared_params=tuple(sorted((model.get("shared_params") or {}).items())),
+        frozen_shapes=tuple((n, tuple(int(d) for d in s)) for n, s in _names_to(
+            files.model_path(0), model, "frozen_param_shapes", tuple)),
+        shared_params=tuple(sorted(_names_to(files.model_path(0), model, "shared_params",
+                                             str))),
         ds_version=str(model.get("ds_version", "")),
         held_layers=manifest_of[0] if files.partial else None,
         partial_records=manifest_of[1] if files.partial else (),
@@ -207,6 +229,19 @@ def _partial_manifest(files: CheckpointFiles, view, model: dict,
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); the partial save is damaged") \
             from None
+
+
+def _names_to(path: Path, model: dict, key: str, kind: type) -> list[tuple[str, object]]:
+    """model[key] (absent: empty) as (parameter name, value) pairs, each value a `kind`
+    (a shape: a tuple of counts)."""
+    got = model.get(key) or {}
+    items = list(got.items()) if isinstance(got, dict) else None
+    if items is None or not all(type(n) is str and isinstance(v, kind) for n, v in items) or (
+            kind is tuple and not all(type(d) is int and d >= 0 for _, v in items for d in v)):
+        raise CheckpointError(f"{path}: {key} is not a mapping of parameter names to "
+                              f"{'shapes' if kind is tuple else 'names'}; a damaged or foreign "
+                              f"model-states file")
+    return items
 
 
 def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:

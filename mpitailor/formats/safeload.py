@@ -126,12 +126,14 @@ MAX_DEPTH = 200  # DeepSpeed's and HF's states nest < 10 deep; client state a li
 MAX_OBJECTS = 1 << 20
 
 
-_CONTAINERS = (dict, list, tuple, set, frozenset, opaque.Opaque)
+_CONTAINERS = (dict, list, tuple, set, frozenset, opaque.Opaque, Tensor)
 
 
 def _children(x):
-    if isinstance(x, dict):
-        return itertools.chain(x.keys(), x.values())
+    if isinstance(x, Tensor):  # what torch's rebuild carries beside the view
+        return (x.wrapper, x.metadata)
+    if isinstance(x, dict):  # an OrderedDict's attributes too (BUILD sets them)
+        return itertools.chain(x.keys(), x.values(), getattr(x, "__dict__", {}).values())
     if isinstance(x, opaque.Opaque):
         return (x._args, x._state)
     return x
@@ -140,21 +142,28 @@ def _children(x):
 def _check_loaded(obj, path: Path) -> None:
     """After the whole file is read: refuse containers nested deeper than MAX_DEPTH
     (everything after the load walks them recursively), more than MAX_OBJECTS objects
-    once shared containers are unshared, and any tensor whose view does not lie inside its
-    storage (tensorref checked each when it was made; this holds after anything since).
+    once shared containers are unshared, any tensor whose view does not lie inside its
+    storage (tensorref checked each when it was made; this holds after anything since),
+    views of many more bytes than the storages hold, and a global kept as a value where
+    torch files only call it.
     Each container is visited once (memo), in post-order so that its unshared size is the
     sum of its children's."""
     size: dict[int, int] = {}  # id -> unshared size, of every container done
     open_: set[int] = set()  # containers whose children are being visited
+    viewed, stored = 0, {}  # bytes of every tensor's view; of every storage, by id
     stack = [(obj, 1, False)]
     while stack:
         x, depth, done = stack.pop()
-        if isinstance(x, Tensor):
+        if id(x) in torchpickle.CALLS_ONLY_VALUES:
+            raise CheckpointError(f"{path}: a pickle that keeps {getattr(x, '__name__', x)!r:.60} as a value (torch "
+                                  f"files only call it); a damaged or crafted file")
+        if isinstance(x, Tensor) and not done and id(x) not in size:
             problem = view_problem(x.storage, x.storage_offset, x.shape, x.stride)
             if problem is not None:
                 raise CheckpointError(f"{path}: {problem}; a damaged or crafted file")
-            continue
-        if not isinstance(x, _CONTAINERS):
+            viewed += x.nbytes
+            stored.setdefault(id(x.storage), x.storage.nbytes)
+        elif not isinstance(x, _CONTAINERS):
             continue
         if done:
             open_.discard(id(x))
@@ -175,6 +184,12 @@ def _check_loaded(obj, path: Path) -> None:
         open_.add(id(x))
         stack.append((x, depth, True))
         stack.extend((c, depth + 1, False) for c in _children(x))
+    # Views of one storage, each copied whole later (rawio.copied, materialize): bounded
+    # by the storages' own bytes (tied weights view one storage twice, stage 1/2 params
+    # view a flat buffer once).
+    if viewed > 4 * sum(stored.values()) + (64 << 20):
+        raise CheckpointError(f"{path}: its tensors view {viewed} bytes of storages that hold "
+                              f"{sum(stored.values())}; a damaged or crafted file")
 
 
 def require_regular(path: Path) -> None:

@@ -24,6 +24,7 @@ import codecs
 import collections
 import io
 import pickle
+import re
 from collections.abc import Callable
 
 from mpitailor.formats import opaque
@@ -50,6 +51,9 @@ class _RebuildTensor(opaque.Opaque):
                 hooks=None, metadata=None, *, wrapper=None):
         if not isinstance(storage, Storage) or not _ints(shape, stride):
             raise pickle.UnpicklingError("a tensor with malformed storage, shape or stride")
+        if type(requires_grad) is not bool or (requires_grad and storage.dtype not in _FLOATS):
+            raise pickle.UnpicklingError("requires_grad that is not a bool, or of a tensor "
+                                         "that is not floating point")
         try:
             return Tensor(storage, storage_offset, shape, stride, bool(requires_grad),
                           metadata, wrapper)
@@ -68,15 +72,48 @@ class _RebuildFromType(opaque.Opaque):
     global_name = "torch._tensor._rebuild_from_type_v2"
 
     def __new__(cls, func=None, new_type=None, args=(), state=None):
-        if func is REBUILD_TENSOR and isinstance(args, tuple):
-            return func(*args, wrapper=(new_type, state))
-        return super().__new__(cls, func, new_type, args, state)
+        # torch calls func(*args) first: only its tensor rebuild may be named here (anything
+        # else, written back, would be a call DeepSpeed's loader makes), of a tensor type.
+        if func is not REBUILD_TENSOR or not isinstance(args, tuple) \
+                or new_type not in _TENSOR_TYPES or (state is not None and type(state) is not dict):
+            raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a "
+                                         "tensor")
+        return func(*args, wrapper=(new_type, state))
 
 
 REBUILD_FROM_TYPE = opaque.register(_RebuildFromType)
+
+
+@opaque.register
+class _RebuildParameter(opaque.Opaque):
+    """`torch._utils._rebuild_parameter(data, requires_grad, backward_hooks)`: a stand-in,
+    of torch's arguments only."""
+
+    global_name = "torch._utils._rebuild_parameter"
+
+    def __new__(cls, data, requires_grad, backward_hooks):
+        if not isinstance(data, Tensor) or type(requires_grad) is not bool:
+            raise pickle.UnpicklingError("_rebuild_parameter of something other than a tensor")
+        return super().__new__(cls, data, requires_grad, backward_hooks)
+
+
+@opaque.register
+class _RebuildParameterWithState(opaque.Opaque):
+    """`torch._utils._rebuild_parameter_with_state(data, requires_grad, hooks, state)`."""
+
+    global_name = "torch._utils._rebuild_parameter_with_state"
+
+    def __new__(cls, data, requires_grad, backward_hooks, state):
+        if not isinstance(data, Tensor) or type(requires_grad) is not bool:
+            raise pickle.UnpicklingError("_rebuild_parameter of something other than a tensor")
+        return super().__new__(cls, data, requires_grad, backward_hooks, state)
 # Stand-ins that are functions in torch: called (REDUCE), never made with NEWOBJ.
-_CALLS_ONLY = frozenset({REBUILD_TENSOR, REBUILD_FROM_TYPE})
+_CALLS_ONLY = frozenset({REBUILD_TENSOR, REBUILD_FROM_TYPE, _RebuildParameter,
+                         _RebuildParameterWithState})
+_FLOATS = ("fp32", "fp16", "bf16", "f64")
 TENSOR_TYPE = opaque.stand_in("torch.Tensor")  # how torch names its type(self)
+_TENSOR_TYPES = frozenset({TENSOR_TYPE, opaque.stand_in("torch._tensor.Tensor"),
+                           opaque.stand_in("torch.nn.parameter.Parameter")})
 
 
 @opaque.register
@@ -99,6 +136,14 @@ def _ints(*seqs) -> bool:
     return all(isinstance(s, tuple) and all(type(d) is int for d in s) for s in seqs)
 
 
+def _bytearray(data=b""):
+    """`builtins.bytearray` as pickles use it, of bytes (never of a size: bytearray(10**10)
+    would allocate it)."""
+    if type(data) is not bytes:
+        raise pickle.UnpicklingError("bytearray of something other than bytes")
+    return bytearray(data)
+
+
 def _bytes_from_latin1(text, encoding="latin1"):
     """`_codecs.encode` as protocol 2 uses it for bytes objects, and nothing else."""
     if not isinstance(text, str) or encoding != "latin1":
@@ -113,13 +158,22 @@ _BASE: dict[str, object] = {
     "torch.Size": Size,
     "collections.OrderedDict": collections.OrderedDict,
     "_codecs.encode": _bytes_from_latin1,
-    "builtins.set": set, "builtins.frozenset": frozenset, "builtins.bytearray": bytearray,
+    "builtins.set": set, "builtins.frozenset": frozenset, "builtins.bytearray": _bytearray,
     "torch._tensor._rebuild_from_type_v2": REBUILD_FROM_TYPE,
     **{f"torch.{name}": _STORAGE_OF[dtype] for name, dtype in STORAGE_TYPES.items()},
 }
-_TORCH_STAND_INS = ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
-                    "torch.Tensor", "torch._tensor.Tensor", "torch.nn.parameter.Parameter",
-                    "torch.device", *(f"torch.{d}" for d in TORCH_DTYPES))
+_BASE.update({"torch._utils._rebuild_parameter": _RebuildParameter,
+              "torch._utils._rebuild_parameter_with_state": _RebuildParameterWithState})
+_TORCH_STAND_INS = ("torch.Tensor", "torch.nn.parameter.Parameter", "torch.device",
+                    *(f"torch.{d}" for d in TORCH_DTYPES))
+# Names that are values in torch, never called or made: its storage types (named by
+# persistent ids) and dtypes.
+_VALUES_ONLY = frozenset(f"torch.{n}" for n in (*STORAGE_TYPES, *TORCH_DTYPES))
+# What find_class gives that a pickle may only call: never a value of the object it makes
+# (written back, the class or function would be a global of Python's or mpitailor's).
+CALLS_ONLY_VALUES = frozenset(id(x) for x in (
+    collections.OrderedDict, _bytes_from_latin1, set, frozenset, _bytearray, REBUILD_TENSOR,
+    REBUILD_FROM_TYPE, _RebuildParameter, _RebuildParameterWithState, Size))
 # torch's own machinery (tensors, storages, sizes, dtypes): what every torch file names.
 TORCH_OWN = frozenset(_BASE) | frozenset(_TORCH_STAND_INS)
 # The extra names of each allow-list safeload.load takes.
@@ -148,6 +202,12 @@ class Refused(pickle.UnpicklingError):
     def __init__(self, name: str, how: str = "") -> None:
         super().__init__(f"Unsupported global: GLOBAL {name}")
         self.name, self.how = name, how
+
+
+MAX_GLOBALS = 256  # different globals one file may name: real ones name < 40
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_NAME = re.compile(r"[A-Za-z_]\w*")  # no dotted (nested) names: written back, they would
+#                                      be split at another dot
 
 
 class _Opcodes(dict):
@@ -184,9 +244,15 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.storage = storage
         self.storages: dict[str, Storage] = {}
         self.callable: dict[int, object] = {}  # id -> global find_class allowed as callable
+        self.values_only: set[int] = set()  # ids of globals that are values (dtypes, ...)
         self.globals: set[str] = set()  # every global the file names
 
     def find_class(self, module: str, name: str):
+        if not (_MODULE.fullmatch(module) and _NAME.fullmatch(name)):
+            raise pickle.UnpicklingError(f"a global named {module!r:.60} {name!r:.60}, not "
+                                         f"module.Name")
+        if len(self.globals) >= MAX_GLOBALS:
+            raise pickle.UnpicklingError(f"over {MAX_GLOBALS} different globals")
         if (module, name) in _compat_pickle.NAME_MAPPING:
             module, name = _compat_pickle.NAME_MAPPING[module, name]
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
@@ -200,7 +266,10 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
             return opaque.stand_in(full)  # a plain class of the user's: instances only
         else:
             raise Refused(full)
-        self.callable[id(found)] = found
+        if full in _VALUES_ONLY:
+            self.values_only.add(id(found))
+        else:
+            self.callable[id(found)] = found
         return found
 
     def load_global(self):
@@ -225,7 +294,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_newobj(self):
         args = self.stack.pop()
         cls = self.stack.pop()
-        if not isinstance(args, tuple) or not (
+        if not isinstance(args, tuple) or id(cls) in self.values_only or not (
                 cls is collections.OrderedDict or cls is Size
                 or (isinstance(cls, opaque._OpaqueMeta) and cls not in _CALLS_ONLY)):
             raise pickle.UnpicklingError(f"a new object of {cls!r:.80}, not of a class the "
@@ -239,7 +308,8 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if isinstance(inst, opaque.Opaque):  # an instance, never a class: it records state
             inst.__setstate__(state)
         elif type(inst) is collections.OrderedDict and type(state) is dict and all(
-                type(k) is str and not hasattr(collections.OrderedDict, k) for k in state):
+                type(k) is str and not k.startswith("__")
+                and not hasattr(collections.OrderedDict, k) for k in state):
             inst.__dict__.update(state)  # a state dict's `_metadata`
         else:
             raise pickle.UnpicklingError(f"BUILD on {type(inst).__name__}: only an "
