@@ -25,6 +25,7 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, MpitailorError, UserError
 from mpitailor.formats.manifest import MANIFEST, read_manifest
+from mpitailor.jobs import readlocks
 from mpitailor.jobs.clean import not_a_dir
 from mpitailor.jobs.recovery import survey_saves
 from mpitailor.jobs.tombstones import (
@@ -208,6 +209,8 @@ def _busy(path: Path) -> str | None:
                 return f"a live process holds {lock.name}: being written"
         except OSError as e:
             return f"cannot tell whether {lock} is held ({e.strerror or e}); left alone"
+    if readlocks.is_read(path):
+        return "a live process reads it (a recover holds it as a source)"
     if os.path.lexists(path_of(path, STAGING)):
         return (f"{path_of(path, STAGING).name} lies beside it (a save in progress, or a "
                 f"killed one: `mpitailor clean` reclaims it)")
@@ -275,9 +278,13 @@ def _apply(save_dir: Path, v: Verdict, ident: tuple[int, int] | None = None) -> 
     fd = take_lock(lock)
     if fd is None:
         return f"kept {v.path}: a live process took {lock.name} just now"
+    held = None
     try:
         if not os.path.lexists(v.path):
             return f"kept nothing of {v.path}: already gone (removed by another process)"
+        held = readlocks.exclusive(v.path)
+        if held is None:
+            return f"kept {v.path}: a live process reads it (a recover) just now"
         if ident is not None and _ident(v.path) != ident:
             return f"kept {v.path}: not the dir that was judged (written again since)"
         if v.tombstone is not None:
@@ -288,6 +295,8 @@ def _apply(save_dir: Path, v: Verdict, ident: tuple[int, int] | None = None) -> 
         os.rename(v.path, gone)
         remove(gone)
     finally:
+        if held is not None:
+            os.close(held)
         drop_lock(lock, fd)
     return f"removed {v.path}: {v.why}" + ("; its tombstone lets recovery step across it"
                                            if v.tombstone else "")
