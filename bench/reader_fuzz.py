@@ -80,8 +80,13 @@ def _run(job: tuple[int, range]) -> dict:
     t = _tally()
     start = time.perf_counter()
     for i in indices:
-        inp = fz.make_input(seed, i, _worker["seeds"])
-        o = oracle.judge(inp, _worker["path"])
+        try:
+            inp = fz.make_input(seed, i, _worker["seeds"])
+        except Exception as e:  # noqa: BLE001 - a bug of the generator: reported, not fatal
+            inp = fz.Input("generator", b"", f"{type(e).__name__}: {e}")
+            o = oracle.Outcome("harness", f"the generator raised {type(e).__name__}")
+        else:
+            o = oracle.judge(inp, _worker["path"])
         verdict, sig = _verdict(o)
         t["inputs"][inp.kind] += 1
         t["kind_s"][inp.kind] += o.seconds
@@ -148,10 +153,13 @@ def save_findings(total: dict, seed: int, seeds: list, out: Path, budget: int) -
     for n, key in enumerate(sorted(total["findings"], key=lambda k: -total["findings"][k][0])):
         verdict, sig = key.split("\t", 1)
         count, (size, index, kind, note, detail) = total["findings"][key]
-        inp = fz.make_input(seed, index, seeds)
-        want = oracle.judge(inp, path)
+        try:
+            inp = fz.make_input(seed, index, seeds)
+        except Exception:  # noqa: BLE001 - the generator's own bug: its line says so
+            inp = fz.Input("generator", b"", note)
+        want = oracle.judge(inp, path) if inp.data else None
         small = inp
-        if (want.verdict, want.sig) == (verdict, sig) and verdict not in ("slow", "memory"):
+        if want and (want.verdict, want.sig) == (verdict, sig) and verdict not in ("slow", "memory"):
             small = oracle.shrink(inp, want, path, budget)
         name = f"{n:02d}-{verdict}"
         (out / f"{name}.pt").write_bytes(small.data)

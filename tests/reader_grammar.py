@@ -182,6 +182,7 @@ def mutate_ops(ops: list, rng: random.Random, donors=(), marker: str = "") -> tu
         elif what == "persid":  # the storage tuple before it: class, key, location, numel
             j = _near(ops, rng, ("BINPERSID",), 0)
             i = j - rng.randint(1, 10) if j is not None else i
+        i = min(max(i, 0), n - 1)
         ints = [k for k in range(max(i - 3, 0), min(i + 4, n))
                 if ops[k][0] in ("BININT1", "BININT2", "BININT", "LONG1", "BINUNICODE",
                                  "GLOBAL")]
