@@ -42,7 +42,7 @@ test: fixtures
 test-slurm: install
 	rc=0; bash slurm/start-cluster.sh >/dev/null || rc=$$?; \
 	if [ $$rc -eq 0 ] || [ $$rc -eq 3 ]; then \
-		rc=0; MPITAILOR_SLURM_TESTS=1 timeout 900 $(PYTEST) tests/test_slurm.py --durations=5 || rc=$$?; \
+		rc=0; MPITAILOR_SLURM_TESTS=1 timeout 1500 $(PYTEST) tests/test_slurm.py --durations=5 || rc=$$?; \
 	fi; \
 	bash slurm/stop-cluster.sh; exit $$rc
 

@@ -74,7 +74,9 @@ def test_the_wheel_leaves_the_repos_dev_tools_out(installed):
     names = zipfile.ZipFile(wheel).namelist()
     assert "mpitailor/training/checkpointer.py" in names  # the training side ships
     assert not [n for n in names if n.startswith(("dev/", "mpitailor/tinytrain/"))
-                or n == "mpitailor/demo.py"], names
+                or n == "mpitailor/demo.py"
+                or n.endswith(("start-cluster.sh", "stop-cluster.sh"))], names
+    assert "mpitailor/slurm/train-script.sbatch" in names  # the docs' sbatch for scripts
     r = sh([venv / "bin" / "python", "-c", "import dev.tinytrain"], cwd=away, env=env)
     assert r.returncode != 0 and "No module named 'dev'" in r.stderr, r.stderr
 

@@ -22,6 +22,9 @@ from cluster_util import wait_for
 
 from dev.tinytrain import TrainSpec
 from dev.tinytrain.worker import client_state, shown_client_state
+from doc_scripts import doc_script
+
+from mpitailor.formats.read import read_meta
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"
@@ -261,3 +264,80 @@ def test_prologue_with_keep_last_prunes_after_recovering(env, tmp_path):
     assert (out_parent / "recovered-step8" / "latest").exists()
     assert sorted(p.name for p in save.iterdir() if p.name.startswith("global_step")) == \
         ["global_step2", "global_step6", "global_step8"], r.stderr
+
+
+# ---- The docs' HF Trainer and Accelerate scripts, as a user submits them -----------------
+
+def submit_script(env, cwd: Path, out: Path, *options: str) -> str:
+    """sbatch slurm/train-script.sbatch train.py from cwd (the script's dir); the job id."""
+    sub = run(["sbatch", "--parsable", *options, f"--output={out}",
+               SLURM / "train-script.sbatch", "train.py"],
+              {**env, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
+               "OMP_NUM_THREADS": "1"}, timeout=30, cwd=cwd)
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0]
+
+
+def finished(job: str, env) -> str:
+    return wait_for("end of the job", lambda: (s := job_state(job, env)) in
+                    ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and s, 300,
+                    interval=1)
+
+
+def test_the_docs_hf_trainer_script_requeued_mid_save_resumes(env, tmp_path):
+    """docs/training.md's HF Trainer script, run by slurm/train-script.sbatch on 2 tasks, is
+    requeued (scontrol requeue) while rank 0 publishes its step-6 save: the requeued run,
+    the same script unchanged, skips the half-written checkpoint-6, resumes from the
+    composite of checkpoints 2 and 4, and completes step 8."""
+    (tmp_path / "train.py").write_text(doc_script("hf-trainer-example"))
+    gate, out = tmp_path / "gate", tmp_path / "job.out"
+    gate.mkdir()
+    hold = f"partial-publish/checkpoint-6/global_step6:0:pause={gate}"
+    job = submit_script({**env, "MPITAILOR_FAILPOINT": hold}, tmp_path, out)
+    try:
+        wait_for("the step-6 save", lambda: (gate / "reached").exists(), 240)
+        requeue = run(["scontrol", "requeue", job], env, timeout=30)
+        assert requeue.returncode == 0, requeue.stderr
+        (gate / "go").touch()  # the requeued run passes the point
+        assert finished(job, env) == "COMPLETED"
+        text = out.read_text()
+        assert "restart 1" in text and "DUE TO JOB REQUEUE" in text
+        assert "skipping checkpoint-6" in text and "an incomplete save" in text, text[-3000:]
+        assert re.search(r"resuming from \S+/recovered-checkpoint-4-\S+ \(step 4, world size 2\)",
+                         text), text[-3000:]
+        state = json.loads((tmp_path / "run" / "checkpoint-8" / "trainer_state.json")
+                           .read_text())
+        assert state["global_step"] == 8
+    except (AssertionError, TimeoutError) as e:
+        pytest.fail(f"{e}\n{diagnose(job, out, env)}")
+    finally:
+        run(["scancel", job], env, timeout=30)
+
+
+def test_the_docs_accelerate_script_back_on_three_tasks_resumes_at_that_size(env, tmp_path):
+    """docs/training.md's Accelerate script on 2 tasks, cancelled while rank 0 publishes its
+    step-6 save; the same script submitted again with --ntasks=3 recovers the newest copy
+    of every layer for 3 ranks itself (recover_for_resume) and trains on to step 8."""
+    (tmp_path / "train.py").write_text(doc_script("accelerate-example"))
+    gate, first, second = tmp_path / "gate", tmp_path / "first.out", tmp_path / "second.out"
+    gate.mkdir()
+    hold = f"partial-publish/checkpoint-6/pytorch_model:0:pause={gate}"
+    job = submit_script({**env, "MPITAILOR_FAILPOINT": hold}, tmp_path, first)
+    try:
+        wait_for("the step-6 save", lambda: (gate / "reached").exists(), 240)
+    finally:
+        run(["scancel", job], env, timeout=30)
+    finished(job, env)
+    job = submit_script(env, tmp_path, second, "--ntasks=3")
+    try:
+        assert finished(job, env) == "COMPLETED"
+        text = second.read_text()
+        assert "3 task(s)" in text
+        assert "resuming from" in text and "(step 4, world size 3, resharded from world " \
+            "size 2)" in text, text[-3000:]
+        new = read_meta(tmp_path / "run" / "checkpoint-8" / "pytorch_model")
+        assert (new.world_size, new.global_steps) == (3, 8)
+    except (AssertionError, TimeoutError) as e:
+        pytest.fail(f"{e}\n{diagnose(job, second, env)}")
+    finally:
+        run(["scancel", job], env, timeout=30)
