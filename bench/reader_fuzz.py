@@ -47,9 +47,13 @@ def _seeds() -> list:
     return fz.load_seeds(fz.seed_files([Path(build(n)) for n in fz.SEED_FIXTURES]))
 
 
-def _init(seed_files: list[str]) -> None:
+def _init(seed_files: list[str], run: str) -> None:
+    import faulthandler
+
     import torch
+    faulthandler.enable()  # a segfault says where on stderr
     torch.set_num_threads(1)
+    _worker["run"] = run
     _worker["seeds"] = fz.load_seeds([Path(f) for f in seed_files])
     _worker["path"] = Path(_tmp_dir()) / f"mpitailor-reader-fuzz-{os.getpid()}.pt"
     fz.plant_marker()
@@ -75,11 +79,19 @@ def _verdict(o: oracle.Outcome) -> tuple[str, str]:
     return o.verdict, o.sig
 
 
-def _run(job: tuple[int, range]) -> dict:
-    seed, indices = job
+def _progress(run: str, first: int) -> Path:
+    return Path(_tmp_dir()) / f"mpitailor-reader-fuzz-{run}-{first}.at"
+
+
+def _run(job: tuple[int, range, frozenset]) -> dict:
+    seed, indices, skip = job
     t = _tally()
     start = time.perf_counter()
+    at = _progress(_worker["run"], indices.start)
     for i in indices:
+        if i in skip:
+            continue
+        at.write_text(str(i))  # where a process that dies was: see fuzz()
         try:
             inp = fz.make_input(seed, i, _worker["seeds"])
         except Exception as e:  # noqa: BLE001 - a bug of the generator: reported, not fatal
@@ -102,6 +114,7 @@ def _run(job: tuple[int, range]) -> dict:
         t["worst_s"] = max(t["worst_s"], (o.seconds, i))
         t["worst_rss_mb"] = max(t["worst_rss_mb"], (o.rss_mb, i))
     t["seconds"] = time.perf_counter() - start
+    at.unlink(missing_ok=True)
     return t
 
 
@@ -117,20 +130,47 @@ def _merge(total: dict, t: dict) -> None:
 
 
 def fuzz(seed: int, start: int, count: int, jobs: int, seeds: list) -> dict:
+    """Every input on `jobs` processes. A process that dies (a segfault: so far torch and
+    numpy on a crafted numpy state, never mpitailor) takes its chunk's tally with it: the
+    chunk runs again, and an input at which the same chunk dies twice is counted as a
+    `process-crash` and skipped."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
     files = sorted({str(f) for f in fz.seed_files([Path(_build(n)) for n in fz.SEED_FIXTURES])})
-    work = [(seed, range(a, min(a + CHUNK, start + count)))
-            for a in range(start, start + count, CHUNK)]
+    run = f"{os.getpid()}-{time.time_ns()}"
+    todo = {a: (seed, range(a, min(a + CHUNK, start + count)), frozenset())
+            for a in range(start, start + count, CHUNK)}
     total, done, t0, last = _tally(), 0, time.time(), 0.0
-    ctx = multiprocessing.get_context("forkserver")
-    with ctx.Pool(jobs, initializer=_init, initargs=(files,), maxtasksperchild=200) as pool:
-        for t in pool.imap_unordered(_run, work):
-            _merge(total, t)
-            done += sum(t["inputs"].values())
-            if time.time() - last > 30:
-                last = time.time()
-                found = sum(n for n, _ in total["findings"].values())
-                print(f"  {done:,} of {count:,} inputs, {done / (last - t0):.0f}/s, "
-                      f"{found} findings", file=sys.stderr, flush=True)
+    total["crashes"], died_at = [], {}
+    while todo:
+        ctx = multiprocessing.get_context("forkserver")
+        try:
+            with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init,
+                                     initargs=(files, run)) as ex:
+                futures = {ex.submit(_run, job): a for a, job in todo.items()}
+                for f in as_completed(futures):
+                    t = f.result()
+                    del todo[futures[f]]
+                    _merge(total, t)
+                    done += sum(t["inputs"].values())
+                    if time.time() - last > 30:
+                        last = time.time()
+                        found = sum(n for n, _ in total["findings"].values())
+                        print(f"  {done:,} of {count:,} inputs, {done / (last - t0):.0f}/s, "
+                              f"{found} findings", file=sys.stderr, flush=True)
+        except BrokenProcessPool:
+            for a, (sd, rng, skip) in list(todo.items()):
+                p = _progress(run, a)
+                if not p.exists():
+                    continue
+                i = int(p.read_text())
+                p.unlink()
+                if died_at.get(a) == i:  # the same input twice: it is the one
+                    total["crashes"].append(i)
+                    todo[a] = (sd, rng, skip | {i})
+                died_at[a] = i
+            print(f"  a process died; {len(todo)} chunks run again "
+                  f"(crashing inputs so far: {total['crashes']})", file=sys.stderr, flush=True)
     total["wall_s"] = time.time() - t0
     return total
 
@@ -140,38 +180,56 @@ def _build(name: str) -> str:
     return build(name)
 
 
+def _shrunk(job: tuple) -> bytes:
+    """In a process of its own (a variant may crash torch's side): the input, shrunk."""
+    seed, index, verdict, sig, budget = job
+    inp = fz.make_input(seed, index, _worker["seeds"])
+    want = oracle.judge(inp, _worker["path"])
+    if (want.verdict, want.sig) != (verdict, sig) or verdict in ("slow", "memory"):
+        return inp.data
+    return oracle.shrink(inp, want, _worker["path"], budget).data
+
+
 def save_findings(total: dict, seed: int, seeds: list, out: Path, budget: int) -> list[dict]:
-    """Shrink the smallest input of each kind of finding and write it to `out`."""
+    """Shrink the smallest input of each kind of finding and write it to `out`; inputs at
+    which a process died are kept as they are."""
+    from concurrent.futures import ProcessPoolExecutor
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*"):
         if old.suffix in (".pt", ".txt"):
             old.unlink()
-    fz.plant_marker()
-    oracle.limit_memory()
-    path = Path(_tmp_dir()) / f"mpitailor-reader-shrink-{os.getpid()}.pt"
+    kinds = sorted(total["findings"].items(), key=lambda kv: -kv[1][0])
+    kinds += [(f"process-crash\ta fuzzing process died (a segfault) at this input",
+               (1, (0, i, "", "", ""))) for i in total.get("crashes", [])]
+    files = sorted({str(f) for f in fz.seed_files([Path(_build(n)) for n in fz.SEED_FIXTURES])})
     saved = []
-    for n, key in enumerate(sorted(total["findings"], key=lambda k: -total["findings"][k][0])):
+    for n, (key, (count, (size, index, kind, note, detail))) in enumerate(kinds):
         verdict, sig = key.split("\t", 1)
-        count, (size, index, kind, note, detail) = total["findings"][key]
         try:
             inp = fz.make_input(seed, index, seeds)
         except Exception:  # noqa: BLE001 - the generator's own bug: its line says so
             inp = fz.Input("generator", b"", note)
-        want = oracle.judge(inp, path) if inp.data else None
-        small = inp
-        if want and (want.verdict, want.sig) == (verdict, sig) and verdict not in ("slow", "memory"):
-            small = oracle.shrink(inp, want, path, budget)
+        small = inp.data
+        if inp.data and verdict != "process-crash":
+            ctx = multiprocessing.get_context("forkserver")
+            try:
+                with ProcessPoolExecutor(1, mp_context=ctx, initializer=_init,
+                                         initargs=(files, "shrink")) as ex:
+                    small = ex.submit(_shrunk, (seed, index, verdict, sig, budget)).result()
+            except Exception:  # noqa: BLE001 - a crash while shrinking: keep the input whole
+                pass
         name = f"{n:02d}-{verdict}"
-        (out / f"{name}.pt").write_bytes(small.data)
-        line = (f"{verdict}: {sig} | {count} inputs | seed {seed} index {index} ({kind}: "
-                f"{note}) | {len(small.data)} bytes, shrunk from {len(inp.data)}")
+        (out / f"{name}.pt").write_bytes(small)
+        line = (f"{verdict}: {sig} | {count} inputs | seed {seed} index {index} "
+                f"({inp.kind}: {inp.note[:200]}) | {len(small)} bytes, shrunk from "
+                f"{len(inp.data)}")
         (out / f"{name}.txt").write_text(line + "\n")
         saved.append({"file": f"{name}.pt", "verdict": verdict, "kind": sig, "count": count,
-                      "seed": seed, "index": index, "input_kind": kind, "note": note,
-                      "detail": detail, "bytes": len(small.data), "bytes_before": len(inp.data)})
+                      "seed": seed, "index": index, "input_kind": inp.kind,
+                      "note": inp.note[:200], "detail": detail, "bytes": len(small),
+                      "bytes_before": len(inp.data)})
     (out / "index.txt").write_text("".join(
         f"{s['file']}: {s['verdict']}: {s['kind']} ({s['count']} inputs)\n" for s in saved))
-    path.unlink(missing_ok=True)
     return saved
 
 
