@@ -184,3 +184,17 @@ def test_an_option_before_the_recipe_reaches_the_recipes_error(tmp_path):
     r = run_cli(["-q", str(tmp_path / "missing.yml")], {})
     assert r.returncode == 2 and r.stderr.startswith("mpitailor: error: "), r.stderr
     assert "missing.yml" in r.stderr and "invalid choice" not in r.stderr, r.stderr
+
+
+def test_export_says_its_step_and_saves_and_q_is_quiet(ckpt, tmp_path):
+    """The export summary names the step and the saves the layers came from; -q prints
+    nothing but warnings and errors (issue 41: it printed the summary)."""
+    from ckpt_fixtures import build
+    run = build("w2_parity")
+    r = run_cli(["export", str(run), "-o", str(tmp_path / "a"), "--format", "fp32"], {})
+    assert r.returncode == 0, r.stderr
+    assert "(step 8, from global_step6, global_step8) as fp32" in r.stdout, r.stdout
+    r = run_cli(["export", str(run), "-o", str(tmp_path / "b"), "--format", "fp32", "-q"], {})
+    assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+    r = run_cli(["recover", str(run), "-o", str(tmp_path / "c"), "-q"], {})
+    assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr

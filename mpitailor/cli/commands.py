@@ -81,7 +81,7 @@ def run_planned(comm: Comm, planned, args: argparse.Namespace,
                                          "load_universal restores it exactly"))
         return 0
     result = run_merge(comm, planned, opts)
-    if comm.rank == 0:
+    if comm.rank == 0 and not args.quiet:  # -q: warnings and errors only
         gb = result.bytes_written / 1e9
         print(f"mpitailor: merged {len(plan.layer_source)} layers from {len(plan.sources)} "
               f"source(s) into {shown(result.output)}: {gb:.3f} GB written by {result.ranks} rank(s) "
@@ -118,9 +118,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     config = Path(args.config).resolve() if args.config else None
     out = run_export(comm, source, Path(args.output).resolve(), args.format, args.dtype,
                      args.max_shard_size, not args.no_progress, config, args.verify)
-    if comm.rank == 0:
+    if comm.rank == 0 and not args.quiet:
         gb = out.bytes_written / 1e9
-        print(f"mpitailor: exported {shown(source)} as {args.format} into {shown(out.output)}: "
+        print(f"mpitailor: exported {shown(source)} (step {out.step}, from "
+              f"{', '.join(out.saves)}) as {args.format} into {shown(out.output)}: "
               f"{gb:.3f} GB written by {comm.size} rank(s) in {out.seconds:.2f} s",
               flush=True)
     return 0

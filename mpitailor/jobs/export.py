@@ -20,6 +20,7 @@ Collective: every rank calls run_export.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class ExportResult:
     output: Path
     bytes_written: int
     seconds: float
+    step: int = 0  # of the newest save exported
+    saves: tuple[str, ...] = ()  # the saves the layers came from, by name
 
 
 def source_recipe(comm: Comm, source: Path, output: Path) -> tuple[Recipe, Placement | None]:
@@ -107,10 +110,18 @@ def run_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | No
             raise UserError("--dtype and --max-shard-size go with --format hf or fp32")
         result = run_merge(comm, planned, MergeOptions(
             frozenset({"universal"}), verify=verify, progress=progress))
-        return ExportResult(result.output, result.bytes_written, time.perf_counter() - t0)
+        return _said(plan, ExportResult(result.output, result.bytes_written,
+                                        time.perf_counter() - t0))
     if fmt == "hf" and config is None:
         comm.root_step(_require_config, source, plan.base_meta)
-    return _export_weights(comm, planned, fmt, dtype, max_shard_size, t0, config, verify)
+    return _said(plan, _export_weights(comm, planned, fmt, dtype, max_shard_size, t0, config,
+                                       verify))
+
+
+def _said(plan, result: ExportResult) -> ExportResult:
+    """The result with the step and the saves its summary names."""
+    return dataclasses.replace(result, step=plan.base_meta.global_steps, saves=tuple(
+        dict.fromkeys(Path(str(m.path)).name for _, m in plan.sources)))
 
 
 def check_config(config: Path) -> None:
