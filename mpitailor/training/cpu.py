@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from typing import NoReturn
 
 
@@ -32,6 +33,11 @@ def enable_cpu_training(bf16: bool = True) -> None:
     import deepspeed.comm.torch  # noqa: F401  (registers the module patched below)
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    # DeepSpeed's ZeRO calls collectives torch 2.13 deprecates, warning twice a step on
+    # every rank: dozens of lines that bury the run's own (nothing a user can change).
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|"
+                                    r"reduce_scatter_tensor)` is deprecated")
     if importlib.util.find_spec("accelerate") is not None:
         _accelerate_on_gloo()
     if bf16 and importlib.util.find_spec("transformers") is not None:
