@@ -83,3 +83,15 @@ def test_stats_plot_without_matplotlib_says_which_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     with pytest.raises(UserError, match=r"pip install 'mpitailor\[plot\]'"):
         plot_stats(build("w2_adaptive") / "stats.h5", tmp_path / "x.png")
+
+
+def test_inspect_of_a_save_dir_names_the_saves_after_latest():
+    """`latest` names the full save; the partial saves after it are what recover takes the
+    newest layers from: inspect SAVE_DIR says so (issue 41: it showed the full save only)."""
+    from ckpt_fixtures import build
+    r = run("inspect", str(build("w2_parity")))
+    assert r.returncode == 0, r.stderr
+    assert "newer saves  global_step4, global_step6, global_step8 (after the one `latest` " \
+        "names" in r.stdout, r.stdout
+    r = run("inspect", str(build("w2_parity") / "global_step8"))
+    assert r.returncode == 0 and "newer saves" not in r.stdout, r.stdout

@@ -23,12 +23,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from mpitailor.cli.reports import format_table
     from mpitailor.formats.read import read_meta
     from mpitailor.formats.shard import open_all_shards
-    from mpitailor.jobs.inspect import composite_manifest, report
+    from mpitailor.jobs.inspect import composite_manifest, newer_saves, report
 
     meta = read_meta(args.checkpoint)
     with open_all_shards(meta):  # every rank's files of this one save, or a one-line error
         pass
     rep = report(meta, composite_manifest(meta))
+    rep["newer_saves"] = newer_saves(args.checkpoint, meta)
     print(json.dumps(rep, indent=2) if args.json else format_table(rep))
     return 0
 

@@ -20,6 +20,9 @@ def format_table(rep: dict) -> str:
     ]
     if rep["tied"]:
         lines.append("tied         " + ", ".join(f"{a} -> {b}" for a, b in rep["tied"].items()))
+    if rep.get("newer_saves"):  # inspect SAVE_DIR shows what `latest` names
+        lines.append(f"newer saves  {', '.join(rep['newer_saves'])} (after the one `latest` "
+                     f"names; `mpitailor recover` assembles the newest copy of every layer)")
     if rep.get("globals"):  # what DeepSpeed's own loader will import to load the model states
         lines.append("carries      " + ", ".join(rep["globals"]))
     origin = rep["kind"] == "composite"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from mpitailor.formats import OPTIM_BYTES_PER_ELEMENT, CheckpointMeta
 from mpitailor.formats.manifest import MANIFEST, Manifest, read_manifest
@@ -51,6 +52,17 @@ def report(meta: CheckpointMeta, composite: Manifest | None = None) -> dict:
         "layers": {k: {**layers[k], "subgroups": sorted(layers[k]["subgroups"])}
                    for k in sort_keys(layers)},
     }
+
+
+def newer_saves(path: Path, meta: CheckpointMeta) -> list[str]:
+    """The usable saves of the save dir `path` newer than the one its `latest` names (the
+    checkpoint inspected): a run's later partial saves, which `recover` assembles. Empty
+    for a tag dir."""
+    if meta.files.save_dir is None or Path(path).resolve() != meta.files.save_dir.resolve():
+        return []
+    from mpitailor.jobs.recovery import find_saves
+    return [s.name for s in find_saves(meta.files.save_dir)
+            if s.problem is None and s.step > meta.global_steps]
 
 
 def composite_manifest(meta: CheckpointMeta) -> Manifest | None:
