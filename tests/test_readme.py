@@ -42,6 +42,12 @@ def test_the_readme_hf_trainer_example_resumes_at_any_size(killed, tmp_path, wor
             f", recovered from the full save checkpoint-2 and the partial saves checkpoint-4, "
             f"checkpoint-6 (newest copy of every layer)") in log, log[-3000:]
     assert read_meta(composite).world_size == world
+    # HF says at INFO only that a rank has no RNG state; mpitailor warns (one line)
+    missing = {2: None, 1: "rng_state.pth", 3: "rng_state_2.pth"}[world]
+    rng = [line for line in log.splitlines() if "holds no rng_state" in line]
+    assert rng == ([] if missing is None else [
+        f"mpitailor: WARNING {composite} holds no {missing} (saved by another number of "
+        f"ranks): those random streams start afresh, the rest resume exactly"]), log[-3000:]
     assert_same_checkpoint(composite, offline)
     # The base is a partial save: it carries what a full checkpoint-N would.
     for name in ("zero_to_fp32.py", "generation_config.json", "config.json"):

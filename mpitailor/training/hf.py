@@ -20,6 +20,7 @@ build on away.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -39,8 +40,11 @@ from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index
 from mpitailor.formats.files import LATEST, PARTIAL_MANIFEST
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Policy
+from mpitailor.training.notice import make_visible
 from mpitailor.training.resume import recover_for_resume, reshard_for_resume
 from mpitailor.training.snapshot import host_bytes_limit
+
+log = logging.getLogger(__name__)
 
 
 class LayerwiseTrainer(transformers.Trainer):
@@ -102,10 +106,26 @@ class LayerwiseTrainer(transformers.Trainer):
         if resume_from_checkpoint:
             point = self._resume_point(resume_from_checkpoint)
             resume_from_checkpoint = None if point is None else str(point)
+            if point is not None:
+                self._say_missing_rng(point)
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self._layerwise is not None:
             self._layerwise.wait()  # the last asynchronous save is published (or raises)
         return result
+
+    def _say_missing_rng(self, point: Path) -> None:
+        """HF says at INFO only (unseen) that a process has no RNG state to resume: a job
+        back on another number of ranks than saved. Rank 0 says which start afresh."""
+        world = self.args.world_size
+        if self.args.process_index != 0:
+            return
+        names = ["rng_state.pth"] if world == 1 else [f"rng_state_{r}.pth" for r in range(world)]
+        missing = [n for n in names if not (point / n).is_file()]
+        if missing:
+            make_visible()
+            log.warning("%s holds no %s (saved by another number of ranks): those random "
+                        "streams start afresh, the rest resume exactly", point,
+                        ", ".join(missing))
 
     def _resume_point(self, wanted: str | bool) -> Path | None:
         if wanted is True:
