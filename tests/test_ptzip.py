@@ -11,6 +11,7 @@ import dataclasses
 import io
 import os
 import random
+import sys
 import zipfile
 import zlib
 
@@ -306,6 +307,12 @@ def test_zip64_record_in_a_sparse_file(tmp_path, monkeypatch):
 class RunInfo:  # a training script's own class, as client state holds them
     name: str
     epochs: int
+
+
+# As a script's own class pickles (the script runs as __main__): mpitailor carries those alone
+# without --safe-globals.
+RunInfo.__module__ = "__main__"
+setattr(sys.modules["__main__"], "RunInfo", RunInfo)
 
 
 def client_state_like() -> dict:

@@ -179,19 +179,28 @@ def test_globals_that_run_code_are_refused_in_client_state(tmp_path, name):
     assert name.replace("__builtin__", "builtins") in msg or "calls" in msg, msg
 
 
-def test_a_class_of_the_users_is_carried_as_an_instance_but_never_called(tmp_path):
-    """A plain object of the user's module (NEWOBJ + BUILD, as a dataclass pickles) is a
-    stand-in; the same class called with arguments (a REDUCE) is refused, naming the class
-    and --safe-globals."""
-    inst = (b"\x80\x02}X\x01\x00\x00\x00xcmytrain.notes\nRunNotes\n)\x81}"
-            + uni("lr") + b"G?\xb9\x99\x99\x99\x99\x99\x9asbs.")
-    obj = load(rezip({"archive/data.pkl": inst}, tmp_path / "a.pt"), opaque_ok=True)
-    assert obj["x"].lr == 0.1 and type(obj["x"]).global_name == "mytrain.notes.RunNotes"
-    call = rezip({"archive/data.pkl": reduce_of("mytrain.notes.RunNotes", "rm -rf")},
+def test_a_class_of_the_script_is_carried_as_an_instance_but_never_called(tmp_path):
+    """A plain object of the training script's own class (`__main__.RunNotes`: NEWOBJ +
+    BUILD, as a dataclass pickles) is a stand-in; the same class called (a REDUCE) is
+    refused, naming the class and --safe-globals. A class of any other module needs
+    --safe-globals: a name alone cannot tell a user's dataclass from an installed package's
+    class whose __new__ runs code (sympy's Poly evaluates its string argument when built)."""
+    def inst(module: str, name: str, arg: bytes = b"") -> bytes:
+        return (b"\x80\x02}X\x01\x00\x00\x00xc" + module.encode() + b"\n" + name.encode()
+                + b"\n(" + arg + b"t\x81}" + uni("lr") + b"G?\xb9\x99\x99\x99\x99\x99\x9asbs.")
+    obj = load(rezip({"archive/data.pkl": inst("__main__", "RunNotes")}, tmp_path / "a.pt"),
+               opaque_ok=True)
+    assert obj["x"].lr == 0.1 and type(obj["x"]).global_name == "__main__.RunNotes"
+    call = rezip({"archive/data.pkl": reduce_of("__main__.RunNotes", "rm -rf")},
                  tmp_path / "b.pt")
-    refused(call, "it calls mytrain.notes.RunNotes", "--safe-globals mytrain.notes.RunNotes",
+    refused(call, "it calls __main__.RunNotes", "--safe-globals __main__.RunNotes",
             opaque_ok=True)
-    refused(rezip({"archive/data.pkl": inst}, tmp_path / "c.pt"), "mytrain.notes.RunNotes")
+    refused(rezip({"archive/data.pkl": inst("__main__", "RunNotes")}, tmp_path / "c.pt"),
+            "__main__.RunNotes")  # not in an optimizer file (no client state there)
+    for module, name in (("mytrain.notes", "RunNotes"), ("sympy.polys.polytools", "Poly")):
+        gadget = rezip({"archive/data.pkl": inst(module, name, uni("x"))}, tmp_path / "d.pt")
+        refused(gadget, f"it pickles {module}.{name} outside", f"--safe-globals {module}.{name}",
+                opaque_ok=True)
 
 
 def test_real_client_state_is_carried(tmp_path):
@@ -363,7 +372,7 @@ def test_rebuild_from_type_names_only_the_tensor_rebuild(tmp_path):
     """torch's _rebuild_from_type_v2 calls its first argument: carried as a stand-in with
     another function there (sympy.sympify, which evaluates a string), the output made
     DeepSpeed's own loader call it. Refused unless it rebuilds a tensor of a tensor type."""
-    call = (glob_("torch._tensor", "_rebuild_from_type_v2") + b"(" + glob_("sympy", "sympify")
+    call = (glob_("torch._tensor", "_rebuild_from_type_v2") + b"(" + glob_("__main__", "run")
             + glob_("torch", "Tensor") + uni("__import__('os')") + b"\x85}tR")
     path = rezip({"archive/data.pkl": top(uni("x") + call)}, tmp_path / "x.pt")
     refused(path, "_rebuild_from_type_v2 of something other than a tensor", opaque_ok=True)
@@ -427,7 +436,8 @@ def test_counters_of_the_wrong_type_are_one_line(ckpt_copy, value):
 
 def test_a_file_naming_hundreds_of_globals_is_refused(tmp_path):
     """Each global a stand-in class the process keeps: 100000 of them, 263 MB."""
-    pkl = b"\x80\x02]" + b"(" + b"".join(glob_("u", f"C{i}") + b")\x81" for i in range(300)) \
+    pkl = b"\x80\x02]" + b"(" + b"".join(glob_("__main__", f"C{i}") + b")\x81"
+                                      for i in range(300)) \
         + b"e."
     refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), "different globals",
             opaque_ok=True)
@@ -451,8 +461,8 @@ def test_what_tensors_and_ordered_dicts_carry_is_walked_too(tmp_path):
 
 
 @pytest.mark.parametrize("pkl,words", [
-    (top(uni("x") + b"]" + glob_("builtins", "set") + b"a"), "keeps 'set' as a value"),
-    (top(uni("x") + glob_("_codecs", "encode")), "keeps '_bytes_from_latin1' as a value"),
+    (top(uni("x") + b"]" + glob_("builtins", "set") + b"a"), "keeps the global builtins.set as a value"),
+    (top(uni("x") + glob_("_codecs", "encode")), "keeps the global _codecs.encode as a value"),
     (top(uni("x") + glob_("collections", "OrderedDict") + b")R}" + uni("__setstate__")
          + b"K\x01sb"), "BUILD on OrderedDict"),
     (top(uni("x") + glob_("", "x")), "not module.Name"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import replace
 
 import pytest
@@ -34,6 +35,11 @@ class Tripwire:
     def __setstate__(self, state):
         open(state["marker"], "w").close()
         self.__dict__.update(state)
+
+
+# The training script's own class (it runs as __main__): what mpitailor carries unbuilt.
+Tripwire.__module__ = "__main__"
+setattr(sys.modules["__main__"], "Tripwire", Tripwire)
 
 
 def unsafe_globals(path) -> set[str]:
@@ -82,7 +88,7 @@ def test_untrusted_objects_are_never_built(ckpt_copy, tmp_path):
     assert r.returncode == 0, r.stderr
     assert not marker.exists()  # no code from the checkpoint ran
     merged = out / "global_step10" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
-    assert unsafe_globals(merged) == {f"{__name__}.Tripwire"}
+    assert unsafe_globals(merged) == {"__main__.Tripwire"}
     torch.load(merged, weights_only=False)  # what DeepSpeed's own loader does
     assert marker.exists()
 

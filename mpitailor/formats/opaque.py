@@ -12,23 +12,18 @@ from the source. What mpitailor reads of them: the fields of their state (`a.num
 `fragment_address`) and the value of an int enum (`int(zero_stage)`).
 
 Which globals may be carried: those of allow-lists (torchpickle.py, `--safe-globals`), and
-otherwise only classes of the user's own modules (not Python's own, whose every module is
-refused, nor torch's, numpy's or DeepSpeed's beyond their allow-lists), and those only as plain
+otherwise only the training script's own classes (`__main__.Name`), and those only as plain
 instances: made by NEWOBJ and given a state by BUILD, as a dataclass pickles. A file that
 calls such a global (REDUCE: what a payload does to run code) is refused, so the output can
-make DeepSpeed's loader build an object, never call a function.
+make DeepSpeed's loader build an object of the user's own script, never call a function or
+build an installed package's object.
 """
 from __future__ import annotations
 
-import _compat_pickle
 import copyreg
 import functools
 import pickle
-import sys
 
-# Frameworks whose globals are carried only where an allow-list names them.
-_FRAMEWORKS = frozenset({"torch", "numpy", "deepspeed", "transformers", "accelerate",
-                         "safetensors", "mpitailor"})
 _NOSTATE = object()
 
 
@@ -146,10 +141,12 @@ copyreg.pickle(_OpaqueMeta, lambda cls: (stand_in, (cls.global_name,)))
 
 def may_stand_in(full_name: str) -> bool:
     """Whether a class of this name may be carried as plain instances without being on an
-    allow-list: one of the user's modules, never Python's own or a framework's."""
-    top = full_name.split(".", 1)[0]
-    return "." in full_name and top not in sys.stdlib_module_names \
-        and top not in _compat_pickle.IMPORT_MAPPING and top not in _FRAMEWORKS
+    allow-list: one of the training script's own (`__main__.Name`). A name alone cannot
+    tell a dataclass of the user's package from an installed package's class whose
+    `__new__` or `__setstate__` runs code (sympy's Poly evaluates a string): such classes
+    need --safe-globals. In DeepSpeed's loader, `__main__` is the user's own script."""
+    module, _, name = full_name.rpartition(".")
+    return module == "__main__" and "." not in name
 
 
 class Pickler(pickle._Pickler):  # type: ignore[name-defined]

@@ -17,6 +17,7 @@ import importlib
 import itertools
 import pickle
 import stat
+import struct
 import sys
 import zipfile
 from pathlib import Path
@@ -91,7 +92,7 @@ def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed"
         raise CheckpointError(_refusal(path, e, opaque_ok)) from None
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError, ValueError,
             TypeError, KeyError, IndexError, AttributeError, RecursionError,
-            MemoryError, OverflowError, UnicodeDecodeError) as e:
+            MemoryError, OverflowError, UnicodeDecodeError, struct.error) as e:
         first = str(e).strip().split("\n")[0] or type(e).__name__
         raise CheckpointError(
             f"{path}: unreadable or truncated checkpoint file ({first[:200]}); "
@@ -107,11 +108,12 @@ def carried_globals(path: Path | str) -> list[str]:
 
 def _refusal(path: Path, e: torchpickle.Refused, opaque_ok: bool) -> str:
     if e.how == "calls":
-        what = (f"it calls {e.name} (a class of yours is carried only as plain instances, "
-                f"as a dataclass pickles; a call could run code when DeepSpeed loads the "
-                f"output)")
+        what = (f"it calls {e.name} (a class of your script is carried only as plain "
+                f"instances, as a dataclass pickles; a call could run code when DeepSpeed "
+                f"loads the output)")
     else:
-        what = f"it pickles {e.name} outside mpitailor's allow-list"
+        what = (f"it pickles {e.name} outside mpitailor's allow-list (Namespace, numpy, "
+                f"your script's own classes)")
     # (never suggested for Python's own modules: that is how payloads run code)
     hint = f" (if you trust this file, --safe-globals {e.name} allows it)" \
         if e.name.split(".")[0] not in sys.stdlib_module_names else ""
@@ -155,7 +157,8 @@ def _check_loaded(obj, path: Path) -> None:
     while stack:
         x, depth, done = stack.pop()
         if id(x) in torchpickle.CALLS_ONLY_VALUES:
-            raise CheckpointError(f"{path}: a pickle that keeps {getattr(x, '__name__', x)!r:.60} as a value (torch "
+            raise CheckpointError(f"{path}: a pickle that keeps the global "
+                                  f"{torchpickle.CALLS_ONLY_VALUES[id(x)]} as a value (torch "
                                   f"files only call it); a damaged or crafted file")
         if isinstance(x, Tensor) and not done and id(x) not in size:
             problem = view_problem(x.storage, x.storage_offset, x.shape, x.stride)

@@ -78,6 +78,13 @@ class _RebuildFromType(opaque.Opaque):
                 or new_type not in _TENSOR_TYPES or (state is not None and type(state) is not dict):
             raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a "
                                          "tensor")
+        # torch sets each key as an attribute of the tensor: `data` would swap its bytes
+        # for another's. DeepSpeed's own (ds_id, ...) are the ones real files carry.
+        odd = next((k for k in state or () if type(k) is not str or not _DS_ATTR.fullmatch(k)),
+                   None)
+        if odd is not None:
+            raise pickle.UnpicklingError(f"a tensor attribute {odd!r:.40} other than "
+                                         f"DeepSpeed's ds_*")
         return func(*args, wrapper=(new_type, state))
 
 
@@ -111,6 +118,9 @@ class _RebuildParameterWithState(opaque.Opaque):
 _CALLS_ONLY = frozenset({REBUILD_TENSOR, REBUILD_FROM_TYPE, _RebuildParameter,
                          _RebuildParameterWithState})
 _FLOATS = ("fp32", "fp16", "bf16", "f64")
+_DS_ATTR = re.compile(r"ds_\w+")
+_STATE_AFTER_CALL = frozenset(f"numpy.{m}.{n}" for m in ("core.multiarray", "_core.multiarray")
+                              for n in ("_reconstruct",)) | {"numpy.dtype"}
 TENSOR_TYPE = opaque.stand_in("torch.Tensor")  # how torch names its type(self)
 _TENSOR_TYPES = frozenset({TENSOR_TYPE, opaque.stand_in("torch._tensor.Tensor"),
                            opaque.stand_in("torch.nn.parameter.Parameter")})
@@ -136,6 +146,36 @@ def _ints(*seqs) -> bool:
     return all(isinstance(s, tuple) and all(type(d) is int for d in s) for s in seqs)
 
 
+MAX_KEY_OBJECTS = 1000  # in one dict key or set member: real keys are names and numbers
+
+
+def _small_key(key):
+    """key, once it is sure that hashing it is cheap: tuples whose items the pickle shared
+    over and over (memo) hash in time exponential in their depth, inside C, where no signal
+    is seen. Walked without a memo, stopping at MAX_KEY_OBJECTS."""
+    seen, stack = 0, [key]
+    while stack:
+        x = stack.pop()
+        seen += 1
+        if seen > MAX_KEY_OBJECTS:
+            raise pickle.UnpicklingError(f"a dict key or set member of over {MAX_KEY_OBJECTS} "
+                                         f"objects")
+        if isinstance(x, (tuple, frozenset)):
+            stack.extend(x)
+        elif isinstance(x, opaque.Opaque):
+            stack.extend((x._args, x.__dict__.get("_state")))
+    return key
+
+
+def _set(items=()):
+    """`builtins.set` as pickles call it, of members cheap to hash."""
+    return set(_small_key(x) for x in items)
+
+
+def _frozenset(items=()):
+    return frozenset(_small_key(x) for x in items)
+
+
 def _bytearray(data=b""):
     """`builtins.bytearray` as pickles use it, of bytes (never of a size: bytearray(10**10)
     would allocate it)."""
@@ -158,7 +198,8 @@ _BASE: dict[str, object] = {
     "torch.Size": Size,
     "collections.OrderedDict": collections.OrderedDict,
     "_codecs.encode": _bytes_from_latin1,
-    "builtins.set": set, "builtins.frozenset": frozenset, "builtins.bytearray": _bytearray,
+    "builtins.set": _set, "builtins.frozenset": _frozenset, "builtins.bytearray": _bytearray,
+    "builtins.complex": complex, "collections.Counter": collections.Counter,
     "torch._tensor._rebuild_from_type_v2": REBUILD_FROM_TYPE,
     **{f"torch.{name}": _STORAGE_OF[dtype] for name, dtype in STORAGE_TYPES.items()},
 }
@@ -171,9 +212,8 @@ _TORCH_STAND_INS = ("torch.Tensor", "torch.nn.parameter.Parameter", "torch.devic
 _VALUES_ONLY = frozenset(f"torch.{n}" for n in (*STORAGE_TYPES, *TORCH_DTYPES))
 # What find_class gives that a pickle may only call: never a value of the object it makes
 # (written back, the class or function would be a global of Python's or mpitailor's).
-CALLS_ONLY_VALUES = frozenset(id(x) for x in (
-    collections.OrderedDict, _bytes_from_latin1, set, frozenset, _bytearray, REBUILD_TENSOR,
-    REBUILD_FROM_TYPE, _RebuildParameter, _RebuildParameterWithState, Size))
+CALLS_ONLY_VALUES = {id(x): name for name, x in _BASE.items() if not isinstance(x, type)
+                     or not issubclass(x, opaque.Opaque) or x in _CALLS_ONLY}
 # torch's own machinery (tensors, storages, sizes, dtypes): what every torch file names.
 TORCH_OWN = frozenset(_BASE) | frozenset(_TORCH_STAND_INS)
 # The extra names of each allow-list safeload.load takes.
@@ -305,7 +345,12 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_build(self):
         state = self.stack.pop()
         inst = self.stack[-1]
-        if isinstance(inst, opaque.Opaque):  # an instance, never a class: it records state
+        if isinstance(inst, opaque.Opaque) and (
+                inst._how == "newobj" or type(inst).global_name in _STATE_AFTER_CALL):
+            # an instance (never a class) that records the state: one made with NEWOBJ, or
+            # a call whose real object takes one (a numpy dtype or array); never a call's
+            # result such as an enum member, whose state would rewrite the member itself
+            # in DeepSpeed's loader
             inst.__setstate__(state)
         elif type(inst) is collections.OrderedDict and type(state) is dict and all(
                 type(k) is str and not k.startswith("__")
@@ -329,7 +374,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_setitem(self):
         value = self.stack.pop()
         key = self.stack.pop()
-        self._target(dict, "SETITEM")[key] = value
+        self._target(dict, "SETITEM")[_small_key(key)] = value
     dispatch[pickle.SETITEM[0]] = load_setitem
 
     def load_setitems(self):
@@ -338,15 +383,15 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if len(items) % 2:
             raise pickle.UnpicklingError("SETITEMS of an odd number of items")
         for i in range(0, len(items), 2):
-            target[items[i]] = items[i + 1]
+            target[_small_key(items[i])] = items[i + 1]
     dispatch[pickle.SETITEMS[0]] = load_setitems
 
     def _target(self, kind: type, op: str):
         if not self.stack:
             raise pickle.UnpicklingError(f"{op} with nothing to add to")
         target = self.stack[-1]
-        if type(target) is not kind and not (kind is dict
-                                             and type(target) is collections.OrderedDict):
+        if type(target) is not kind and not (kind is dict and type(target) in (
+                collections.OrderedDict, collections.Counter)):
             raise pickle.UnpicklingError(f"{op} on {type(target).__name__}")
         return target
 
