@@ -31,7 +31,24 @@ def numpy_dtype(dtype: str) -> str:
     return _NUMPY[dtype]
 
 
-class Storage:
+class _ReadOnly:
+    """Fields set once, when made (object.__setattr__); a pickle's BUILD, or any setattr,
+    is refused."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a {type(self).__name__} is read-only (its {name!r} is set when "
+                             f"it is made)")
+
+    __delattr__ = __setattr__
+
+    def __setstate__(self, state):
+        raise TypeError(f"a {type(self).__name__} is made by the reader, never rebuilt from a "
+                        f"pickle's state")
+
+
+class Storage(_ReadOnly):
     """A storage: `numel` elements of `dtype`, whose bytes lie in file `path` at `offset`,
     or in memory (`data`), or nowhere yet (a placeholder: the copy step writes them).
 
@@ -49,14 +66,6 @@ class Storage:
             raise ValueError(f"{len(data)} bytes for a storage of {numel} x {dtype}")
         for name, value in zip(self.__slots__, (dtype, numel, path, offset, data)):
             object.__setattr__(self, name, value)
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"a Storage is read-only (its {name!r} is set when it is made)")
-
-    __delattr__ = __setattr__
-
-    def __setstate__(self, state):
-        raise TypeError("a Storage is made by the reader, never rebuilt from a pickle's state")
 
     def __reduce__(self):
         # Other picklers (mpi4py sending states to another rank) carry it by its fields.
@@ -137,7 +146,7 @@ def view_problem(storage: Storage, storage_offset, shape, stride) -> str | None:
     return None
 
 
-class Tensor:
+class Tensor(_ReadOnly):
     """A view of a storage, as torch's `_rebuild_tensor_v2` describes one. Read-only, like
     Storage; every view lies inside its storage (checked when it is made)."""
 
@@ -158,14 +167,6 @@ class Tensor:
         for name, value in zip(self.__slots__, (storage, storage_offset, shape, stride,
                                                 bool(requires_grad), metadata, wrapper)):
             object.__setattr__(self, name, value)
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"a Tensor is read-only (its {name!r} is set when it is made)")
-
-    __delattr__ = __setattr__
-
-    def __setstate__(self, state):
-        raise TypeError("a Tensor is made by the reader, never rebuilt from a pickle's state")
 
     def __reduce__(self):
         return Tensor, (self.storage, self.storage_offset, self.shape, self.stride,
