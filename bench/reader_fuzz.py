@@ -56,6 +56,8 @@ def _init(seed_files: list[str], run: str) -> None:
     _worker["run"] = run
     _worker["seeds"] = fz.load_seeds([Path(f) for f in seed_files])
     _worker["path"] = Path(_tmp_dir()) / f"mpitailor-reader-fuzz-{os.getpid()}.pt"
+    from multiprocessing.util import Finalize
+    Finalize(None, _worker["path"].unlink, kwargs={"missing_ok": True}, exitpriority=1)
     fz.plant_marker()
     oracle.limit_memory()
     for allow in (fz.DEEPSPEED, fz.NUMPY):  # imports deepspeed and numpy once, not in an input
@@ -131,9 +133,9 @@ def _merge(total: dict, t: dict) -> None:
 
 def fuzz(seed: int, start: int, count: int, jobs: int, seeds: list) -> dict:
     """Every input on `jobs` processes. A process that dies (a segfault: so far torch and
-    numpy on a crafted numpy state, never mpitailor) takes its chunk's tally with it: the
-    chunk runs again, and an input at which the same chunk dies twice is counted as a
-    `process-crash` and skipped."""
+    numpy on a crafted numpy state, never mpitailor) or is stuck (see _completed) takes its
+    chunk's tally with it: the chunk runs again, and an input at which the same chunk dies
+    twice is counted as a `process-crash` and skipped."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
     files = sorted({str(f) for f in fz.seed_files([Path(_build(n)) for n in fz.SEED_FIXTURES])})
@@ -148,7 +150,7 @@ def fuzz(seed: int, start: int, count: int, jobs: int, seeds: list) -> dict:
             with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init,
                                      initargs=(files, run)) as ex:
                 futures = {ex.submit(_run, job): a for a, job in todo.items()}
-                for f in as_completed(futures):
+                for f in _completed(futures, ex, run):
                     t = f.result()
                     del todo[futures[f]]
                     _merge(total, t)
@@ -175,6 +177,26 @@ def fuzz(seed: int, start: int, count: int, jobs: int, seeds: list) -> dict:
     return total
 
 
+STUCK_S = 3 * oracle.HANG_S  # an input this long: the process is stuck in C code
+
+
+def _completed(futures: dict, ex, run: str):
+    """as_completed, and a watchdog: an input that runs past STUCK_S (torch hashing a key
+    shared 2^64 times never comes back to Python, where the alarm would stop it) ends the
+    pool's processes, which fuzz() then handles as a process that died."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=10, return_when=FIRST_COMPLETED)
+        yield from done
+        now = time.time()
+        stale = [p for p in Path(_tmp_dir()).glob(f"mpitailor-reader-fuzz-{run}-*.at")
+                 if now - p.stat().st_mtime > STUCK_S]
+        if stale:
+            for proc in list(ex._processes.values()):  # noqa: SLF001 - no public way
+                proc.kill()
+
+
 def _build(name: str) -> str:
     from ckpt_fixtures import build
     return build(name)
@@ -185,7 +207,7 @@ def _shrunk(job: tuple) -> bytes:
     seed, index, verdict, sig, budget = job
     inp = fz.make_input(seed, index, _worker["seeds"])
     want = oracle.judge(inp, _worker["path"])
-    if (want.verdict, want.sig) != (verdict, sig) or verdict in ("slow", "memory"):
+    if (want.verdict, want.sig) != (verdict, sig) or verdict in ("slow", "memory", "hang"):
         return inp.data
     return oracle.shrink(inp, want, _worker["path"], budget).data
 
@@ -199,10 +221,23 @@ def save_findings(total: dict, seed: int, seeds: list, out: Path, budget: int) -
         if old.suffix in (".pt", ".txt"):
             old.unlink()
     kinds = sorted(total["findings"].items(), key=lambda kv: -kv[1][0])
-    kinds += [(f"process-crash\ta fuzzing process died (a segfault) at this input",
+    kinds += [(f"process-crash\ta fuzzing process died (a segfault) or hung at this input",
                (1, (0, i, "", "", ""))) for i in total.get("crashes", [])]
     files = sorted({str(f) for f in fz.seed_files([Path(_build(n)) for n in fz.SEED_FIXTURES])})
-    saved = []
+    saved, pool = [], [None]
+
+    def shrunk(job: tuple) -> bytes | None:
+        """One process shrinks them all; one that dies (a variant crashed torch's side) is
+        replaced, and that input is kept whole."""
+        if pool[0] is None:
+            pool[0] = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context(
+                "forkserver"), initializer=_init, initargs=(files, "shrink"))
+        try:
+            return pool[0].submit(_shrunk, job).result()
+        except Exception:  # noqa: BLE001 - BrokenProcessPool, or the harness's own error
+            pool[0].shutdown(cancel_futures=True)
+            pool[0] = None
+            return None
     for n, (key, (count, (size, index, kind, note, detail))) in enumerate(kinds):
         verdict, sig = key.split("\t", 1)
         try:
@@ -211,13 +246,7 @@ def save_findings(total: dict, seed: int, seeds: list, out: Path, budget: int) -
             inp = fz.Input("generator", b"", note)
         small = inp.data
         if inp.data and verdict != "process-crash":
-            ctx = multiprocessing.get_context("forkserver")
-            try:
-                with ProcessPoolExecutor(1, mp_context=ctx, initializer=_init,
-                                         initargs=(files, "shrink")) as ex:
-                    small = ex.submit(_shrunk, (seed, index, verdict, sig, budget)).result()
-            except Exception:  # noqa: BLE001 - a crash while shrinking: keep the input whole
-                pass
+            small = shrunk((seed, index, verdict, sig, budget)) or inp.data
         name = f"{n:02d}-{verdict}"
         (out / f"{name}.pt").write_bytes(small)
         line = (f"{verdict}: {sig} | {count} inputs | seed {seed} index {index} "
@@ -228,6 +257,8 @@ def save_findings(total: dict, seed: int, seeds: list, out: Path, budget: int) -
                       "seed": seed, "index": index, "input_kind": inp.kind,
                       "note": inp.note[:200], "detail": detail, "bytes": len(small),
                       "bytes_before": len(inp.data)})
+    if pool[0] is not None:
+        pool[0].shutdown()
     (out / "index.txt").write_text("".join(
         f"{s['file']}: {s['verdict']}: {s['kind']} ({s['count']} inputs)\n" for s in saved))
     return saved
@@ -236,13 +267,14 @@ def save_findings(total: dict, seed: int, seeds: list, out: Path, budget: int) -
 def table(total: dict, saved: list[dict], count: int, jobs: int) -> str:
     lines = ["inputs tried, by kind and verdict:",
              f"  {'kind':16s} {'inputs':>9s} {'agree':>9s} {'stricter':>9s} {'stand-in':>9s} "
-             f"{'findings':>9s} {'ours ms':>9s}"]
+             f"{'torch-hang':>10s} {'findings':>9s} {'ours ms':>9s}"]
     for kind in fz.KINDS:
         v = {x.split(" ", 1)[1]: n for x, n in total["verdicts"].items() if x.startswith(kind)}
         agree = v.get("agree-accept", 0) + v.get("agree-refuse", 0)
         found = sum(n for x, n in v.items() if x in oracle.FINDINGS)
         lines.append(f"  {kind:16s} {total['inputs'][kind]:9,} {agree:9,} "
-                     f"{v.get('stricter', 0):9,} {v.get('stand-in', 0):9,} {found:9,} "
+                     f"{v.get('stricter', 0):9,} {v.get('stand-in', 0):9,} "
+                     f"{v.get('torch-hang', 0):10,} {found:9,} "
                      f"{total['kind_s'][kind] / max(total['inputs'][kind], 1) * 1e3:9.2f}")
     lines.append("stricter refusals (mpitailor refuses, torch reads), by kind:")
     lines += [f"  {n:8,}  {sig}" for sig, n in total["stricter"].most_common(25)]

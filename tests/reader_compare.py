@@ -256,7 +256,10 @@ class _Compare:
             return f"stand-in {type(m).global_name} vs {name(func)}"
         if args or not newobj:  # object.__new__ drops NEWOBJ's arguments; the stand-in keeps them
             self.push(m._args, tuple(args), where + ".args")
-        if state is not None or m._state is not opaque._NOSTATE:
+        built_by_call = m._how == "reduce" and m._state is opaque._NOSTATE
+        if not built_by_call and (state is not None or m._state is not opaque._NOSTATE):
+            # (a real class called with arguments has the state its __init__ gave it; the
+            # stand-in keeps the arguments, which make the same object when loaded for real)
             self.push(m._state, state, where + ".state")
         return None
 

@@ -43,7 +43,7 @@ STAND_INS = {
 }
 SLOW_S = 2.0  # bench: one input's load and checks
 MEMORY_MB = 200  # bench: growth of the process's peak RSS on one input
-HANG_S = 60  # test and bench: a load that runs this long is stopped and reported
+HANG_S = 20  # test and bench: a load that runs this long is stopped and reported
 AS_HEADROOM = 2 << 30  # address space a fuzzing process may grow by (a MemoryError beyond)
 
 
@@ -205,7 +205,11 @@ def _ours(inp: fz.Input, path: Path, cost: list):
 
 def _judge(inp: fz.Input, path: Path, cost: list) -> Outcome:
     got, ours = _ours(inp, path, cost)
-    state, theirs = torch_side(inp.data, inp.allow)
+    try:
+        state, theirs = torch_side(inp.data, inp.allow)
+    except _Hang:  # torch's problem (a key shared 2^64 times, hashed path by path)
+        return Outcome("torch-hang", f"torch's load ran past {HANG_S} s; mpitailor "
+                       f"{'refused' if got == 'raised' else 'accepted'} it")
     try:
         if got == "raised":
             raise ours
