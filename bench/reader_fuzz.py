@@ -294,7 +294,9 @@ def replay(seed: int, index: int, seeds: list, out: Path) -> None:
     fz.plant_marker()
     oracle.limit_memory()
     inp = fz.make_input(seed, index, seeds)
-    o = oracle.judge(inp, Path(_tmp_dir()) / f"mpitailor-reader-replay-{os.getpid()}.pt")
+    scratch = Path(_tmp_dir()) / f"mpitailor-reader-replay-{os.getpid()}.pt"
+    o = oracle.judge(inp, scratch)
+    scratch.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     keep = out / f"replay-{seed}-{index}.pt"
     keep.write_bytes(inp.data)
