@@ -47,7 +47,10 @@ def records(data: bytes) -> dict[str, bytes]:
 
 def rezip(recs: dict[str, bytes] | list[tuple[str, bytes]], path: Path) -> Path:
     """The records as a stored zip (torch.load reads any such zip as a torch file)."""
-    items = recs.items() if isinstance(recs, dict) else recs
+    items = list(recs.items() if isinstance(recs, dict) else recs)
+    archive = items[0][0].partition("/")[0]
+    if not any(n.endswith("version") for n, _ in items):  # torch refuses a file without
+        items.append((f"{archive}/version", b"3\n"))
     with zipfile.ZipFile(path, "w") as z:
         for name, data in items:
             z.writestr(name, data)
@@ -472,3 +475,49 @@ def test_globals_kept_as_values_and_odd_names_are_refused(tmp_path, pkl, words):
     """Written back, a class or function kept as a value named a global of Python's or
     mpitailor's; a dotted name was split at another dot (evilpkg.os.system)."""
     refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), words, opaque_ok=True)
+
+
+# ---- Found by the differential fuzzer (bench/reader_fuzz.py), each a standing case -------
+
+@pytest.mark.parametrize("pkl,words", [
+    (top(uni("x") + glob_("builtins", "frozenset") + b"]\x85R"), "builtins.frozenset"),
+    (top(uni("x") + glob_("torch", "device") + uni("echo hi") + b"\x85R"), "torch.device"),
+    (top(uni("x") + glob_("torch", "Tensor") + b"}\x85R"), "torch.Tensor"),
+    (top(uni("x") + glob_("torch._utils", "_rebuild_parameter") + b"]\x89}\x87R"),
+     "torch._utils._rebuild_parameter"),
+])
+def test_what_torch_refuses_to_call_is_refused(tmp_path, pkl, words):
+    """torch's weights-only loader refuses these calls (frozenset is not on its list; a
+    device, a tensor or a parameter of arguments torch rejects): mpitailor refuses every
+    call of them rather than carry what torch would not build."""
+    refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), words, opaque_ok=True)
+
+
+def test_views_past_2_63_and_metadata_that_is_not_a_dict(tmp_path):
+    """A stride of 2**64 (torch cannot unpack it); metadata -1 (torch asserts a dict)."""
+    data = saved({"t": torch.zeros(1)})
+    pkl = pickle_of(data)
+    stride = b"K\x01\x85q\t"  # (1,), memoized as 9: the second one-tuple of the tensor
+    assert pkl.count(stride) == 1
+    huge = pkl.replace(stride, b"\x8a\x09" + (1 << 64).to_bytes(9, "little") + b"\x85q\t")
+    refused(with_pickle(data, huge, tmp_path / "s.pt"), "past 2**63")
+    hooks = b")Rq\x0bt"  # the hooks' OrderedDict(), then the end of the tensor's arguments
+    assert pkl.count(hooks) == 1
+    meta = pkl.replace(hooks, b")Rq\x0bJ\xff\xff\xff\xfft")
+    refused(with_pickle(data, meta, tmp_path / "m.pt"), "metadata that is not a dict")
+
+
+def test_zips_torch_refuses_are_refused(tmp_path):
+    """No version record; an end record whose counts disagree (miniz: 'multidisk')."""
+    recs = {n: d for n, d in records(saved({"w": torch.ones(2)})).items()
+            if not n.endswith("/version")}
+    path = tmp_path / "v.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in recs.items():
+            z.writestr(n, d)
+    refused(path, "no version record")
+    data = bytearray(saved({"w": torch.ones(2)}))
+    end64 = bytes(data).rindex(b"PK\x06\x06")  # torch writes the zip64 end record always
+    struct.pack_into("<Q", data, end64 + 32, 134)  # total entries, not this disk's
+    path.write_bytes(bytes(data))
+    refused(path, "miscounts")

@@ -21,7 +21,7 @@ import reader_oracle as oracle
 
 from mpitailor.formats.tensorref import Storage, Tensor
 
-SEED, COUNT = 40, 800  # ~10 ms an input: the long run is bench/reader_fuzz.py
+SEED, COUNT = 40, 2000  # ~10 ms an input: the long run is bench/reader_fuzz.py
 
 
 @pytest.fixture(scope="module")

@@ -131,11 +131,18 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
         end = zipfile._EndRecData(f)  # type: ignore[attr-defined]
         if end is None or end[zipfile._ECD_OFFSET] != z.start_dir:  # type: ignore[attr-defined]
             raise zipfile.BadZipFile("the central directory is not where the end record says")
+        if end[zipfile._ECD_DISK_NUMBER] or end[zipfile._ECD_DISK_START] or not (  # type: ignore
+                end[zipfile._ECD_ENTRIES_THIS_DISK] == end[zipfile._ECD_ENTRIES_TOTAL]  # type: ignore
+                == len(z.infolist())):
+            raise zipfile.BadZipFile("a zip of several disks, or an end record that miscounts "
+                                     "its records")
         for info in z.infolist():
             if info.filename in out:
                 raise zipfile.BadZipFile(f"two records named {info.filename}")
             if info.compress_type != zipfile.ZIP_STORED:
                 raise zipfile.BadZipFile(f"record {info.filename} is compressed")
+            if info.compress_size != info.file_size:  # miniz refuses a stored record so
+                raise zipfile.BadZipFile(f"record {info.filename}: two sizes")
             head = os.pread(f.fileno(), _LOCAL.size, info.header_offset)
             if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
                 raise zipfile.BadZipFile(f"record {info.filename}: no local header")
@@ -160,6 +167,8 @@ def archive_of(records: dict[str, tuple[int, int, int]]) -> str:
     stray = next((n for n in records if n.partition("/")[0] != archive or "/" not in n), None)
     if stray is not None:
         raise zipfile.BadZipFile(f"record {stray} is not in the folder {archive}/")
+    if f"{archive}/version" not in records and f"{archive}/.data/version" not in records:
+        raise zipfile.BadZipFile("no version record (torch writes one in every file)")
     return archive
 
 

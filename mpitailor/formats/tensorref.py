@@ -135,6 +135,8 @@ def view_problem(storage: Storage, storage_offset, shape, stride) -> str | None:
         return f"a tensor of shape {shape} with {len(stride)} strides"
     if storage_offset < 0 or any(d < 0 for d in (*shape, *stride)):
         return "a tensor with a negative storage offset, size or stride"
+    if any(d >= 1 << 63 for d in (storage_offset, *shape, *stride)):
+        return "a tensor with a size or stride past 2**63"
     numel = math.prod(shape)
     if numel > storage.numel:
         return f"a tensor of {numel} elements over a storage of {storage.numel}"

@@ -51,6 +51,9 @@ class _RebuildTensor(opaque.Opaque):
                 hooks=None, metadata=None, *, wrapper=None):
         if not isinstance(storage, Storage) or not _ints(shape, stride):
             raise pickle.UnpicklingError("a tensor with malformed storage, shape or stride")
+        if metadata is not None and not (type(metadata) is dict
+                                         and all(type(k) is str for k in metadata)):
+            raise pickle.UnpicklingError("tensor metadata that is not a dict of names")
         if type(requires_grad) is not bool or (requires_grad and storage.dtype not in _FLOATS):
             raise pickle.UnpicklingError("requires_grad that is not a bool, or of a tensor "
                                          "that is not floating point")
@@ -91,39 +94,14 @@ class _RebuildFromType(opaque.Opaque):
 REBUILD_FROM_TYPE = opaque.register(_RebuildFromType)
 
 
-@opaque.register
-class _RebuildParameter(opaque.Opaque):
-    """`torch._utils._rebuild_parameter(data, requires_grad, backward_hooks)`: a stand-in,
-    of torch's arguments only."""
-
-    global_name = "torch._utils._rebuild_parameter"
-
-    def __new__(cls, data, requires_grad, backward_hooks):
-        if not isinstance(data, Tensor) or type(requires_grad) is not bool:
-            raise pickle.UnpicklingError("_rebuild_parameter of something other than a tensor")
-        return super().__new__(cls, data, requires_grad, backward_hooks)
-
-
-@opaque.register
-class _RebuildParameterWithState(opaque.Opaque):
-    """`torch._utils._rebuild_parameter_with_state(data, requires_grad, hooks, state)`."""
-
-    global_name = "torch._utils._rebuild_parameter_with_state"
-
-    def __new__(cls, data, requires_grad, backward_hooks, state):
-        if not isinstance(data, Tensor) or type(requires_grad) is not bool:
-            raise pickle.UnpicklingError("_rebuild_parameter of something other than a tensor")
-        return super().__new__(cls, data, requires_grad, backward_hooks, state)
 # Stand-ins that are functions in torch: called (REDUCE), never made with NEWOBJ.
-_CALLS_ONLY = frozenset({REBUILD_TENSOR, REBUILD_FROM_TYPE, _RebuildParameter,
-                         _RebuildParameterWithState})
+_CALLS_ONLY = frozenset({REBUILD_TENSOR, REBUILD_FROM_TYPE})
 _FLOATS = ("fp32", "fp16", "bf16", "f64")
 _DS_ATTR = re.compile(r"ds_\w+")
 _STATE_AFTER_CALL = frozenset(f"numpy.{m}.{n}" for m in ("core.multiarray", "_core.multiarray")
                               for n in ("_reconstruct",)) | {"numpy.dtype"}
 TENSOR_TYPE = opaque.stand_in("torch.Tensor")  # how torch names its type(self)
-_TENSOR_TYPES = frozenset({TENSOR_TYPE, opaque.stand_in("torch._tensor.Tensor"),
-                           opaque.stand_in("torch.nn.parameter.Parameter")})
+_TENSOR_TYPES = frozenset({TENSOR_TYPE})  # what DeepSpeed's tensors with ds_* carry
 
 
 @opaque.register
@@ -172,10 +150,6 @@ def _set(items=()):
     return set(_small_key(x) for x in items)
 
 
-def _frozenset(items=()):
-    return frozenset(_small_key(x) for x in items)
-
-
 def _bytearray(data=b""):
     """`builtins.bytearray` as pickles use it, of bytes (never of a size: bytearray(10**10)
     would allocate it)."""
@@ -198,18 +172,18 @@ _BASE: dict[str, object] = {
     "torch.Size": Size,
     "collections.OrderedDict": collections.OrderedDict,
     "_codecs.encode": _bytes_from_latin1,
-    "builtins.set": _set, "builtins.frozenset": _frozenset, "builtins.bytearray": _bytearray,
+    "builtins.set": _set, "builtins.bytearray": _bytearray,
     "builtins.complex": complex, "collections.Counter": collections.Counter,
     "torch._tensor._rebuild_from_type_v2": REBUILD_FROM_TYPE,
     **{f"torch.{name}": _STORAGE_OF[dtype] for name, dtype in STORAGE_TYPES.items()},
 }
-_BASE.update({"torch._utils._rebuild_parameter": _RebuildParameter,
-              "torch._utils._rebuild_parameter_with_state": _RebuildParameterWithState})
 _TORCH_STAND_INS = ("torch.Tensor", "torch.nn.parameter.Parameter", "torch.device",
                     *(f"torch.{d}" for d in TORCH_DTYPES))
-# Names that are values in torch, never called or made: its storage types (named by
-# persistent ids) and dtypes.
-_VALUES_ONLY = frozenset(f"torch.{n}" for n in (*STORAGE_TYPES, *TORCH_DTYPES))
+# Names that are values in a checkpoint, never called or made: torch's storage types (named
+# by persistent ids), dtypes, devices and tensor types (the type of _rebuild_from_type_v2).
+# Called, each checks its arguments in torch and not here: refused rather than carried.
+_VALUES_ONLY = frozenset(f"torch.{n}" for n in (*STORAGE_TYPES, *TORCH_DTYPES)) | {
+    "torch.Tensor", "torch.nn.parameter.Parameter", "torch.device"}
 # What find_class gives that a pickle may only call: never a value of the object it makes
 # (written back, the class or function would be a global of Python's or mpitailor's).
 CALLS_ONLY_VALUES = {id(x): name for name, x in _BASE.items() if not isinstance(x, type)
