@@ -24,7 +24,7 @@ import copyreg
 import functools
 import pickle
 
-_NOSTATE = object()
+NOSTATE = _NOSTATE = object()  # a stand-in no BUILD has given a state yet
 
 
 class _OpaqueMeta(type):

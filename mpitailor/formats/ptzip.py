@@ -143,6 +143,11 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
                 raise zipfile.BadZipFile(f"record {info.filename} is compressed")
             if info.compress_size != info.file_size:  # miniz refuses a stored record so
                 raise zipfile.BadZipFile(f"record {info.filename}: two sizes")
+            if info.flag_bits & 0x1 or not (info.flag_bits & 0x800 or info.filename.isascii()):
+                # torch reads names as UTF-8 (zipfile as cp437 without the flag) and refuses
+                # an encrypted record
+                raise zipfile.BadZipFile(f"record {info.filename!r:.60}: encrypted, or its "
+                                         f"name not UTF-8")
             head = os.pread(f.fileno(), _LOCAL.size, info.header_offset)
             if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
                 raise zipfile.BadZipFile(f"record {info.filename}: no local header")

@@ -141,6 +141,8 @@ def _small_key(key):
         if isinstance(x, (tuple, frozenset)):
             stack.extend(x)
         elif isinstance(x, opaque.Opaque):
+            if x._how == "newobj":  # a plain object: a dataclass's is unhashable in Python
+                raise pickle.UnpicklingError("an object as a dict key or set member")
             stack.extend((x._args, x.__dict__.get("_state")))
     return key
 
@@ -319,8 +321,8 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_build(self):
         state = self.stack.pop()
         inst = self.stack[-1]
-        if isinstance(inst, opaque.Opaque) and (
-                inst._how == "newobj" or type(inst).global_name in _STATE_AFTER_CALL):
+        if isinstance(inst, opaque.Opaque) and inst.__dict__.get("_state") is opaque.NOSTATE \
+                and (inst._how == "newobj" or type(inst).global_name in _STATE_AFTER_CALL):
             # an instance (never a class) that records the state: one made with NEWOBJ, or
             # a call whose real object takes one (a numpy dtype or array); never a call's
             # result such as an enum member, whose state would rewrite the member itself
