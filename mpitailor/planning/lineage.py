@@ -12,6 +12,9 @@ write the save dir can write one too, so it is trusted only as far as the saves 
 - One that counts must fit: its step between its parent's and its children's, its chain
   that of the saves on both sides (a partial save names its chain; a full save is its own
   chain), and no loop. Else the save dir was tampered with: an error naming it.
+- Two saves with one save id (a save copied, renamed, inside the save dir) make every
+  record that names that id ambiguous: which one a child builds on, which one a tombstone
+  stands for. An error naming both, before anything is followed or pruned.
 - A gap (a save's parent neither there nor tombstoned) ends the timeline, as a rollback
   does, unless prune's record lists that id (the tombstone went missing: an error) or a save
   that cannot be read now might be that parent (an error too: a failure to read is never an
@@ -22,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, MpitailorError
 from mpitailor.planning.recovery import Pruned, Save
 
@@ -58,10 +62,10 @@ def vet(folder: Path, saves: list[Save], pruned: tuple[Pruned, ...] = (),
     """The tombstones (in `folder`) recovery may step across; CheckpointError for a
     tampered timeline, CannotReadNow for one that may be whole but cannot be read now.
     listed: the save ids prune's record says it left tombstones for."""
-    present = {s.lineage.save_id: s for s in saves if s.lineage is not None}
+    present = no_twins(saves)
     marks = {p.lineage.save_id: p for p in pruned if p.lineage.save_id not in present}
     bads = {b.save_id: b for b in bad if b.save_id not in present}
-    unknown = [s.name for s in saves if s.unreadable and s.lineage is None]
+    unknown = [f"{s.name} ({s.problem})" for s in saves if s.unreadable and s.lineage is None]
     used: dict[str, Pruned] = {}
     for s in saves:
         if s.lineage is not None:
@@ -70,6 +74,22 @@ def vet(folder: Path, saves: list[Save], pruned: tuple[Pruned, ...] = (),
     return Vetted(tuple(sorted(used.values(), key=lambda p: (p.step, p.name))),
                   tuple(p for p in pruned if p.lineage.save_id not in used),
                   tuple((b.save_id, b.why) for b in bad))
+
+
+def no_twins(saves: list[Save]) -> dict[str, Save]:
+    """The saves by save id; CheckpointError naming two saves that share one."""
+    present: dict[str, Save] = {}
+    for s in saves:
+        if s.lineage is None:
+            continue
+        other = present.setdefault(s.lineage.save_id, s)
+        if other is not s:
+            raise CheckpointError(
+                f"{shown(other.path)} and {shown(s.path)}: two saves with one save id "
+                f"{shown(s.lineage.save_id)} (a save copied or renamed inside the save dir?); "
+                f"which one the saves after it build on cannot be told: move the copy out of "
+                f"the save dir, and run again")
+    return present
 
 
 def _walk(folder: Path, s: Save, present: dict[str, Save], marks: dict[str, Pruned],

@@ -19,7 +19,16 @@ Nothing goes on a guess. A save that cannot be read now (`Save.unreadable`: perm
 I/O error, not a file where one should be) is not incomplete: it may hold the newest copy of
 a layer, and every verdict depends on reading all of them (it may be the full save that
 starts the timeline, or the parent of the saves after it). While one is there the plan is
-`blocked`: prune removes nothing and says which; it goes on only once they read.
+`blocked`: prune removes nothing and says which; it goes on only once they read. (A plan
+that removes nothing is blocked too while such a save is kept only because it cannot be
+read: prune did not do its job, and says so.)
+
+And nothing goes unproven: before a plan that removes anything stands, recovery of what it
+leaves (the tombstones it writes included) is replayed from the same full save, and must
+take every layer from where it takes it now (`prove`); else `Unproven`, and nothing goes.
+The rules above should make that always so; the replay is what makes a save dir whose own
+records disagree (a partial save of another chain than its parent's) a refusal instead of
+a tombstone that recovery then rejects.
 """
 from __future__ import annotations
 
@@ -27,11 +36,19 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpitailor.display import shown
+from mpitailor.errors import CheckpointError, MpitailorError
 from mpitailor.planning.lineage import BadTombstone, vet
-from mpitailor.planning.recovery import Chain, Pruned, Save
+from mpitailor.planning.recovery import Chain, Pruned, Save, choose
 
 PRUNED_DIR = ".mpitailor-pruned"  # in the save dir: one tombstone per pruned save, by id
 _HEX = re.compile(r"[0-9a-f]{8,64}")
+UNREAD = "cannot be read now"  # how a verdict kept for that alone starts
+
+
+class Unproven(CheckpointError):
+    """Recovery after the plan would not be what it is now (the save dir's own records
+    disagree): prune removes nothing (exit 2)."""
 
 
 def valid_id(save_id: str | None) -> bool:
@@ -108,9 +125,71 @@ def plan_retention(save_dir: Path, saves: list[Save], chain: Chain, keep_last: i
         verdicts = [v if not v.remove else Verdict(v.kind, v.path, False, f"would go ({v.why}"
                                                    f"), but nothing goes while a save cannot "
                                                    f"be read") for v in verdicts]
-    else:
-        blocked = ()
+    else:  # (one kept for another reason too, the newest, one in progress: no matter)
+        blocked = tuple(v for v in blocked if v.why.startswith(UNREAD))
+        prove(save_dir, saves, chain, verdicts, pruned, bad, listed)
     return RetentionPlan(newest.name, keep_last, tuple(verdicts), blocked)
+
+
+def prove(save_dir: Path, saves: list[Save], chain: Chain, verdicts: list[Verdict],
+          pruned: tuple[Pruned, ...], bad: tuple[BadTombstone, ...],
+          listed: frozenset[str]) -> None:
+    """Unproven unless recovery of what the verdicts leave (less what they remove, with
+    the tombstones they write, under the record prune then writes), started from the same
+    full save, takes every layer from the save it takes it from now."""
+    removals = [v for v in verdicts if v.remove]
+    if not removals:
+        return
+    gone = {v.path for v in removals if v.kind == "save"}
+    dropped = {v.path.name for v in removals if v.kind == "tombstone"}
+    new = {v.tombstone.lineage.save_id: v.tombstone for v in removals if v.tombstone}
+    left = [s for s in saves if s.path not in gone]
+    tombs = tuple(p for p in pruned if p.lineage.save_id not in dropped | set(new))
+    there = {p.lineage.save_id for p in pruned} | {b.save_id for b in bad}
+    record = frozenset((there - dropped) | set(new))  # as jobs/prune.py's _record writes it
+    try:
+        vetted = vet(save_dir / PRUNED_DIR, left, tombs + tuple(new.values()), bad, record)
+        after = choose(save_dir, left, chain.full.name, vetted.pruned)
+    except MpitailorError as e:
+        why = str(e).split("; the save dir was tampered with")[0]
+        raise _unproven(save_dir, f"the tombstones it would write do not fit the saves around "
+                                  f"them ({why})") from None
+    was, now = _sources(chain), _sources(after) if after is not None else None
+    if was != now:
+        raise _unproven(save_dir, _difference(was, now))
+
+
+def _sources(chain: Chain) -> tuple:
+    """What a recovery of chain is made of: its full save, its base (the newest save),
+    the save each layer a partial save holds comes from, and the layer patterns."""
+    held: dict[str, str] = {}
+    for p in chain.partials:  # oldest first: the newest holder wins
+        held.update(dict.fromkeys(p.meta.held_layers, p.name))
+    patterns = [s.meta.layer_patterns for s in (chain.full, *chain.partials)
+                if s.meta.layer_patterns]
+    return (chain.full.name, (chain.partials or (chain.full,))[-1].name, held,
+            dict(patterns[-1]) if patterns else {})
+
+
+def _difference(was: tuple, now: tuple | None) -> str:
+    if now is None:
+        return "after it recovery would find no usable full save"
+    if was[:2] != now[:2]:
+        return (f"recovery would start from {shown(now[0])} and end at {shown(now[1])} after "
+                f"it, not {shown(was[0])} and {shown(was[1])}")
+    layer = next((k for k in sorted({*was[2], *now[2]}) if was[2].get(k) != now[2].get(k)),
+                 None)
+    if layer is not None:
+        return (f"recovery would take {layer} from {shown(now[2].get(layer, now[0]))} after "
+                f"it, not from {shown(was[2].get(layer, was[0]))}")
+    return "recovery would read the layers by other layer patterns after it"
+
+
+def _unproven(save_dir: Path, why: str) -> Unproven:
+    return Unproven(f"{shown(save_dir)}: prune removes nothing: it cannot show that recovery "
+                    f"after it is what it is now: {why}; the saves' own lineage records "
+                    f"disagree (a save edited, or copied in from another run?): check the "
+                    f"saves named, and run prune again")
 
 
 def _window(saves: list[Save], chain: Chain, keep_last: int) -> tuple[int, str] | None:
@@ -144,7 +223,7 @@ def _judge_save(s: Save, chain: Chain, newest: Save, keep_last: int,
     if str(s.path) in busy:
         return keep(busy[str(s.path)])
     if s.unreadable:
-        return keep(f"cannot be read now ({s.problem}): it may hold the newest copy of a "
+        return keep(f"{UNREAD} ({s.problem}): it may hold the newest copy of a "
                     f"layer; fix its permissions (or the disk) and run prune again")
     if window is not None and _order(s) >= window:
         return keep(f"within --keep-last {keep_last} (as new as the {keep_last} newest saves "
