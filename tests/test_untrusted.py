@@ -58,19 +58,34 @@ def no_traceback(r) -> None:
 
 # -- 1, 3: a partial save's manifest that is a FIFO, a link to /dev/zero, or deep JSON ------
 
-@pytest.mark.parametrize("kind,ranks", [("fifo", 2), ("dev_zero", 1), ("deep", 1)])
-def test_recover_skips_a_partial_save_whose_manifest_is_not_one(ckpt_copy, tmp_path, kind,
-                                                                ranks):
-    """recover skips that save, says why, and recovers from the saves before it."""
+def test_recover_skips_a_partial_save_whose_manifest_is_not_one(ckpt_copy, tmp_path):
+    """Deep JSON: damaged by its own bytes. recover skips that save, says why, and recovers
+    from the saves before it."""
     root = ckpt_copy("w2_parity")  # full save at 2, partial saves at 4, 6, 8
-    why = plant(root / "global_step8" / "mpitailor_partial.json", kind, tmp_path)
+    why = plant(root / "global_step8" / "mpitailor_partial.json", "deep", tmp_path)
     out = tmp_path / "out"
-    r = cli(["recover", root, "-o", out], ranks=ranks)
+    r = cli(["recover", root, "-o", out])
     assert r.returncode == 0, r.stderr
     no_traceback(r)
     skipped = [line for line in r.stderr.splitlines() if "skipping global_step8" in line]
     assert skipped and why in skipped[0] and "mpitailor_partial.json" in skipped[0], r.stderr
     assert (out / "latest").read_text() == "global_step6"
+
+
+@pytest.mark.parametrize("kind,ranks", [("fifo", 2), ("dev_zero", 1)])
+def test_recover_refuses_a_partial_save_whose_manifest_cannot_be_read(ckpt_copy, tmp_path,
+                                                                      kind, ranks):
+    """A FIFO or a link where the manifest should be: not read (no hang), and not taken for
+    an incomplete save either: the save cannot be read now, and it holds the newest copy of
+    some layers, so recover refuses (exit 1) rather than take older ones (issue 40)."""
+    root = ckpt_copy("w2_parity")
+    why = plant(root / "global_step8" / "mpitailor_partial.json", kind, tmp_path)
+    out = tmp_path / "out"
+    r = cli(["recover", root, "-o", out], ranks=ranks)
+    line = expect_one_error(r, why, code=1)
+    assert f"{root / 'global_step8'}: cannot be read now" in line, line
+    no_traceback(r)
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero", "deep"])
@@ -86,11 +101,11 @@ def test_inspect_refuses_a_manifest_that_is_not_one(ckpt_copy, tmp_path, kind):
 
 def test_export_of_the_save_dir_leaves_that_save_out(ckpt_copy, tmp_path):
     root = ckpt_copy("w2_parity")
-    plant(root / "global_step8" / "mpitailor_partial.json", "fifo", tmp_path)
+    plant(root / "global_step8" / "mpitailor_partial.json", "deep", tmp_path)
     out = tmp_path / "fp32"
     r = cli(["export", root, "-o", out, "--format", "fp32"], ranks=2)
     assert r.returncode == 0, r.stderr
-    assert "skipping global_step8" in r.stderr and "FIFO" in r.stderr, r.stderr
+    assert "skipping global_step8" in r.stderr and "nested deeper" in r.stderr, r.stderr
     manifest = json.loads((out / "mpitailor_manifest.json").read_text())
     steps = {s["global_steps"] for s in manifest["sources"].values()}
     assert max(steps) == 6, manifest["sources"]
@@ -105,7 +120,10 @@ def test_an_unreadable_save_record_is_reported_not_taken_as_none(ckpt_copy, tmp_
     root = ckpt_copy("w2_parity")
     why = plant(root / "global_step2" / "mpitailor_save.json", kind, tmp_path)
     r = cli(["recover", root, "-o", tmp_path / "out"])
-    line = expect_one_error(r, "no usable full checkpoint")
+    # deep JSON is damaged (no usable full save: exit 2); a FIFO or a link where the record
+    # should be cannot be read now (exit 1: it may be the parent of the saves after it)
+    line = expect_one_error(r, "no usable full checkpoint" if kind == "deep" else
+                            "global_step2 (", code=2 if kind == "deep" else 1)
     assert "global_step2" in line and why in line and "mpitailor_save.json" in line, line
     assert "another timeline" not in r.stderr
     assert not (tmp_path / "out").exists()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
+from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, MpitailorError, UserError
 from mpitailor.formats.manifest import MANIFEST, read_manifest
 from mpitailor.jobs import readlocks
@@ -151,8 +152,14 @@ def plan_prune(comm: Comm, save_dir: Path, keep_last: int, composites: Path | No
     node-local, and what each path to remove was when judged (device, inode; empty under
     node-local storage, where each node has its own). The saves are found and checked as
     `recover` does; the composites, the tombstones and the locks are read on rank 0."""
-    saves, chain, place = survey_saves(comm, save_dir, crc=crc, look=True)
-    folders = [save_dir / RESUME_DIR] + ([composites] if composites is not None else [])
+    resume = save_dir / RESUME_DIR
+    if resume.is_symlink():  # followed, prune would delete composites wherever it points
+        raise UserError(f"{shown(resume)}: a symbolic link (to {shown(os.readlink(resume))}), "
+                        f"where the in-job resume keeps this save dir's composites; prune "
+                        f"follows no link in a save dir: replace it with the dir itself, or "
+                        f"give the dir it points to as --composites DIR")
+    saves, chain, place = survey_saves(comm, save_dir, crc=crc, prune=True)
+    folders = [resume] + ([composites] if composites is not None else [])
 
     def decide() -> tuple[RetentionPlan, dict[str, tuple[int, int]]]:
         found = [c for f in folders for c in find_composites(f)]
@@ -181,8 +188,14 @@ def find_composites(folder: Path) -> list[Composite]:
     readable merge manifest: its problem)."""
     if not folder.is_dir():
         return []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as e:
+        raise PruneRefused(f"prune removed nothing: {shown(folder)} cannot be listed now "
+                           f"({e.strerror or e}); it holds composites prune judges: fix its "
+                           f"permissions (or the disk) and run prune again") from None
     found = []
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+    for entry in entries:
         if not entry.name.startswith(COMPOSITE_PREFIX) or \
                 not entry.is_dir(follow_symlinks=False):
             continue
@@ -207,8 +220,11 @@ def _busy(path: Path) -> str | None:
         try:
             if is_held(lock):
                 return f"a live process holds {lock.name}: being written"
-        except OSError as e:
-            return f"cannot tell whether {lock} is held ({e.strerror or e}); left alone"
+        except OSError as e:  # a FIFO, a link, a dir by a lock's name; or unreadable
+            raise PruneRefused(f"prune removed nothing: {shown(lock)}: cannot tell whether a "
+                               f"live process holds it ({e.strerror or e}); a lock is a "
+                               f"regular file: remove it if nothing writes {shown(path)}, "
+                               f"and run prune again") from None
     if readlocks.is_read(path):
         return "a live process reads it (a recover holds it as a source)"
     if os.path.lexists(path_of(path, STAGING)):

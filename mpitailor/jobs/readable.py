@@ -12,7 +12,8 @@ layer. Two independent looks say so, and either is enough to keep the save:
   errno is not absence (ENOENT) or a path that is not a dir (ENOTDIR);
 - a walk of the save's tree as this process sees it, opening every file, after the checks:
   a reader that swallowed the OSError, or a file that became unreadable since, shows here
-  (prune's survey only: `looked_at`).
+  (`looked_at`; recover's survey and prune's alike, so that a FIFO where the newest save's
+  file should be is a refusal of both, never a silent step back to older copies).
 
 And what recovery does with them: `refuse_unreadable` (recover takes no older copy of a
 layer because the newer one cannot be read now) and `still_there` (a survey during which a
@@ -112,16 +113,17 @@ def refuse_unreadable(saves: list[Save], chain: Chain) -> None:
     for s in saves:
         if s.unreadable and (s.name in path or s.step >= chain.full.step):
             raise CannotReadNow(f"{s.path}: cannot be read now ({s.problem}); it may hold "
-                                f"the newest copy of a layer: fix its permissions (or the "
-                                f"disk) and run again, or move it out of the save dir to "
-                                f"recover without it")
+                                f"the newest copy of a layer: fix what stops the read (its "
+                                f"permissions, the disk, something in place of a file) and "
+                                f"run again, or move it out of the save dir to recover "
+                                f"without it")
 
 
-def looked_at(comm: Comm, saves: list[Save], place: Placement, look: bool) -> list[Save]:
+def looked_at(comm: Comm, saves: list[Save], place: Placement) -> list[Save]:
     """Collective: the saves whose checks failed for a cause the exception did not name,
     walked (readable.odd_entry) and marked unreadable if something in them is. Not under
     node-local storage: one process sees only its node's files."""
-    if place.node_local or not look:
+    if place.node_local:
         return saves
 
     def look() -> list[Save]:

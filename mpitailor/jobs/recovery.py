@@ -27,22 +27,21 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths, survey
+from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
+from mpitailor.formats.boundedio import TooLarge
 from mpitailor.formats.files import (
     LATEST,
+    MAX_TAG_BYTES,
     PARTIAL_MANIFEST,
     SAVE_RECORD,
     STAGE12_MODEL,
-    Lineage,
     model_file,
     partial_files,
     read_latest,
-    read_save_record,
 )
 from mpitailor.formats.fsview import LOCAL
-from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.partial_shard import check_partial_rank
-from mpitailor.formats.read import read_meta
 from mpitailor.formats.shard import open_shard
 from mpitailor.jobs.merge import Planned, plan_recipe
 from mpitailor.jobs.readable import (
@@ -50,9 +49,9 @@ from mpitailor.jobs.readable import (
     looked_at,
     refuse_unreadable,
     still_there,
-    vanished,
 )
 from mpitailor.jobs.readlocks import hold_sources
+from mpitailor.jobs.saves import find_saves, hf_unfinished
 from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.layers import LayerClassifier, check_patterns
 from mpitailor.planning.lineage import CannotReadNow, vet
@@ -62,135 +61,6 @@ from mpitailor.planning.recovery import Chain, Save, choose, recovery_recipe
 from mpitailor.planning.retention import PRUNED_DIR
 
 log = logging.getLogger(__name__)
-SAVE_NAMES = ("global_step", "checkpoint-")
-
-
-def find_saves(save_dir: Path, view=LOCAL) -> list[Save]:
-    """Every save directly under save_dir (rank-0 metadata only), oldest first. view: the
-    save dir as the job's nodes see it together (node-local storage; fsview.py)."""
-    if not view.is_dir(save_dir):
-        raise UserError(f"{save_dir}: no such save dir")
-    check_save_dir(save_dir, view)
-    found, nested = [], []
-    for name in sorted(view.names(save_dir)):
-        child = save_dir / name
-        if name.startswith("."):
-            continue  # staging dirs of interrupted saves, tombstones
-        _refuse_link(child)
-        if not view.is_dir(child):
-            continue  # files
-        try:
-            save = _find_one(child, view)
-        except FileNotFoundError:
-            raise vanished(child) from None
-        if save == "nested":
-            nested.append(name)
-        elif save is not None:
-            found.append(save)
-    if nested:
-        raise UserError(f"{save_dir}: holds the save dirs {', '.join(nested)} (each with saves "
-                        f"of its own), not one run's saves; give one of them, e.g. "
-                        f"{save_dir / nested[0]}")
-    return sorted(found, key=lambda s: (s.step, s.name))
-
-
-def _refuse_link(child: Path) -> None:
-    """A save that is a symbolic link is refused by name: skipped, it would read as a save
-    that is gone (the saves built on it, another timeline); followed, prune would delete
-    what lies elsewhere."""
-    if child.is_symlink() and (child.name.startswith(SAVE_NAMES) or child.is_dir()):
-        raise UserError(f"{child}: a symbolic link (to {os.readlink(child)}), where a save "
-                        f"dir holds its saves; mpitailor follows no link in a save dir: "
-                        f"replace it with the save itself (`cp -a`), or remove it")
-
-
-def _find_one(child: Path, view) -> Save | str | None:
-    """The save in child, "nested" for a save dir of its own, None for neither."""
-    name = child.name
-    if view.exists(child / MANIFEST):
-        return None  # an earlier composite written here is not a save of this run
-    if _holds_saves(child, view):
-        return "nested"
-    try:
-        meta = read_meta(child, view)  # reads the save's lineage record too
-    except (CheckpointError, OSError) as e:
-        if not (name.startswith(SAVE_NAMES) or view.exists(child / PARTIAL_MANIFEST)):
-            return None
-        if isinstance(e, FileNotFoundError) and not os.path.lexists(child):
-            raise  # the save itself went (find_saves says so), not a file of it
-        why = cannot_read(e)  # not the save's record: incomplete is not proven
-        return Save(name, child, None, _lineage(child, view),
-                    str(e) if why else (_unfinished(child, view) or str(e)),
-                    unreadable=why is not None)
-    if _hf_unfinished(child, view):
-        return Save(name, child, None, meta.lineage, f"{child}: an incomplete HF Trainer save "
-                    f"(no {HF_LAST}, which the Trainer writes last): a save killed while it "
-                    f"was written")
-    return Save(name, child, meta, meta.lineage)
-
-
-# An HF Trainer save writes its training args first and its trainer state last: a
-# checkpoint-N with the one and not the other was killed while it was written (DeepSpeed's
-# own files, `latest` included, may be complete by then; resuming from it would fail).
-HF_FIRST, HF_LAST = "training_args.bin", "trainer_state.json"
-
-def _hf_unfinished(child: Path, view) -> bool:
-    return view.exists(child / HF_FIRST) and not view.exists(child / HF_LAST)
-
-
-TAG_FILES = ("zero_pp_rank_", "bf16_zero_pp_rank_", "mp_rank_", "rank_0_model_states.pt",
-             PARTIAL_MANIFEST)
-
-
-def check_save_dir(save_dir: Path, view=LOCAL) -> None:
-    """UserError for a checkpoint's tag dir given where the dir of a run's saves is expected
-    (it would read as a save dir with no saves in it)."""
-    if any(n.startswith(TAG_FILES) for n in view.names(save_dir)):
-        raise UserError(f"{save_dir}: a checkpoint's tag dir, not a save dir; give the dir "
-                        f"that holds the saves: {save_dir.parent}")
-
-
-def _holds_saves(child: Path, view) -> bool:
-    """A run's save dir inside the save dir (HF's checkpoint-N/ holds one tag dir, which is
-    a save of this run, not a run of its own)."""
-    subdirs = [n for n in view.names(child) if view.is_dir(child / n)]
-    tags = [n for n in subdirs if n.startswith(SAVE_NAMES)]
-    return (bool(tags) and not child.name.startswith(SAVE_NAMES)) or \
-        any(n.startswith("checkpoint-") for n in tags) or \
-        sum(n.startswith("global_step") for n in tags) > 1
-
-
-def _unfinished(child: Path, view) -> str | None:
-    """Why a save dir holding none of a save's files is skipped: a save that never finished."""
-    names = view.names(child)
-    inner = [child / n for n in names if view.is_dir(child / n)]
-    if any(n == LATEST or n.startswith(FINISHED) for n in names) or any(
-            m.startswith(FINISHED) for d in inner for m in view.names(d)):
-        return None
-    return (f"{child}: an incomplete save (neither DeepSpeed's model states nor "
-            f"mpitailor's {PARTIAL_MANIFEST}, written last, in it): a save killed while it "
-            f"was written, or being written now")
-
-
-# What a save that finished holds (a partial save's rank files come before its manifest).
-FINISHED = ("zero_pp_rank_", "bf16_zero_pp_rank_", "mp_rank_", PARTIAL_MANIFEST)
-
-
-def _lineage(child: Path, view) -> Lineage | None:
-    """The lineage of a save that cannot be read as a whole (its successors still need it)."""
-    # Tags of HF's checkpoint-N (global_stepN) and Accelerate's (pytorch_model, the tag of
-    # accelerator.save_state and of mpitailor's AccelerateCheckpointer).
-    tags = [child / n for n in view.names(child)
-            if n.startswith("global_step") or n == "pytorch_model"]
-    for tag_dir in (child, *(p for p in tags if view.is_dir(p))):
-        for partial in (True, False):
-            try:
-                found = read_save_record(tag_dir, partial, view)[0]
-            except CheckpointError:
-                return None
-            if found is not None:
-                return found
-    return None
 
 
 def check_saves(comm: Comm, saves: list[Save], crc_of: set[str] = frozenset(),
@@ -236,27 +106,52 @@ def _check_rank(save: Save, rank: int, crc: bool) -> None:
             pass
 
 
-def _latest(save_dir: Path, view) -> str | None:
+def _latest(save_dir: Path, view, strict: bool = False) -> str | None:
+    """The tag `latest` names; None without one, or (recover) for one that names no tag,
+    said in a warning: recovery then starts from the newest complete full save. strict
+    (prune): a `latest` there that names no tag is a refusal, for it names the timeline
+    prune keeps: exit 1 when it may read in a moment (not a regular file, or empty, as a
+    reader sees it while DeepSpeed rewrites it), 2 for one that holds something else."""
     latest = save_dir / LATEST
-    if not view.exists(latest):
+    if not (view.exists(latest) or (strict and view is LOCAL and latest.is_symlink())):
         return None  # a FIFO, a device or a link there is read (and refused, said) below
     try:
         return read_latest(latest, view)
     except CheckpointError as e:
         if (why := cannot_read(e, also=(errno.ELOOP,))) is not None:  # a link: refused
             # it names the timeline to take: without it an abandoned one may be chosen
-            raise CannotReadNow(f"{latest}: cannot be read now ({why}); it names the save "
-                                f"to resume from: fix its permissions (or the disk) and run "
-                                f"again") from None
+            raise CannotReadNow(f"{shown(latest)}: cannot be read now ({why}); it names the "
+                                f"save to resume from: fix its permissions (or the disk) and "
+                                f"run again") from None
+        if strict:
+            raise _unusable_latest(latest, view, e) from None
         log.warning("ignoring %s", e)
         return None
+
+
+def _unusable_latest(latest: Path, view, e: CheckpointError) -> Exception:
+    """Prune's refusal of a `latest` that names no tag (e: why, as read_latest said it)."""
+    try:
+        raw = view.read_bytes(latest, MAX_TAG_BYTES, "a `latest` file")
+        now = not raw.strip()  # empty: being rewritten (DeepSpeed truncates, then writes)
+    except TooLarge:
+        now = False
+    except CheckpointError:
+        now = True  # not a regular file (a FIFO, a dir, a link), or gone
+    what = "run prune again in a moment (DeepSpeed rewrites it at each save; an empty one " \
+        "is being rewritten)" if now else "fix it (the tag of the save to resume from, e.g. " \
+        "global_step10) or remove it, and run prune again"
+    line = str(e).split("\n")[0]
+    return (CannotReadNow if now else UserError)(
+        f"prune removes nothing: {line}; `latest` names the save to resume from, and prune "
+        f"keeps that save's timeline: {what}")
 
 
 def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
              view) -> Exception:
     """No usable full save: an error if any save ever finished, else nothing to recover."""
     finished = view.exists(save_dir / LATEST) or any(
-        not _hf_unfinished(s.path, view) and (
+        not hf_unfinished(s.path, view) and (
             s.partial or view.exists(s.path / LATEST) or view.exists(s.path / PARTIAL_MANIFEST)
             or view.exists(s.path / SAVE_RECORD)) for s in saves)
     reasons = "; ".join(f"{n}: {why}" for n, why in skipped.items())
@@ -268,15 +163,23 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
                             + (f" (incomplete: {reasons})" if reasons else ""))
 
 
-def _timeline_to_recover(save_dir: Path, saves: list[Save], view=LOCAL) -> Chain:
+def _timeline_to_recover(save_dir: Path, saves: list[Save], view=LOCAL,
+                         strict: bool = False) -> Chain:
     """The timeline to recover (planning/recovery.py's choice), or why there is none. Only
-    the tombstones a save builds on are stepped across (planning/lineage.py's `vet`)."""
+    the tombstones a save builds on are stepped across (planning/lineage.py's `vet`).
+    strict: prune's reading of `latest` (_latest)."""
     found = read_tombstones(save_dir, view)
     vetted = vet(save_dir / PRUNED_DIR, saves, found.good, found.bad, found.listed)
     for save_id, why in vetted.skipped:
         log.warning("ignoring %s: not a tombstone (%s); no save builds on it",
                     save_dir / PRUNED_DIR / save_id, why)
-    chain = choose(save_dir, saves, _latest(save_dir, view), vetted.pruned)
+    tag = _latest(save_dir, view, strict)
+    named = next((s for s in saves if s.name == tag), None)
+    if named is not None and named.unreadable:  # the save to resume from, for all we know
+        raise CannotReadNow(f"{shown(named.path)}: cannot be read now ({named.problem}); "
+                            f"{shown(save_dir / LATEST)} names it as the save to resume from: "
+                            f"fix its permissions (or the disk) and run again")
+    chain = choose(save_dir, saves, tag, vetted.pruned)
     if chain is None:
         raise _nothing(save_dir, saves, {s.name: s.problem for s in saves
                                          if s.problem is not None}, view)
@@ -298,26 +201,27 @@ def plan_recovery(comm: Comm, save_dir: Path,
 
 
 def survey_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
-                 crc: bool = True, look: bool = False) -> tuple[list[Save], Chain, Placement]:
+                 crc: bool = True, prune: bool = False) -> tuple[list[Save], Chain, Placement]:
     """Collective: plan_recovery's work, returning every save found (checked: `problem`
     says why one is not usable), the chain chosen and where the files lie (prune needs all
     three). crc=False leaves out the CRC-32 pass over the chain's partial saves (the
     training side's retention after each save: they were just written and checked by
-    size). look: walk each save that failed a check for what cannot be read in it
-    (prune's care: it must not delete such a save; recover skips it, as it did)."""
+    size). Each save that failed a check is walked for what cannot be read in it (a FIFO,
+    a dir or a link where a file should be): such a save cannot be read now, not
+    incomplete (readable.py). prune: `latest` must name a tag (_latest's strict)."""
     place = survey(comm, [save_dir], depth=3)
     found = comm.step_on(_finder(place, save_dir), find_saves, save_dir, place.fs())
     if until_step is not None:
         found = [s for s in found if s.step <= until_step]
-    saves = looked_at(comm, check_saves(comm, found, place=place), place, look)
+    saves = looked_at(comm, check_saves(comm, found, place=place), place)
     while True:
-        chain = comm.root_step(_timeline_to_recover, save_dir, saves, place.fs())
+        chain = comm.root_step(_timeline_to_recover, save_dir, saves, place.fs(), prune)
         if not crc:
             break
         names = {s.name for s in chain.partials}
         checked = check_saves(comm, [s for s in saves if s.name in names], crc_of=names,
                               place=place)
-        bad = {s.name: s for s in looked_at(comm, checked, place, look)
+        bad = {s.name: s for s in looked_at(comm, checked, place)
                if s.problem is not None}
         if not bad:
             break

@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpitailor.display import shown
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.boundedio import loads
 from mpitailor.formats.files import Lineage
@@ -71,8 +72,14 @@ def read_tombstones(save_dir: Path, view=LOCAL) -> Tombstones:
                 f"of pruned saves; without them recovery would roll back: restore the dir from "
                 f"where the save dir was copied (`cp -a SRC/. DEST` keeps hidden dirs)")
         return Tombstones(listed=listed)
+    try:
+        names = sorted(view.names(folder))
+    except OSError as e:  # (EACCES: which tombstones a save builds on cannot be told)
+        raise CannotReadNow(f"{shown(folder)}: the tombstones of pruned saves cannot be listed "
+                            f"now ({cannot_read(e) or e}); fix its permissions (or the disk) "
+                            f"and run again") from None
     good, bad = [], []
-    for name in sorted(view.names(folder)):
+    for name in names:
         if not valid_id(name):
             continue  # a killed write's dotted temporary file: not a tombstone
         try:
@@ -105,9 +112,9 @@ def read_record(save_dir: Path, view=LOCAL) -> frozenset[str]:
     """The ids prune's record lists (empty: no record, a save dir prune never removed a
     save of the timeline from, or one pruned before the record was kept)."""
     path = save_dir / RECORD
-    if not view.exists(path) and not (view is LOCAL and path.is_symlink()):
-        return frozenset()
     try:
+        if not view.exists(path) and not (view is LOCAL and path.is_symlink()):
+            return frozenset()
         raw = loads(view.read_bytes(path, MAX_LIST_BYTES, "prune's record"))
         ids = raw["tombstones"] if raw.get("format") == RECORD_FORMAT else None
         if not isinstance(ids, list) or not all(valid_id(i) for i in ids):

@@ -94,12 +94,15 @@ def holder_of(lock_path: Path) -> str:
 
 def is_held(lock_path: Path) -> bool:
     """Whether a live process holds the lock at lock_path (none there: no). Creates and
-    removes nothing (a dry run looks with it)."""
+    removes nothing (a dry run looks with it). OSError for what no lock is: a link (ELOOP),
+    or not a regular file (EINVAL; a FIFO opened without O_NONBLOCK would block forever)."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file, as a lock is", str(lock_path))
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
