@@ -14,7 +14,11 @@ a rollback resumes from an older save (what follows forks), and earlier prunes (
 --keep-last) leave tombstones and their record. Then the save dir is damaged as the review
 did: saves that cannot be read at prune time (they read again after), the tombstone dir
 lost, one tombstone lost, forged tombstones, a loop of tombstones, tombstones that are not
-tombstones at all.
+tombstones at all; and as the second review did: a save copied under another name keeping
+its save id (a twin), a partial save whose chain is not its parent's, and a `latest` that
+cannot be read at prune time (it names an older full save as often as not: a rollback
+chosen by hand). What only a disk can hold (stray manifests inside saves, symbolic links
+in place of mpitailor's own dirs, FIFOs) is tests/test_retention_safety.py's on-disk part.
 """
 from __future__ import annotations
 
@@ -24,13 +28,15 @@ from pathlib import Path
 
 from mpitailor.errors import MpitailorError
 from mpitailor.formats.files import Lineage
-from mpitailor.planning.lineage import BadTombstone, vet
+from mpitailor.planning.lineage import BadTombstone, CannotReadNow, vet
 from mpitailor.planning.recovery import Chain, Pruned, Save, choose
 from mpitailor.planning.retention import PRUNED_DIR, plan_retention
 
 ROOT = Path("/saves")
 LAYERS = ("layers.0", "layers.1", "layers.2", "layers.3", "embed", "norm", "lm_head")
-DAMAGE = ("unreadable", "lost_one", "forged", "loop", "bad", "incomplete", "lost_dir")  # (last: it takes every tombstone)
+DAMAGE = ("unreadable", "lost_one", "forged", "loop", "bad", "incomplete", "twin", "chain",
+          "latest", "lost_dir")  # (last: it takes every tombstone)
+UNREADABLE_LATEST = "\0 a FIFO"  # `latest` as prune sees it while it cannot be read
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,9 @@ def make_timeline(rng: random.Random) -> SaveDir:
         if rng.random() < 0.15:
             d = prune_pure(d, rng.randint(0, 3))[0]
     d.saves.sort(key=lambda s: (s.step, s.name))
+    fulls = [s.name for s in d.saves if s.meta is not None and not s.partial]
+    if fulls and rng.random() < 0.2:  # resume from an older full save, by hand
+        d.latest = rng.choice(fulls)
     return d
 
 
@@ -113,7 +122,7 @@ def damage(d: SaveDir, rng: random.Random) -> tuple[SaveDir, SaveDir, list[str]]
     unreadable: set[str] = set()
     ids = [s.lineage.save_id for s in d.saves if s.lineage is not None] + list(d.tombs)
     for kind in DAMAGE:
-        if rng.random() >= 0.2:
+        if rng.random() >= 0.14:  # (ten kinds: about a quarter of the cases undamaged)
             continue
         kinds.append(kind)
         if kind == "unreadable" and true.saves:
@@ -143,9 +152,39 @@ def damage(d: SaveDir, rng: random.Random) -> tuple[SaveDir, SaveDir, list[str]]
                 i = rng.choice(done)
                 true.saves[i] = replace(true.saves[i], meta=None,
                                         problem="sizes disagree with its manifest")
+        elif kind == "twin":
+            _twin(true, rng)
+        elif kind == "chain":
+            done = [i for i, s in enumerate(true.saves) if s.partial]
+            if done:
+                i = rng.choice(done)
+                was = true.saves[i].lineage
+                true.saves[i] = replace(true.saves[i], lineage=Lineage(
+                    was.save_id, f"77{rng.getrandbits(56):014x}", was.parent))
     seen = true.copy()
     seen.saves = [_unreadable(s, rng) if s.name in unreadable else s for s in true.saves]
+    if "latest" in kinds:
+        seen.latest = UNREADABLE_LATEST
     return true, seen, kinds
+
+
+def _twin(d: SaveDir, rng: random.Random) -> None:
+    """A save copied under another name, its save id kept: the copy's step, parent and
+    usability at random (a backup, a save renamed, one kept newer than anything)."""
+    done = [s for s in d.saves if s.lineage is not None]
+    if not done:
+        return
+    s = rng.choice(done)
+    step = rng.choice([s.step, s.step + 1, 100])
+    name = f"global_step{step}" if step != s.step else f"{s.name}x"
+    parent = rng.choice([s.lineage.parent, f"ab{rng.getrandbits(56):014x}"])
+    twin = replace(s, name=name, path=ROOT / name,
+                   lineage=Lineage(s.lineage.save_id, s.lineage.chain, parent),
+                   meta=replace(s.meta, global_steps=step) if s.meta else None)
+    if rng.random() < 0.5:
+        twin = replace(twin, meta=None, problem="global_steps disagree with its files")
+    d.saves = sorted([x for x in d.saves if x.name != name] + [twin],
+                     key=lambda x: (x.step, x.name))
 
 
 def _unreadable(s: Save, rng: random.Random) -> Save:
@@ -172,21 +211,31 @@ def recover_pure(d: SaveDir) -> tuple:
     return ("ok", path[-1].name, path[-1].step, tuple(sorted(chosen.items())))
 
 
-def choose_pure(d: SaveDir) -> Chain | None:
+def choose_pure(d: SaveDir, prune: bool = False) -> Chain | None:
     """As jobs/recovery.py chooses: the record checked against the tombstone dir, the
-    tombstones vetted, then planning/recovery.py's choice. MpitailorError if it refuses."""
+    tombstones vetted, then planning/recovery.py's choice. MpitailorError if it refuses
+    (prune: also while `latest` cannot be read; recover then starts from the newest full
+    save, with a warning)."""
     if d.listed and not d.dir_ok:
         raise MpitailorError("tombstone dir missing")
     vetted = vet(ROOT / PRUNED_DIR, d.saves, tuple(d.tombs.values()), tuple(d.bad.values()),
                  d.listed)
-    return choose(ROOT, d.saves, d.latest, vetted.pruned)
+    latest = d.latest
+    if latest == UNREADABLE_LATEST:
+        if prune:
+            raise CannotReadNow("latest cannot be read now")
+        latest = None
+    named = next((s for s in d.saves if s.name == latest), None)
+    if named is not None and named.unreadable:
+        raise CannotReadNow("the save latest names cannot be read now")
+    return choose(ROOT, d.saves, latest, vetted.pruned)
 
 
 def prune_pure(d: SaveDir, keep_last: int) -> tuple[SaveDir, str]:
     """d after `prune --keep-last keep_last` as jobs/prune.py does it, and what happened:
     "pruned", or why it refused (then d is returned as it was)."""
     try:
-        chain = choose_pure(d)
+        chain = choose_pure(d, prune=True)
         if chain is None:
             return d, "refused: nothing to recover"
         plan = plan_retention(ROOT, d.saves, chain, keep_last, tuple(d.tombs.values()),
