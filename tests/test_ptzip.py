@@ -396,9 +396,11 @@ def test_containers_nested_past_the_bound_are_refused_in_one_line(tmp_path):
     path = tmp_path / "deep.pt"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("archive/data.pkl", b"\x80\x02" + b"]" * n + b"a" * (n - 1) + b".")
+        z.writestr("archive/version", b"3\n")
     with pytest.raises(CheckpointError, match=r"deep\.pt: containers nested over 200 levels"):
         safe_load(path)
     shallow = tmp_path / "shallow.pt"
     with zipfile.ZipFile(shallow, "w") as z:
         z.writestr("archive/data.pkl", b"\x80\x02" + b"]" * 150 + b"a" * 149 + b".")
+        z.writestr("archive/version", b"3\n")
     assert isinstance(safe_load(shallow), list)
