@@ -113,7 +113,7 @@ def damage_on_disk(run: Path, rng: random.Random) -> list[Swap]:
         tag = run / rng.choice(names)
         victim = rng.choice(sorted(p for p in tag.iterdir() if p.is_file()))
         swaps.append(Swap(victim, run.parent / "aside", "fifo"))  # outside the save dir
-    if rng.random() < 0.3:  # `latest` mid-rewrite, or not a file
+    if rng.random() < 0.4:  # `latest` mid-rewrite, or not a file
         swaps.append(Swap(run / "latest", run.parent / "latest.real",
                           rng.choice(LATEST_NOW)))
     if rng.random() < 0.2 and names:  # a merge manifest's name inside a save

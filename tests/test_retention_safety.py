@@ -78,7 +78,7 @@ def listing(run: Path) -> list[str]:
 @pytest.mark.parametrize("seed", range(48))  # ~0.3 s each
 def test_prune_on_disk_keeps_what_recovery_takes(ckpt_copy, seed):
     rng = random.Random(seed)
-    run = ckpt_copy(rng.choice(["w2_parity", "w2_parity", "w2_parity_twin_full"]))
+    run = ckpt_copy(rng.choice(["w2_parity", "w2_parity_twin_full"]))
     if run.name == "w2_parity_twin_full":  # a rollback to any full save, chosen by hand
         (run / "latest").write_text(rng.choice(["global_step2", "global_step4",
                                                 "global_step6", "global_step8"]))
