@@ -587,7 +587,9 @@ def test_f9_a_name_in_the_recipes_comments_stays_a_comment(ckpt_copy):
     followed it a live line of the recipe (`base: global_step2`)."""
     run = ckpt_copy("w2_parity")
     (run / "global_step4").rename(run / "global_step4\nbase: global_step2")
-    assert run_cli(["prune", str(run), "--keep-last", "0"], {}).returncode == 0
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+    assert r.returncode == 0 and all(line.startswith("mpitailor: ")
+                                     for line in r.stdout.splitlines()), r.stdout
     r = run_cli(["recover", str(run), "--emit-recipe"], {})
     assert r.returncode == 0, r.stderr
     assert "deleted by mpitailor prune: global_step4\\nbase: global_step2" in r.stdout

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.display import shown
+from mpitailor.display import escaped, shown
 from mpitailor.errors import CheckpointError, MpitailorError, UserError
 from mpitailor.formats.manifest import MANIFEST, read_manifest
 from mpitailor.jobs import readlocks
@@ -269,6 +269,7 @@ def apply_plan(save_dir: Path, plan: RetentionPlan, dry_run: bool = False,
                 done = sum(line.startswith("removed") for line in lines)
                 raise PruneFailed(f"prune: cannot remove {v.path} ({e.strerror or e}); "
                                   f"{done} path(s) removed before it; run prune again") from e
+    lines = [escaped(line) for line in lines]  # (a name may hold a newline: one line each)
     for line in lines:
         log.debug("prune: %s", line)
     return lines
