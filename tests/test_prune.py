@@ -11,13 +11,14 @@ import fcntl
 import json
 import os
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from ckpt_fixtures import spec_for
 from conftest import tree_digest
 from merging import run_cli
+from retention_timelines import Files, Meta
 
 from mpitailor.formats.files import Lineage
 from mpitailor.planning.recovery import Pruned, Save, choose, follow
@@ -232,22 +233,7 @@ def test_the_api_prunes_and_reports(run):
         prune(Comm(), run, keep_last=-3)
 
 
-# -- the planner alone, on made-up records ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Files:
-    partial: bool
-
-
-@dataclass(frozen=True)
-class Meta:
-    """What the planner reads of a CheckpointMeta."""
-
-    global_steps: int
-    files: Files
-    held_layers: frozenset | None
-    layer_patterns: tuple = ()
+# -- the planner alone, on made-up records (Files, Meta: retention_timelines') ------------
 
 
 ROOT = Path("/saves")
