@@ -2,9 +2,11 @@
 (tests/test_deepspeed_loop.py, tests/test_readme.py, tests/test_accelerate.py)."""
 from __future__ import annotations
 
+import fcntl
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from dev.tinytrain.launch import free_port, worker_env
@@ -20,9 +22,21 @@ def doc_script(marker: str) -> str:
     return m.group(1)
 
 
+# The docs' scripts keep DeepSpeed's default buckets, as a user's would: 2.5 GB committed a
+# rank (7.6 GB for a 3-rank HF Trainer job). Under strict overcommit (CI: a ~12 GB commit
+# limit) two such jobs side by side fail to allocate, so one runs at a time on this machine.
+ONE_AT_A_TIME = Path(tempfile.gettempdir()) / "mpitailor-tests-doc-scripts.lock"
+
+
 def run_ranks(script: Path, cwd: Path, env: dict | None = None, ranks: int = 2) -> list[int]:
     """Run the script as `ranks` processes of one torch.distributed world (what torchrun
     would start); their exit codes. Logs in cwd/rank{r}.log."""
+    with ONE_AT_A_TIME.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _run_ranks(script, cwd, env, ranks)
+
+
+def _run_ranks(script: Path, cwd: Path, env: dict | None, ranks: int) -> list[int]:
     port = free_port()
     logs = [cwd / f"rank{r}.log" for r in range(ranks)]
     procs = [subprocess.Popen([sys.executable, str(script)], cwd=cwd, stdout=log.open("w"),

@@ -14,7 +14,7 @@ import torch
 
 from dev.tinytrain.model import batch, build_model
 from dev.tinytrain.spec import TrainSpec
-from dev.tinytrain.worker import shutdown
+from dev.tinytrain.worker import SMALL_BUCKETS, shutdown
 from mpitailor.training import enable_cpu_training
 
 
@@ -37,7 +37,7 @@ def main(spec_path: str, result_path: str) -> None:
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "train_batch_size": "auto", "gradient_clipping": "auto",
           "zero_optimization": {"stage": spec.zero_stage, "sub_group_size": spec.sub_group_size,
-                                "stage3_gather_16bit_weights_on_model_save": spec.save_16bit},
+                                **SMALL_BUCKETS, "stage3_gather_16bit_weights_on_model_save": spec.save_16bit},
           "bf16": {"enabled": "auto"}, "zero_allow_untested_optimizer": True,
           "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9}
     save_every = spec.save_at[0]

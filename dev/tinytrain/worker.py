@@ -49,6 +49,14 @@ def skip_shm_build() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
+# DeepSpeed's default buckets are 5e8 elements: 2 GB of fp32 reserved per bucket per rank,
+# for a model of a few MB. Under strict overcommit (CI machines: commit limit ~12 GB) two
+# 4-rank runs side by side cannot start, so the tiny runs use 20 MB buckets. Bucket sizes
+# change neither the sums nor the checkpoint layout.
+SMALL_BUCKETS = {"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000,
+                 "stage3_prefetch_bucket_size": 5_000_000}
+
+
 def ds_config(spec: TrainSpec) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
@@ -60,7 +68,7 @@ def ds_config(spec: TrainSpec) -> dict:
                                                      "warmup_num_steps": 4}},
         # extra["zero_optimization"]: more ZeRO settings (bucket sizes of a large model's run)
         "zero_optimization": {"stage": spec.zero_stage, "sub_group_size": spec.sub_group_size,
-                              **spec.extra.get("zero_optimization", {})},
+                              **SMALL_BUCKETS, **spec.extra.get("zero_optimization", {})},
         "bf16": {"enabled": spec.dtype == "bf16"},
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
