@@ -54,6 +54,7 @@ from mpitailor.formats.tensorref import Storage
 MAX32 = 0xFFFFFFFF  # at or above it a size or offset goes to a zip64 field
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _SERIAL_ID = ".data/serialization_id"
 ALIGNMENT = 64  # torch's storage alignment (.storage_alignment)
 # The records torch's C++ writer adds when it closes the file (torch 2.x): the version, and
@@ -136,6 +137,8 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
                 == len(z.infolist())):
             raise zipfile.BadZipFile("a zip of several disks, or an end record that miscounts "
                                      "its records")
+        _check_central_directory(f, z.start_dir, end[zipfile._ECD_SIZE],  # type: ignore
+                                 len(z.infolist()), size)
         for info in z.infolist():
             if info.filename in out:
                 raise zipfile.BadZipFile(f"two records named {info.filename}")
@@ -162,6 +165,27 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
         if head < end:
             raise zipfile.BadZipFile(f"records {name} and {other} overlap")
     return out
+
+
+def _check_central_directory(f, start: int, length: int, count: int, size: int) -> None:
+    """The central directory as miniz (torch's reader) walks it: `count` headers that tile
+    its `length` bytes exactly, each on disk 0. zipfile reads a header whose name, extra or
+    comment runs past the directory's end, or that names another disk; miniz refuses both."""
+    if start + length > size:
+        raise zipfile.BadZipFile("the central directory runs past the end of the file")
+    data = os.pread(f.fileno(), length, start)
+    at = 0
+    for _ in range(count):
+        if at + _CENTRAL.size > len(data) or data[at:at + 4] != b"PK\x01\x02":
+            raise zipfile.BadZipFile("a central directory header out of place")
+        fields = _CENTRAL.unpack_from(data, at)
+        name_len, extra_len, comment_len, disk = fields[10:14]
+        at += _CENTRAL.size + name_len + extra_len + comment_len
+        if at > len(data) or disk != 0:
+            raise zipfile.BadZipFile("a central directory header that runs past the "
+                                     "directory's end or names another disk")
+    if at != len(data):
+        raise zipfile.BadZipFile("a central directory whose headers do not fill it")
 
 
 def archive_of(records: dict[str, tuple[int, int, int]]) -> str:
