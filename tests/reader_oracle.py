@@ -24,7 +24,7 @@ import reader_fuzzing as fz
 import reader_grammar as grammar
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import safeload
+from mpitailor.formats import safeload, torchpickle
 
 FINDINGS = ("disagree", "mismatch", "crash", "outside", "blowup", "memory", "hang", "slow",
             "harness")  # the last: the fuzzer's own checks failed (a bug here, to fix)
@@ -32,15 +32,8 @@ FINDINGS = ("disagree", "mismatch", "crash", "outside", "blowup", "memory", "han
 # because real DeepSpeed and HF files carry them; torch builds the real classes, under
 # safe_globals naming the same ones. When torch refuses an input only because one of them
 # raised on the file's arguments, mpitailor's acceptance is this exception, not a finding.
-STAND_INS = {
-    "deepspeed": ("deepspeed.runtime.zero.config.ZeroStageEnum",
-                  "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                  "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                  "deepspeed.utils.tensor_fragment.fragment_address"),
-    "numpy": ("numpy._core.multiarray._reconstruct", "numpy._core.multiarray.scalar",
-              "numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType",
-              "numpy.dtypes.Float64DType", "numpy.dtypes.Int64DType"),
-}
+# (mpitailor's own lists: torch is told exactly what mpitailor allows)
+STAND_INS = {group: torchpickle.ALLOWED[group] for group in ("deepspeed", "numpy")}
 SLOW_S = 2.0  # bench: one input's load and checks
 MEMORY_MB = 200  # bench: growth of the process's peak RSS on one input
 HANG_S = 20  # test and bench: a load that runs this long is stopped and reported

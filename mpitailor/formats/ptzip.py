@@ -54,7 +54,9 @@ from mpitailor.formats.tensorref import Storage
 MAX32 = 0xFFFFFFFF  # at or above it a size or offset goes to a zip64 field
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_DOS_DIRECTORY = 0x10  # the external attributes' directory bit
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_DOS_DIRECTORY = 0x10  # the external attributes' directory bit
 _SERIAL_ID = ".data/serialization_id"
 ALIGNMENT = 64  # torch's storage alignment (.storage_alignment)
 # The records torch's C++ writer adds when it closes the file (torch 2.x): the version, and
@@ -179,11 +181,13 @@ def _check_central_directory(f, start: int, length: int, count: int, size: int) 
         if at + _CENTRAL.size > len(data) or data[at:at + 4] != b"PK\x01\x02":
             raise zipfile.BadZipFile("a central directory header out of place")
         fields = _CENTRAL.unpack_from(data, at)
-        name_len, extra_len, comment_len, disk = fields[10:14]
+        name_len, extra_len, comment_len, disk, _, attributes = fields[10:16]
         at += _CENTRAL.size + name_len + extra_len + comment_len
         if at > len(data) or disk != 0:
             raise zipfile.BadZipFile("a central directory header that runs past the "
                                      "directory's end or names another disk")
+        if attributes & _DOS_DIRECTORY:  # miniz then reads the record as no bytes
+            raise zipfile.BadZipFile("a record marked as a directory")
     if at != len(data):
         raise zipfile.BadZipFile("a central directory whose headers do not fill it")
 

@@ -100,6 +100,10 @@ _FLOATS = ("fp32", "fp16", "bf16", "f64")
 _DS_ATTR = re.compile(r"ds_\w+")
 _STATE_AFTER_CALL = frozenset(f"numpy.{m}.{n}" for m in ("core.multiarray", "_core.multiarray")
                               for n in ("_reconstruct",)) | {"numpy.dtype"}
+# The dtype strings numpy pickles (dtype('u4').__reduce__() is (dtype, ('u4', False, True),
+# state)) of the numpy.dtypes classes in ALLOWED["numpy"]: bool, ints, floats up to long
+# double, complex64/128, bytes, str.
+_BUILT_DTYPES = re.compile(r"b1|[iu][1248]|f(2|4|8|12|16)|c(8|16)|[SU]\d+")
 TENSOR_TYPE = opaque.stand_in("torch.Tensor")  # how torch names its type(self)
 _TENSOR_TYPES = frozenset({TENSOR_TYPE})  # what DeepSpeed's tensors with ds_* carry
 
@@ -321,6 +325,13 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_build(self):
         state = self.stack.pop()
         inst = self.stack[-1]
+        if isinstance(inst, opaque.Opaque) and type(inst).global_name == "numpy.dtype" and not (
+                inst._args and type(inst._args[0]) is str
+                and _BUILT_DTYPES.fullmatch(inst._args[0])):
+            # torch builds the real dtype and takes a state only for the dtype classes its
+            # allow-list names (ALLOWED["numpy"]): not an object, void or datetime dtype
+            raise pickle.UnpicklingError(f"BUILD on numpy.dtype{inst._args!r:.40}, a dtype "
+                                         f"outside the allow-list")
         if isinstance(inst, opaque.Opaque) and inst.__dict__.get("_state") is opaque.NOSTATE \
                 and (inst._how == "newobj" or type(inst).global_name in _STATE_AFTER_CALL):
             # an instance (never a class) that records the state: one made with NEWOBJ, or
