@@ -6,10 +6,12 @@ as lone surrogates, PEP 383), a newline (that would forge a line of output), an 
 it is plain printable text, else quoted as bash's `$'...'` (copy-pasteable into a shell).
 `escaped(text)` is the last line of defense for a whole line about to be written (the error
 line, log messages): what would be undecodable or a control character becomes a visible
-escape; the rest is left as it is.
+escape; the rest is left as it is. `LineFormatter` gives every line mpitailor logs, from the
+CLI or the training side, the one shape of its error line: `mpitailor: warning: ...`.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 # Bidirectional overrides and isolates: they reorder what a terminal shows.
@@ -48,3 +50,22 @@ def escaped(text: str) -> str:
     if not any(_bad(c) and c != "\t" for c in text):
         return text
     return "".join(_escape(c) if _bad(c) and c != "\t" else c for c in text)
+
+
+class LineFormatter(logging.Formatter):
+    """A log record as the line mpitailor writes: `mpitailor: MESSAGE` at INFO, with
+    `warning: `, `error: ` or `debug: (logger) ` after the colon otherwise; `prefix` before
+    it (`[rank r] ` for another rank than the one that speaks for a job). One line of plain
+    text whatever paths it names; a traceback (-v) is left as it is."""
+
+    _LEVELS = {logging.DEBUG: "debug: ", logging.INFO: "", logging.WARNING: "warning: "}
+
+    def __init__(self, prefix: str = "") -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        level = self._LEVELS.get(record.levelno, "error: ")
+        if record.levelno == logging.DEBUG:
+            level += f"({record.name}) "
+        return f"{self.prefix}mpitailor: {level}{escaped(record.getMessage())}"

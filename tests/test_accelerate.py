@@ -114,7 +114,7 @@ def test_the_readme_accelerate_loop_killed_in_its_first_save_starts_afresh(tmp_p
     codes = run_ranks(tmp_path / "train.py", tmp_path)
     log = (tmp_path / "rank0.log").read_text()
     assert codes == [0, 0], log[-3000:]
-    warnings = [line for line in log.splitlines() if line.startswith("mpitailor: WARNING")]
+    warnings = [line for line in log.splitlines() if line.startswith("mpitailor: warning: ")]
     assert len(warnings) == 1 and "training starts from scratch" in warnings[0], log[-3000:]
     assert (saves / "checkpoint-2" / "latest").exists()
     assert read_meta(saves / "checkpoint-8" / "pytorch_model").global_steps == 8

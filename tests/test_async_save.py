@@ -218,7 +218,8 @@ def test_end_cpu_training_fails_loudly_when_the_save_in_flight_fails(tmp_path):
         assert f"training rank {rank} exited 1" in text, text
     assert "mpitailor: end_cpu_training: waiting for the asynchronous save of " \
            f"{root / 'global_step8'} to be published" in text, text
-    assert text.count("mpitailor: end_cpu_training: partial checkpoint not saved") >= 1, text
+    assert text.count("mpitailor: error: end_cpu_training: partial checkpoint not saved") >= 1, \
+        text
     assert "; exiting with 1" in text
     assert not (root / "global_step8").exists()
 

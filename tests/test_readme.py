@@ -38,7 +38,7 @@ def test_the_readme_hf_trainer_example_resumes_at_any_size(killed, tmp_path, wor
     composite, = (run / ".mpitailor-resume").glob(f"recovered-checkpoint-6-*-w{world}")
     resharded = "" if world == 2 else ", resharded from world size 2"
     # One line, with no logging set up by the script: where it resumed from, at what size.
-    assert (f"mpitailor: INFO resuming from {composite} (step 6, world size {world}{resharded})"
+    assert (f"mpitailor: resuming from {composite} (step 6, world size {world}{resharded})"
             f", recovered from the full save checkpoint-2 and the partial saves checkpoint-4, "
             f"checkpoint-6 (newest copy of every layer)") in log, log[-3000:]
     assert read_meta(composite).world_size == world
@@ -46,7 +46,7 @@ def test_the_readme_hf_trainer_example_resumes_at_any_size(killed, tmp_path, wor
     missing = {2: None, 1: "rng_state.pth", 3: "rng_state_2.pth"}[world]
     rng = [line for line in log.splitlines() if "holds no rng_state" in line]
     assert rng == ([] if missing is None else [
-        f"mpitailor: WARNING {composite} holds no {missing} (saved by another number of "
+        f"mpitailor: warning: {composite} holds no {missing} (saved by another number of "
         f"ranks): those random streams start afresh, the rest resume exactly"]), log[-3000:]
     assert_same_checkpoint(composite, offline)
     # The base is a partial save: it carries what a full checkpoint-N would.
@@ -73,7 +73,7 @@ def test_the_readme_hf_trainer_example_killed_in_its_first_save_starts_afresh(tm
     codes = run_ranks(tmp_path / "train.py", tmp_path)
     log = (tmp_path / "rank0.log").read_text()
     assert codes == [0, 0], log[-3000:]
-    warnings = [line for line in log.splitlines() if line.startswith("mpitailor: WARNING")]
+    warnings = [line for line in log.splitlines() if line.startswith("mpitailor: warning: ")]
     assert len(warnings) == 1 and "training starts from scratch" in warnings[0] and \
         "removed what an interrupted save left: checkpoint-2" in warnings[0], log[-3000:]
     state = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())

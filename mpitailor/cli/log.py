@@ -5,26 +5,18 @@ import logging
 import os
 import sys
 
-from mpitailor.display import escaped
+from mpitailor.display import LineFormatter, escaped
 
 
-class _EscapingFormatter(logging.Formatter):
-    """A log message is one line of plain text whatever paths it names (display.py); a
-    traceback (-v) is left as it is."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = escaped(record.message)
-        return super().formatMessage(record)
-
-
-def setup_logging(rank: int, size: int, verbosity: int = 0) -> None:
+def setup_logging(rank: int, verbosity: int = 0) -> None:
     """verbosity: -1 quiet (warnings), 0 info on rank 0, 1 debug on rank 0, 2 debug on all."""
     level = {-1: logging.WARNING, 0: logging.INFO}.get(verbosity, logging.DEBUG)
     if rank != 0 and verbosity < 2:
         level = max(level, logging.WARNING)
-    prefix = f"[rank {rank}/{size}] " if size > 1 else ""
+    # Rank 0 speaks for the job, as its error line does; another rank's lines say whose.
+    prefix = f"[rank {rank}] " if rank != 0 else ""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_EscapingFormatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(LineFormatter(prefix))
     root = logging.getLogger("mpitailor")
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -50,7 +42,7 @@ def report_error(error: Exception, comm, verbosity: int) -> bool:
         same = comm.same_everywhere(f"{error.exit_code} {text}", AGREE_S)
         alone = same is None
     if verbosity > 0:
-        logging.getLogger(__name__).exception("failed")
+        logging.getLogger(__name__).debug("the traceback of the error below", exc_info=True)
     if same and comm is not None and comm.rank != 0:
         return True  # rank 0 says it for every rank
     prefix = "" if same else f"[rank {comm.rank}] "

@@ -376,11 +376,11 @@ def main(argv: list[str] | None = None) -> int:
 
             comm = Comm.world()
             interrupt.set_rank(comm.rank, comm.size)
-            setup_logging(comm.rank, comm.size, verbosity)
+            setup_logging(comm.rank, verbosity)
             args.comm = comm
         else:
             from mpitailor.cli.log import setup_logging
-            setup_logging(0, 1, verbosity)
+            setup_logging(0, verbosity)
         check_path_lengths(args)
         if getattr(args, "safe_globals", None):
             from mpitailor.formats.safeload import trust
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         from mpitailor.cluster.comm import CommFailed
         if isinstance(e, CommFailed):  # this rank's own line; the others may be dead
             if verbosity > 0:
-                log.exception("failed")
+                log.debug("the traceback of the error below", exc_info=True)
             from mpitailor.cli.log import write_line
             prefix = f"[rank {comm.rank}] " if comm is not None and comm.size > 1 else ""
             write_line(f"{prefix}mpitailor: error: {e}")

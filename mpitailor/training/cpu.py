@@ -82,19 +82,23 @@ def _wait_for_saves(code: int) -> int:
     failure said, on every rank): the exit code, 1 where one failed."""
     if "mpitailor.training.checkpointer" not in sys.modules:
         return code  # no checkpointer was ever made
+    import logging
+
     from mpitailor.display import shown
     from mpitailor.training.checkpointer import saves_in_flight
     from mpitailor.training.distcomm import training_comm
+    from mpitailor.training.notice import make_visible
     from mpitailor.training.snapshot import PartialSaveFailed
+    log = logging.getLogger(__name__)
     rank = training_comm().rank
     for ckpt, tag_dir in saves_in_flight():
+        make_visible()
         if rank == 0:
-            print(f"mpitailor: end_cpu_training: waiting for the asynchronous save of "
-                  f"{shown(tag_dir)} to be published", file=sys.stderr, flush=True)
+            log.info("end_cpu_training: waiting for the asynchronous save of %s to be "
+                     "published", shown(tag_dir))
         try:
             ckpt.wait()
         except PartialSaveFailed as e:
-            print(f"mpitailor: end_cpu_training: {e}; exiting with 1", file=sys.stderr,
-                  flush=True)
+            log.error("end_cpu_training: %s; exiting with 1", e)
             code = code or 1
     return code

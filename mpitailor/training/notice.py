@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from mpitailor.display import LineFormatter
+
 _TOP = "mpitailor"
 
 
@@ -22,7 +24,7 @@ def make_visible() -> None:
     if top.hasHandlers():
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("mpitailor: %(levelname)s %(message)s"))
+    handler.setFormatter(LineFormatter())  # `mpitailor: ...`, `mpitailor: warning: ...`
     top.addHandler(handler)
     if top.level == logging.NOTSET:
         top.setLevel(logging.INFO)
