@@ -163,6 +163,8 @@ def mutate_ops(ops: list, rng: random.Random, donors=(), marker: str = "") -> tu
     marker = marker or MARKER_PATH
     ops = list(ops)
     n = len(ops)
+    if n == 0:  # earlier mutations of this input cut everything
+        return [_rand_op(rng, marker)], "insert @0"
     what = rng.choice(("delete", "dup", "swap", "insert", "int", "int", "tensor-int",
                        "tensor-int", "persid", "str", "memo", "global", "build", "build",
                        "splice", "truncate"))

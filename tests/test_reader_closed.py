@@ -238,6 +238,24 @@ def test_exponential_sharing_is_refused_fast_and_small(tmp_path):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KB
 
 
+def test_a_file_of_a_million_containers_is_refused_as_they_are_made(tmp_path):
+    """2**20 + 1 empty dicts in one list (3 MB of pickle): counted as the unpickler makes
+    them, refused there (it was refused after the whole load and a walk, at ~220 MB of
+    growth and 4 s); 2**20 of them are still read. And one int referenced 2**20 + 1 times
+    (nothing made but the list) is refused by what it describes."""
+    from mpitailor.formats.torchpickle import MAX_MADE
+    path = rezip({"archive/data.pkl": b"\x80\x02](" + b"}" * (MAX_MADE + 1) + b"e."},
+                 tmp_path / "x.pt")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    refused(path, f"makes over {MAX_MADE} objects")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KB
+    path = rezip({"archive/data.pkl": b"\x80\x02](" + b"}" * (MAX_MADE - 2) + b"e."},
+                 tmp_path / "y.pt")
+    assert len(load(path)) == MAX_MADE - 2
+    same = b"\x80\x02](J\x07\x00\x00\x00q\x01" + b"h\x01" * MAX_OBJECTS + b"e."
+    refused(rezip({"archive/data.pkl": same}, tmp_path / "z.pt"), f"over {MAX_OBJECTS} objects")
+
+
 def test_a_container_that_holds_itself_is_refused(tmp_path):
     pkl = b"\x80\x02]q\x00h\x00a."  # a list appended to itself
     refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), "holds itself")
@@ -541,4 +559,21 @@ def test_central_directory_headers_miniz_refuses_are_refused(tmp_path, field, va
     path.write_bytes(bytes(data))
     with pytest.raises((RuntimeError, pickle.UnpicklingError)):
         torch.load(path, weights_only=True)
+    refused(path, words)
+
+
+@pytest.mark.parametrize("record,value,words", [
+    ("byteorder", b"dittle", "little-endian machines only"),
+    ("byteorder", b"big", "little-endian machines only"),  # torch byteswaps; not read here
+    (".storage_alignment", b"6\xb4", "not a number"),
+])
+def test_the_records_torch_reads_before_the_pickle_are_checked(tmp_path, record, value, words):
+    """torch refuses a byteorder other than little or big and int()s .storage_alignment
+    before it unpickles: found by the differential fuzzer, seed 3."""
+    recs = records(saved({"w": torch.ones(2)}))
+    name = next(n for n in recs if n.endswith("/" + record))
+    path = rezip({**recs, name: value}, tmp_path / "x.pt")
+    if value != b"big":
+        with pytest.raises(ValueError):
+            torch.load(path, weights_only=True)
     refused(path, words)

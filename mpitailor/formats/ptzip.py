@@ -206,16 +206,37 @@ def archive_of(records: dict[str, tuple[int, int, int]]) -> str:
 
 
 def read_pickle(f, records: dict[str, tuple[int, int, int]]) -> bytes:
-    """The data.pkl record's bytes, checked against its CRC-32."""
-    name = f"{archive_of(records)}/data.pkl"
-    if name not in records:
+    """The data.pkl record's bytes, checked against its CRC-32, after the records torch
+    reads before it: `byteorder` (torch refuses any but little or big; mpitailor reads
+    little-endian files only) and `.storage_alignment` (torch parses it with int())."""
+    archive = archive_of(records)
+    order = _record(f, records, f"{archive}/byteorder", 16)
+    if order is not None and order != b"little":
+        raise zipfile.BadZipFile(f"byteorder {order[:16]!r}: mpitailor reads the files of "
+                                 f"little-endian machines only")
+    alignment = _record(f, records, f"{archive}/.storage_alignment", 32)
+    try:
+        alignment is None or int(alignment)
+    except ValueError:
+        raise zipfile.BadZipFile(f".storage_alignment {alignment[:32]!r}: not a number") \
+            from None
+    data = _record(f, records, f"{archive}/data.pkl", MAX_PICKLE)
+    if data is None:
         raise zipfile.BadZipFile("no data.pkl record: not a torch file")
+    return data
+
+
+def _record(f, records: dict[str, tuple[int, int, int]], name: str, most: int
+            ) -> bytes | None:
+    """The bytes of a small record, checked against its CRC-32; None where there is none."""
+    if name not in records:
+        return None
     offset, size, crc = records[name]
-    if size > MAX_PICKLE:
-        raise zipfile.BadZipFile(f"a data.pkl of {size} bytes")
+    if size > most:
+        raise zipfile.BadZipFile(f"a {name.partition('/')[2]} of {size} bytes")
     data = os.pread(f.fileno(), size, offset)
     if len(data) != size or crc32(data) != crc:
-        raise zipfile.BadZipFile("data.pkl fails its CRC-32 check")
+        raise zipfile.BadZipFile(f"{name.partition('/')[2]} fails its CRC-32 check")
     return data
 
 

@@ -13,6 +13,7 @@ is read until a caller asks for its values.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import itertools
 import pickle
@@ -82,9 +83,18 @@ def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed"
                                              f"{numel} elements of {dtype}")
             return Storage(dtype, numel, path=path, offset=offset)
 
-        obj, names = torchpickle.unpickle(data, allowed=allowed, opaque_ok=opaque_ok,
-                                          storage=storage)
-        _check_loaded(obj, path)
+        # The cycle collector would walk every container made so far, again and again, as a
+        # file of many is read (a third of the load's time at 10**6 of them); nothing made
+        # here is garbage until the load returns.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            obj, names = torchpickle.unpickle(data, allowed=allowed, opaque_ok=opaque_ok,
+                                              storage=storage)
+            _check_loaded(obj, path)
+        finally:
+            if collecting:
+                gc.enable()
         return obj, names
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
@@ -129,9 +139,15 @@ MAX_OBJECTS = 1 << 20
 
 
 _CONTAINERS = (dict, list, tuple, set, frozenset, opaque.Opaque, Tensor)
+_LEAVES = frozenset({int, float, str, bytes, bytearray, bool, complex, type(None)})
 
 
 def _children(x):
+    kind = type(x)
+    if kind is list or kind is tuple:
+        return x
+    if kind is dict:  # (a plain dict has no attributes)
+        return [*x.keys(), *x.values()]
     if isinstance(x, Tensor):  # what torch's rebuild carries beside the view
         return (x.wrapper, x.metadata)
     if isinstance(x, dict):  # an OrderedDict's attributes too (BUILD sets them)
@@ -184,9 +200,14 @@ def _check_loaded(obj, path: Path) -> None:
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{path}: containers nested over {MAX_DEPTH} levels deep; not "
                                   f"a checkpoint mpitailor reads (a damaged or crafted file)")
+        children = list(_children(x))
+        inner = [c for c in children if type(c) not in _LEAVES]
+        if not inner and len(children) < MAX_OBJECTS:  # most containers: sized now, once
+            size[id(x)] = 1 + len(children)
+            continue
         open_.add(id(x))
         stack.append((x, depth, True))
-        stack.extend((c, depth + 1, False) for c in _children(x))
+        stack.extend((c, depth + 1, False) for c in inner)
     # Views of one storage, each copied whole later (rawio.copied, materialize): bounded
     # by the storages' own bytes (tied weights view one storage twice, stage 1/2 params
     # view a flat buffer once).

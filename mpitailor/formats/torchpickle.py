@@ -266,6 +266,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.callable: dict[int, object] = {}  # id -> global find_class allowed as callable
         self.values_only: set[int] = set()  # ids of globals that are values (dtypes, ...)
         self.globals: set[str] = set()  # every global the file names
+        self.made = 0  # objects pushed so far (MAX_MADE)
 
     def find_class(self, module: str, name: str):
         if not (_MODULE.fullmatch(module) and _NAME.fullmatch(name)):
@@ -394,6 +395,30 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if (got.dtype, got.numel) != (dtype, numel):
             raise pickle.UnpicklingError(f"storage {key} read as two different types")
         return got
+
+
+# Objects one pickle may make. A file of 2**20 empty dicts costs ~100 MB and a second of
+# unpickling alone; counted as they are made, a file of more is refused before it costs
+# more (safeload then bounds what the objects describe once shared ones are unshared).
+MAX_MADE = 1 << 20
+# The opcodes that push a new object (EMPTY_TUPLE pushes the one empty tuple).
+_MAKING = (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.EMPTY_LIST,
+           pickle.EMPTY_DICT, pickle.EMPTY_SET, pickle.BININT, pickle.BININT1, pickle.BININT2,
+           pickle.LONG1, pickle.BINFLOAT, pickle.BINUNICODE, pickle.SHORT_BINSTRING,
+           pickle.BINPERSID, pickle.GLOBAL, pickle.REDUCE, pickle.NEWOBJ)
+
+
+def _counted(handler):
+    def making(self):
+        self.made += 1
+        if self.made > MAX_MADE:
+            raise pickle.UnpicklingError(f"a pickle that makes over {MAX_MADE} objects")
+        handler(self)
+    return making
+
+
+for _op in _MAKING:
+    _Unpickler.dispatch[_op[0]] = _counted(_Unpickler.dispatch[_op[0]])
 
 
 def unpickle(data: bytes, *, allowed: frozenset[str] = frozenset(),
