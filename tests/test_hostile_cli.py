@@ -4,7 +4,9 @@ through a link, onto a device or a full disk, and max_host_bytes that are not si
 real CLI (under mpiexec where MPI matters), real DeepSpeed fixtures."""
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -181,6 +183,21 @@ def test_a_merge_says_a_clean_holds_its_lock(ckpt, tmp_path):
         (gate / "go").touch()
     assert clean.wait(timeout=60) == 0, clean.communicate()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gate"]
+
+
+def test_a_fifo_at_a_lock_path_is_never_taken_nor_removed(ckpt, tmp_path):
+    """A FIFO where a merge's lock goes: the merge refuses it in one line and leaves it (a
+    lock taken on it, the merge's end would have unlinked someone's FIFO)."""
+    from mpitailor.publish.leftovers import take_lock
+    out = tmp_path / "merged"
+    fifo = tmp_path / ".merged.mpitailor-lock"
+    os.mkfifo(fifo)
+    r = run_cli([str(RECIPES / "parity.yml")], fixture_env(ckpt, out), ranks=2, timeout=120)
+    expect_one_error(r, f"{fifo}: the lock path is not a regular file")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and not out.exists()
+    with pytest.raises(OSError) as e:
+        take_lock(fifo)
+    assert e.value.errno == errno.EINVAL and stat.S_ISFIFO(fifo.lstat().st_mode)
 
 
 @pytest.mark.parametrize("case", ["symlink", "device"])

@@ -292,7 +292,10 @@ def _apply(save_dir: Path, v: Verdict, ident: tuple[int, int] | None = None) -> 
         v.path.unlink(missing_ok=True)
         return f"removed {v.path}: {v.why}"
     lock = path_of(v.path, LOCK)
-    fd = take_lock(lock)
+    try:
+        fd = take_lock(lock)
+    except OSError as e:
+        return f"kept {v.path}: cannot take its lock {lock.name} ({e.strerror or e})"
     if fd is None:
         return f"kept {v.path}: a live process took {lock.name} just now"
     held = None

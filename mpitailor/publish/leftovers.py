@@ -47,10 +47,15 @@ def set_holder(what: str) -> None:
 
 def take_lock(lock_path: Path) -> int | None:
     """The lock's fd, held, with this process named in the file (holder_of); None when a
-    live process holds it. OSError (ELOOP: the path is a symbolic link, never followed) as
-    os.open raises it."""
+    live process holds it. OSError as os.open raises it (ELOOP: the path is a symbolic
+    link, never followed), or EINVAL where something other than a regular file lies there
+    (a FIFO: a lock taken on it, drop_lock would unlink someone's FIFO)."""
     for _ in range(3):
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file, as a lock is", str(lock_path))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -70,11 +70,12 @@ class Staging:
                 raise UserError(f"{self.output}: cannot write in {self.output.parent} "
                                 f"({e.strerror}); choose a writable place for the output") \
                     from None
-            if e.errno != errno.ELOOP:
+            if e.errno not in (errno.ELOOP, errno.EINVAL):
                 raise
-            raise UserError(f"{self.lock_path}: the lock path is a symbolic link; mpitailor "
-                            f"never follows links there (remove it if nobody planted it "
-                            f"on purpose)") from None
+            what = "a symbolic link" if e.errno == errno.ELOOP else "not a regular file"
+            raise UserError(f"{self.lock_path}: the lock path is {what}; mpitailor never "
+                            f"follows links or takes other files there (remove it if "
+                            f"nobody planted it on purpose)") from None
         if fd is None:
             raise UserError(f"{self.output}: its lock {self.lock_path} is held by "
                             f"{leftovers.holder_of(self.lock_path)}; wait for it to end, or "
