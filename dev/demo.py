@@ -1,5 +1,5 @@
 """`make demo`: train a tiny model with real DeepSpeed, merge two saves by parity with MPI,
-resume DeepSpeed from the composite, and say what happened.
+resume DeepSpeed from the composite, export the run to HF safetensors, and say what happened.
 
     python -m dev.demo [--out demo-out] [--ranks 2]
 """
@@ -56,6 +56,10 @@ def main() -> int:
           f"{spec.world_size} CPU processes, saving at steps {spec.save_at} ...", flush=True)
     t = time.perf_counter()
     trained = launch(spec)
+    # The model's config.json beside its saves, as `model.config.save_pretrained(run)` puts
+    # it: what an HF export of the run reads (step 4).
+    from dev.tinytrain.model import tiny_config
+    tiny_config(spec).to_json_file(str(run / "config.json"))
     print(f"   done in {time.perf_counter() - t:.1f}s; last loss {trained['losses'][-1]:.4f}; "
           f"checkpoints: " + ", ".join(f"{p.name} ({human(du(p))})"
                                        for p in sorted(run.glob("global_step*"))))
@@ -81,6 +85,16 @@ def main() -> int:
     ok = len(losses) == 3 and all(math.isfinite(x) for x in losses)
     print(f"   resumed at step {resumed['first_step']}, trained to step "
           f"{resumed['global_steps']}; losses {[round(x, 4) for x in losses]}")
+
+    hf = out / "hf"
+    print(f"4. exporting the run's newest layers to HF safetensors with `mpiexec -n "
+          f"{args.ranks} python -m mpitailor export {_shown(run)} -o {_shown(hf)}`", flush=True)
+    r = subprocess.run([mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "mpitailor",
+                        "export", str(run), "-o", str(hf), "-q"], timeout=300)
+    if r.returncode != 0:
+        return r.returncode
+    print(f"   {hf} holds " + ", ".join(sorted(p.name for p in hf.iterdir())) +
+          ": `AutoModelForCausalLM.from_pretrained` loads it")
     print("demo: OK" if ok else "demo: FAILED (non-finite loss)")
     return 0 if ok else 1
 
