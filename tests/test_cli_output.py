@@ -132,6 +132,7 @@ def test_a_reader_that_leaves_ends_the_command_quietly(ckpt, ranks):
 DRIVER = """
 import importlib, os, sys
 cli = importlib.import_module("mpitailor.cli.main")
+parser = importlib.import_module("mpitailor.cli.parser")
 from mpitailor.errors import UserError
 
 def fail(args):
@@ -142,7 +143,7 @@ def fail(args):
         comm.barrier()
     raise UserError(f"rank {comm.rank} saw its own thing")
 
-cli.cmd_merge = fail  # the command's body: the rest of main (parsing, MPI, errors) as shipped
+parser.cmd_merge = fail  # the command's body: the rest of main (parsing, MPI, errors) as shipped
 sys.exit(cli.main(["merge", "unused.yml"]))
 """
 
@@ -176,7 +177,7 @@ def test_errors_that_differ_or_only_one_rank_sees_are_said_by_each_rank(tmp_path
 ])
 def test_options_before_the_recipe_or_the_subcommand(argv, subcommand):
     """D7 of issue 41: `mpitailor -q recipe.yml` was argparse's 'invalid choice'."""
-    from mpitailor.cli.main import with_subcommand
+    from mpitailor.cli.parser import with_subcommand
     assert with_subcommand(argv) == subcommand
 
 

@@ -12,7 +12,7 @@ import transformers
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from merging import RECIPES, recipe_env, run_cli
 
-from mpitailor.cli.main import build_parser
+from mpitailor.cli.parser import build_parser
 from mpitailor.formats.safetensors_header import read_header
 
 

@@ -1,0 +1,101 @@
+"""The commands that read, clean or prune: inspect, diff, stats plot, clean, prune, paths,
+slurm-prologue. Options in from argparse, one report out (rank 0). Jobs are imported when
+a command runs, so that `--help` and argument errors cost no more than the parser."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mpitailor.errors import MpitailorError
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from mpitailor.cli.reports import format_table
+    from mpitailor.formats.read import read_meta
+    from mpitailor.formats.shard import open_all_shards
+    from mpitailor.jobs.inspect import composite_manifest, newer_saves, report
+
+    meta = read_meta(args.checkpoint)
+    with open_all_shards(meta):  # every rank's files of this one save, or a one-line error
+        pass
+    rep = report(meta, composite_manifest(meta))
+    rep["newer_saves"] = newer_saves(args.checkpoint, meta)
+    print(json.dumps(rep, indent=2) if args.json else format_table(rep))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from mpitailor.cli.reports import format_diff
+    from mpitailor.jobs.diff import diff
+    rep = diff(args.comm, args.a, args.b)
+    if args.comm.rank == 0:
+        print(json.dumps(rep, indent=2) if args.json else format_diff(rep), flush=True)
+    return 0 if rep["identical"] else 1
+
+
+def cmd_stats_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpitailor.training.plot import plot_stats
+    plot_stats(Path(args.stats_file), Path(args.output))
+    print(f"mpitailor: wrote {args.output}")
+    return 0
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpitailor.cli.log import write_line
+    from mpitailor.display import shown
+    from mpitailor.jobs.clean import clean
+    folder = Path(args.directory)
+    result = clean(folder)
+    for line in result.done:
+        print(f"mpitailor: {line}", flush=True)
+    for line in result.failed:
+        write_line(f"mpitailor: not cleaned: {line}")
+    if result.failed:
+        raise MpitailorError(f"{len(result.failed)} path(s) under {shown(folder)} could not "
+                             f"be looked at or removed (listed above); fix their permissions "
+                             f"or mount, then run `clean` again")
+    if not result.done:
+        print(f"mpitailor: nothing to clean in {shown(folder)}")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from mpitailor.jobs.prune import prune
+    rep = prune(args.comm, args.save_dir, args.keep_last, args.composites, args.dry_run)
+    if args.comm.rank == 0:
+        for line in rep.lines:
+            print(f"mpitailor: {line}")
+        gone = rep.plan.removals
+        saves = sum(v.kind == "save" for v in gone)
+        print(f"mpitailor: {'would remove' if rep.dry_run else 'removed'} {saves} save(s), "
+              f"{sum(v.kind == 'composite' for v in gone)} composite(s) and "
+              f"{sum(v.kind == 'tombstone' for v in gone)} tombstone(s); the newest save is "
+              f"{rep.plan.newest}", flush=True)
+    return 0
+
+
+
+def cmd_paths(args: argparse.Namespace) -> int:
+    from mpitailor.cli.shipped import KINDS, shipped_dir
+    for kind in KINDS:
+        print(f"{kind:<8} {shipped_dir(kind)}")
+    return 0
+
+
+def cmd_slurm_prologue(args: argparse.Namespace) -> int:
+    """Run the shipped resume prologue (bash) with the given arguments; its exit code."""
+    from mpitailor.cli.shipped import shipped_dir
+    script = shipped_dir("slurm") / "resume-prologue.sh"
+    env = dict(os.environ)
+    env.setdefault("MPITAILOR_PYTHON", sys.executable)  # this installation's python
+    sys.stdout.flush()
+    from mpitailor.publish import interrupt
+    interrupt.restore()
+    os.execvpe("bash", ["bash", str(script), *args.prologue_args], env)
+    return 1  # not reached
