@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from ckpt_fixtures import build, tag_dir
 from merging import MPIEXEC, RECIPES, recipe_env, run_cli
+from test_layering import modules
 
 TRAINING_ONLY = ("torch", "deepspeed", "transformers", "accelerate", "h5py")
 RANKS = 2
@@ -238,3 +241,40 @@ def test_the_witness_sees_a_training_side_import(site, tmp_path):
         assert_torch_free(r, records, 1)
     assert "loaded h5py" in str(seen.value), seen.value
     assert "mpitailor/training/plot.py" in str(seen.value), seen.value
+
+
+# Run in a fresh interpreter: a finder placed first on sys.meta_path notes which mpitailor
+# frames asked for a heavy module the first time, then lets the import go on as usual.
+CHILD = textwrap.dedent("""
+    import sys, traceback
+
+    HEAVY = {heavy!r}
+    chains = {{}}
+
+    class Witness:
+        def find_spec(self, name, path=None, target=None):
+            if name in HEAVY and name not in chains:
+                chains[name] = [f"{{f.filename}}:{{f.lineno}}: {{f.line}}"
+                                for f in traceback.extract_stack()
+                                if "/mpitailor/" in f.filename]
+            return None
+
+    sys.meta_path.insert(0, Witness())
+    for module in {modules!r}:
+        __import__(module)
+    for name in HEAVY:
+        if name in sys.modules:
+            print(f"{{name}} loaded by:")
+            print("\\n".join("  " + line for line in chains.get(name, ["?"])))
+""")
+
+
+def test_planning_loads_neither_torch_nor_mpi4py():
+    """The pure planner imports neither (a static rule is test_layering's)."""
+    planning = [m for m, _ in modules() if m.startswith("mpitailor.planning.")]
+    assert len(planning) >= 5
+    code = CHILD.format(heavy=("torch", "mpi4py"), modules=planning)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert not out.stdout, f"importing mpitailor.planning:\n{out.stdout}"
