@@ -32,6 +32,7 @@ with dependencies(__name__):
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError
+from mpitailor.facade import publish_file
 from mpitailor.formats.files import LATEST, Lineage
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Decision, Policy
@@ -78,7 +79,8 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
         def partial(layers: frozenset[str], lineage: Lineage) -> None:
             self._save_accelerate_files(out)
             self.save_partial(MODEL_NAME, layers, lineage, save_dir=out,
-                              on_published=lambda: (out / LATEST).write_text(MODEL_NAME))
+                              on_published=lambda: publish_file(out / LATEST,
+                                                                MODEL_NAME.encode()))
 
         return self._save_with(out / MODEL_NAME, full, partial,
                                prepare=lambda: fresh_save_dir(self.engine, out, create=True))

@@ -36,7 +36,7 @@ with dependencies(__name__):
 
 from mpitailor import failpoints
 from mpitailor.errors import UserError
-from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index
+from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index, publish_file
 from mpitailor.formats.files import LATEST, PARTIAL_MANIFEST
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Policy
@@ -204,9 +204,11 @@ class LayerwiseTrainer(transformers.Trainer):
                 torch.save(self.lr_scheduler.state_dict(), out / "scheduler.pt")
         self.accelerator.wait_for_everyone()
         self._save_rng_state(str(out))
-        # `latest` last, once the tag dir is published (by the writer, if asynchronous)
+        # `latest` last, once the tag dir is published (by the writer, if asynchronous);
+        # whole or not at all (a crash while it is written leaves no half of a name)
         self._layerwise.save_partial(tag, layers, lineage, save_dir=out,
-                                     on_published=lambda: (out / LATEST).write_text(tag))
+                                     on_published=lambda: publish_file(out / LATEST,
+                                                                       tag.encode()))
 
 
 def _checkpoint_step(path: Path) -> int | None:
