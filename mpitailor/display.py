@@ -4,6 +4,8 @@ A file name may hold any byte but `/` and NUL: bytes that are not UTF-8 (Python 
 as lone surrogates, PEP 383), a newline (that would forge a line of output), an ANSI escape
 (that would reach the terminal). `shown(path)` renders a path for a message: as it is when
 it is plain printable text, else quoted as bash's `$'...'` (copy-pasteable into a shell).
+`bounded(obj)` shows an object read from a file in a message at a cost bounded whatever it
+holds (a pickle can share one tuple 2**40 times: its full repr never ends).
 `escaped(text)` is the last line of defense for a whole line about to be written (the error
 line, log messages): what would be undecodable or a control character becomes a visible
 escape; the rest is left as it is. `LineFormatter` gives every line mpitailor logs, from the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import reprlib
 
 # Bidirectional overrides and isolates: they reorder what a terminal shows.
 _BIDI = {*range(0x202A, 0x202F), *range(0x2066, 0x206A)}
@@ -69,3 +72,27 @@ class LineFormatter(logging.Formatter):
         if record.levelno == logging.DEBUG:
             level += f"({record.name}) "
         return f"{self.prefix}mpitailor: {level}{escaped(record.getMessage())}"
+
+
+class _Bounded(reprlib.Repr):
+    """reprlib with small limits, and instances of other classes by their names only (their
+    own __repr__ could walk all they hold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = self.maxfrozenset = 4
+        self.maxstring = self.maxlong = self.maxother = 40
+
+    def repr_instance(self, x, level: int) -> str:
+        name = getattr(x, "global_name", None) or getattr(type(x), "global_name", None)
+        return f"<{name if isinstance(name, str) else type(x).__name__}>"
+
+
+_BOUNDED = _Bounded()
+
+
+def bounded(obj) -> str:
+    """A short repr of an untrusted object: at most a few dozen elements are looked at, and
+    no __repr__ but the builtins' is called."""
+    return _BOUNDED.repr(obj)

@@ -252,7 +252,7 @@ class _Compare:
         if isinstance(m, opaque._OpaqueMeta):  # a class or function the pickle names
             same_name = m.global_name.replace("numpy.core.", "numpy._core.") == name(t)
             return None if same_name else f"global {m.global_name} vs {name(t)}"
-        if type(m).global_name.startswith("numpy.") and _reloads_as(m, t):
+        if _reloads_as(m, t):
             return None
         red = t.__reduce_ex__(2)
         func, args = red[0], red[1]
@@ -274,10 +274,11 @@ class _Compare:
 
 def _reloads_as(m, t) -> bool:
     """Whether torch's weights-only loader, given mpitailor's own pickle of the stand-in m
-    (what an output carrying it holds), builds an object that pickles as t does. numpy's
-    classes normalize the state they are given (a dtype's byte order '<' becomes '|' for
-    one-byte kinds, numpy 1's module names are numpy 2's): the stand-in carries the state
-    as the file wrote it, and the output loads as the input did."""
+    (what an output carrying it holds), builds an object that pickles as t does. Real
+    classes normalize the state they are given (numpy: a dtype's byte order '<' becomes '|'
+    for one-byte kinds, numpy 1's module names are numpy 2's; pickle's BUILD of a
+    (dict, slots) tuple on DeepSpeed's loss scaler): the stand-in carries the state as the
+    file wrote it, and the output loads as the input did."""
     import io
     import pickle
 
@@ -288,7 +289,7 @@ def _reloads_as(m, t) -> bool:
         data, storages = torchpickle.dumps(m)
         if storages:
             return False
-        with torch.serialization.safe_globals(_torch_globals(("numpy",))):
+        with torch.serialization.safe_globals(_torch_globals(("numpy", "deepspeed"))):
             real = Unpickler(io.BytesIO(data), encoding="bytes").load()
         return pickle.dumps(real, 2) == pickle.dumps(t, 2)
     except Exception:  # noqa: BLE001 - not the same, whatever stopped it

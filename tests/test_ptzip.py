@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import mmap
 import os
 import random
 import sys
@@ -243,7 +244,13 @@ def test_layout_first_big_data_later(tmp_path, monkeypatch):
 
 def test_zip64_record_in_a_sparse_file(tmp_path, monkeypatch):
     n = (1 << 30) + 17  # float32: 4 GiB + 68 bytes, never touched (no memory used)
-    obj = {"a": torch.arange(3.0), "x": torch.empty(n), "b": torch.ones(2)}
+    # Mapped shared from a sparse file, not torch.empty: an anonymous 4 GiB would count
+    # against a machine's commit limit under strict overcommit (CI), with other tests'.
+    hole = tmp_path / "hole.bin"
+    hole.touch()
+    os.truncate(hole, 4 * n)
+    x = torch.from_file(str(hole), shared=True, size=n, dtype=torch.float32)
+    obj = {"a": torch.arange(3.0), "x": x, "b": torch.ones(2)}
     tf = ptzip.describe(as_refs(obj))  # zero-copy: the 4 GiB are never touched
     lay = tf.layout()
     big = next(i for i, r in enumerate(tf.records) if r.size > ptzip.MAX32)
@@ -294,7 +301,12 @@ def test_zip64_record_in_a_sparse_file(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setenv("TORCH_SERIALIZATION_DEBUG", "1")  # offsets torch computes == the real ones
         with ser_config.patch({"load.calculate_storage_offsets": True}):
-            loaded = torch.load(path, weights_only=True, mmap=True)
+            # MAP_SHARED: read-only use, and no commit charge (a private writable map has one)
+            torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
+            try:
+                loaded = torch.load(path, weights_only=True, mmap=True)
+            finally:
+                torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE)
     x = loaded["x"]
     assert x.shape == (n,)
     assert x[:4].tolist() == [0.0] * 4 and x[-4:].tolist() == [0.0] * 4

@@ -256,6 +256,18 @@ def test_a_file_of_a_million_containers_is_refused_as_they_are_made(tmp_path):
     refused(rezip({"archive/data.pkl": same}, tmp_path / "z.pt"), f"over {MAX_OBJECTS} objects")
 
 
+def test_a_refusal_never_shows_all_of_what_the_file_shares(tmp_path):
+    """A tuple shared 2**40 times given to NEWOBJ: the refusal's message took its full repr
+    (582 s and 7.7 GB before a MemoryError; the fuzzer's hang, seed 3 input 170969). The
+    message now shows a bounded repr."""
+    pkl = b"\x80\x02}q\x00" + b"".join(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86q"
+                                     + bytes([i + 1]) for i in range(40)) + b"h(\x81."
+    path = rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    msg = refused(path, "a new object of ((((...)")
+    assert len(msg) < 400 and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000
+
+
 def test_a_container_that_holds_itself_is_refused(tmp_path):
     pkl = b"\x80\x02]q\x00h\x00a."  # a list appended to itself
     refused(rezip({"archive/data.pkl": pkl}, tmp_path / "x.pt"), "holds itself")

@@ -207,8 +207,9 @@ def archive_of(records: dict[str, tuple[int, int, int]]) -> str:
 
 def read_pickle(f, records: dict[str, tuple[int, int, int]]) -> bytes:
     """The data.pkl record's bytes, checked against its CRC-32, after the records torch
-    reads before it: `byteorder` (torch refuses any but little or big; mpitailor reads
-    little-endian files only) and `.storage_alignment` (torch parses it with int())."""
+    reads around it: `byteorder` (torch refuses any but little or big; mpitailor reads
+    little-endian files only), `.storage_alignment` (torch parses it with int()) and
+    `.data/serialization_id` (torch decodes it as UTF-8)."""
     archive = archive_of(records)
     order = _record(f, records, f"{archive}/byteorder", 16)
     if order is not None and order != b"little":
@@ -220,6 +221,11 @@ def read_pickle(f, records: dict[str, tuple[int, int, int]]) -> bytes:
     except ValueError:
         raise zipfile.BadZipFile(f".storage_alignment {alignment[:32]!r}: not a number") \
             from None
+    serial = _record(f, records, f"{archive}/{_SERIAL_ID}", 1024)
+    try:
+        serial is None or serial.decode("utf-8")  # torch decodes it (after the pickle)
+    except UnicodeDecodeError:
+        raise zipfile.BadZipFile(f"{_SERIAL_ID} {serial[:32]!r}: not UTF-8") from None
     data = _record(f, records, f"{archive}/data.pkl", MAX_PICKLE)
     if data is None:
         raise zipfile.BadZipFile("no data.pkl record: not a torch file")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from mpitailor.display import bounded
 from mpitailor.errors import CheckpointError
 from mpitailor.formats import files as zfiles
 from mpitailor.formats.files import CheckpointFiles
@@ -167,7 +168,7 @@ def _stage(files: CheckpointFiles, osd: dict) -> int:
         stage = int(osd.get("zero_stage", 3))
     except (TypeError, ValueError):
         raise CheckpointError(f"{files.optim_path(0)}: zero_stage is "
-                              f"{osd.get('zero_stage')!r}; not a DeepSpeed ZeRO optim file") from None
+                              f"{bounded(osd.get('zero_stage'))}; not a DeepSpeed ZeRO optim file") from None
     if files.partial and stage in (1, 2, 3) and (stage == 3) == files.flat:
         raise CheckpointError(f"{files.tag_dir / zfiles.PARTIAL_MANIFEST}: zero_stage says "
                               f"{'1 or 2' if files.flat else '3'}, but "
@@ -269,12 +270,12 @@ def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
         group = {}
         for name, shape in shapes.items():
             if not isinstance(name, str) or name in seen:
-                raise CheckpointError(f"{bad} (parameter {name!r} is not a unique name)")
+                raise CheckpointError(f"{bad} (parameter {bounded(name)} is not a unique name)")
             seen.add(name)
             try:
                 dims = tuple(int(d) for d in shape)
             except (TypeError, ValueError):
-                raise CheckpointError(f"{bad} ({name}: shape {shape!r})") from None
+                raise CheckpointError(f"{bad} ({name}: shape {bounded(shape)})") from None
             n = 1
             for d in dims:
                 n *= d

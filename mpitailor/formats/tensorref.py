@@ -16,6 +16,7 @@ import struct
 from collections import OrderedDict
 from pathlib import Path
 
+from mpitailor.display import bounded
 from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.fileio import read_into
 
@@ -61,7 +62,7 @@ class Storage(_ReadOnly):
     def __init__(self, dtype: str, numel: int, *, path: Path | None = None,
                  offset: int | None = None, data: bytes | bytearray | memoryview | None = None):
         if dtype not in DTYPES or type(numel) is not int or numel < 0:
-            raise ValueError(f"a storage of {numel!r} elements of {dtype!r}")
+            raise ValueError(f"a storage of {bounded(numel)} elements of {bounded(dtype)}")
         if data is not None and len(data) != numel * DTYPES[dtype].itemsize:
             raise ValueError(f"{len(data)} bytes for a storage of {numel} x {dtype}")
         for name, value in zip(self.__slots__, (dtype, numel, path, offset, data)):

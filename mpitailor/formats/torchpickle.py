@@ -27,6 +27,7 @@ import pickle
 import re
 from collections.abc import Callable
 
+from mpitailor.display import bounded
 from mpitailor.formats import opaque
 from mpitailor.formats.tensorref import Storage, Tensor
 
@@ -86,7 +87,7 @@ class _RebuildFromType(opaque.Opaque):
         odd = next((k for k in state or () if type(k) is not str or not _DS_ATTR.fullmatch(k)),
                    None)
         if odd is not None:
-            raise pickle.UnpicklingError(f"a tensor attribute {odd!r:.40} other than "
+            raise pickle.UnpicklingError(f"a tensor attribute {bounded(odd)} other than "
                                          f"DeepSpeed's ds_*")
         return func(*args, wrapper=(new_type, state))
 
@@ -318,7 +319,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if not isinstance(args, tuple) or id(cls) in self.values_only or not (
                 cls is collections.OrderedDict or cls is Size
                 or (isinstance(cls, opaque._OpaqueMeta) and cls not in _CALLS_ONLY)):
-            raise pickle.UnpicklingError(f"a new object of {cls!r:.80}, not of a class the "
+            raise pickle.UnpicklingError(f"a new object of {bounded(cls)}, not of a class the "
                                          f"file may name")
         self.append(cls.__new__(cls, *args))
     dispatch[pickle.NEWOBJ[0]] = load_newobj
@@ -331,7 +332,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
                 and _BUILT_DTYPES.fullmatch(inst._args[0])):
             # torch builds the real dtype and takes a state only for the dtype classes its
             # allow-list names (ALLOWED["numpy"]): not an object, void or datetime dtype
-            raise pickle.UnpicklingError(f"BUILD on numpy.dtype{inst._args!r:.40}, a dtype "
+            raise pickle.UnpicklingError(f"BUILD on numpy.dtype{bounded(inst._args)}, a dtype "
                                          f"outside the allow-list")
         if isinstance(inst, opaque.Opaque) and inst.__dict__.get("_state") is opaque.NOSTATE \
                 and (inst._how == "newobj" or type(inst).global_name in _STATE_AFTER_CALL):
@@ -387,13 +388,13 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and pid[1] in _DTYPE_OF and isinstance(pid[2], str)
                 and type(pid[4]) is int and pid[4] >= 0):
-            raise pickle.UnpicklingError(f"a persistent id torch does not write: {pid!r:.80}")
+            raise pickle.UnpicklingError(f"a persistent id torch does not write: {bounded(pid)}")
         key, dtype, numel = pid[2], _DTYPE_OF[pid[1]], pid[4]
         if key not in self.storages:
             self.storages[key] = self.storage(key, dtype, numel)
         got = self.storages[key]
         if (got.dtype, got.numel) != (dtype, numel):
-            raise pickle.UnpicklingError(f"storage {key} read as two different types")
+            raise pickle.UnpicklingError(f"storage {bounded(key)} read as two different types")
         return got
 
 
