@@ -557,6 +557,8 @@ def test_zips_torch_refuses_are_refused(tmp_path):
     (30, 2048, "runs past the directory's end"),  # the last header's extra field, 2 KB long
     (34, 3, "names another disk"),                # the first header's disk number
     (38, 16, "marked as a directory"),            # the first header's DOS attributes
+    (8, 0x2800, "flags 0x2800"),                  # the first header: a masked local dir
+    (6, 84, "zip file version"),                  # "version needed" 8.4: zipfile raised
 ])
 def test_central_directory_headers_miniz_refuses_are_refused(tmp_path, field, value, words):
     """zipfile reads a last central directory header whose extra field runs past the
@@ -569,9 +571,24 @@ def test_central_directory_headers_miniz_refuses_are_refused(tmp_path, field, va
     # (the first record is data.pkl: marked as a directory, torch reads no pickle)
     path = tmp_path / "cd.pt"
     path.write_bytes(bytes(data))
-    with pytest.raises((RuntimeError, pickle.UnpicklingError)):
-        torch.load(path, weights_only=True)
+    if field != 6:  # (miniz ignores the version; zipfile raised NotImplementedError)
+        with pytest.raises((RuntimeError, pickle.UnpicklingError)):
+            torch.load(path, weights_only=True)
     refused(path, words)
+
+
+def test_a_tensor_rebuilt_from_fewer_arguments_than_torch_needs_is_refused(tmp_path):
+    """_rebuild_tensor_v2(storage, offset, size, stride) without requires_grad and
+    backward_hooks: torch's TypeError, mpitailor read it (seed 3, input 272565)."""
+    t = torch.ones(2)
+    pkl = pickle_of(saved({"w": t}))
+    # NEWFALSE (requires_grad) dropped: five arguments, the hooks taken for requires_grad
+    cut = pkl.replace(b"\x89ccollections\nOrderedDict\nq", b"ccollections\nOrderedDict\nq", 1)
+    assert cut != pkl
+    path = with_pickle(saved({"w": t}), cut, tmp_path / "x.pt")
+    with pytest.raises(Exception):
+        torch.load(path, weights_only=True)
+    refused(path, "missing 1 required positional argument")
 
 
 @pytest.mark.parametrize("record,value,words", [

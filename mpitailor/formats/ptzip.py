@@ -55,8 +55,12 @@ MAX32 = 0xFFFFFFFF  # at or above it a size or offset goes to a zip64 field
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _DOS_DIRECTORY = 0x10  # the external attributes' directory bit
+_UTF8, _DESCRIPTOR = 0x800, 0x8  # the general-purpose flags torch's writer sets
+_TORCH_FLAGS = _UTF8 | _DESCRIPTOR
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _DOS_DIRECTORY = 0x10  # the external attributes' directory bit
+_UTF8, _DESCRIPTOR = 0x800, 0x8  # the general-purpose flags torch's writer sets
+_TORCH_FLAGS = _UTF8 | _DESCRIPTOR
 _SERIAL_ID = ".data/serialization_id"
 ALIGNMENT = 64  # torch's storage alignment (.storage_alignment)
 # The records torch's C++ writer adds when it closes the file (torch 2.x): the version, and
@@ -128,7 +132,11 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
     be another's)."""
     size = os.fstat(f.fileno()).st_size
     out, spans = {}, []
-    with zipfile.ZipFile(f) as z:
+    try:
+        z = zipfile.ZipFile(f)
+    except NotImplementedError as e:  # a "version needed" zipfile does not know
+        raise zipfile.BadZipFile(str(e)) from None
+    with z:
         # zipfile shifts every offset when the central directory does not lie where the end
         # record says (data prepended to a zip); torch (miniz) does not: two readings.
         end = zipfile._EndRecData(f)  # type: ignore[attr-defined]
@@ -148,11 +156,13 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
                 raise zipfile.BadZipFile(f"record {info.filename} is compressed")
             if info.compress_size != info.file_size:  # miniz refuses a stored record so
                 raise zipfile.BadZipFile(f"record {info.filename}: two sizes")
-            if info.flag_bits & 0x1 or not (info.flag_bits & 0x800 or info.filename.isascii()):
+            if info.flag_bits & ~_TORCH_FLAGS or not (info.flag_bits & _UTF8
+                                                      or info.filename.isascii()):
                 # torch reads names as UTF-8 (zipfile as cp437 without the flag) and refuses
-                # an encrypted record
-                raise zipfile.BadZipFile(f"record {info.filename!r:.60}: encrypted, or its "
-                                         f"name not UTF-8")
+                # encrypted, masked or patch records (miniz: "unsupported encryption")
+                raise zipfile.BadZipFile(f"record {info.filename!r:.60}: flags "
+                                         f"{info.flag_bits:#x} (encrypted, or its name not "
+                                         f"UTF-8)")
             head = os.pread(f.fileno(), _LOCAL.size, info.header_offset)
             if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
                 raise zipfile.BadZipFile(f"record {info.filename}: no local header")

@@ -48,8 +48,8 @@ class _RebuildTensor(opaque.Opaque):
 
     global_name = "torch._utils._rebuild_tensor_v2"
 
-    def __new__(cls, storage, storage_offset, shape, stride, requires_grad=False,
-                hooks=None, metadata=None, *, wrapper=None):
+    def __new__(cls, storage, storage_offset, shape, stride, requires_grad, hooks,
+                metadata=None, *, wrapper=None):  # (torch's needs the first six too)
         if not isinstance(storage, Storage) or not _ints(shape, stride):
             raise pickle.UnpicklingError("a tensor with malformed storage, shape or stride")
         if metadata is not None and not (type(metadata) is dict
