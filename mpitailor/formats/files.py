@@ -246,7 +246,13 @@ def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFile
                            save_dir=save_dir, partial=True, flat=stage in (1, 2))
 
 
-_HF_CHECKPOINT = re.compile(r"checkpoint-\d+")  # an HF Trainer's or Accelerate's save
+_HF_CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # an HF Trainer's or Accelerate's save
+
+
+def hf_checkpoint_step(name: str) -> int | None:
+    """N of an HF Trainer's or Accelerate's `checkpoint-N` save dir name, else None."""
+    m = _HF_CHECKPOINT.fullmatch(name)
+    return int(m.group(1)) if m else None
 PARTIAL_MODEL_RE = re.compile(r"rank_(\d+)_model_states\.pt")
 PARTIAL_DTYPES = ("fp32", "bf16", "fp16")
 _CRC_RE = re.compile(r"[0-9a-f]{8}")

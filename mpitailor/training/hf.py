@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,7 +36,7 @@ with dependencies(__name__):
 from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index, publish_file
-from mpitailor.formats.files import LATEST, PARTIAL_MANIFEST
+from mpitailor.formats.files import LATEST, PARTIAL_MANIFEST, hf_checkpoint_step
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Policy
 from mpitailor.training.notice import make_visible
@@ -131,7 +130,7 @@ class LayerwiseTrainer(transformers.Trainer):
         if wanted is True:
             return recover_for_resume(self.args.output_dir)
         path = Path(wanted)
-        step = _checkpoint_step(path)
+        step = hf_checkpoint_step(path.name) if path.is_dir() else None
         if step is not None and (any(path.glob(f"global_step*/{PARTIAL_MANIFEST}"))
                                  or not (path / LATEST).exists()):
             # A partial checkpoint-N; or one killed while it was saved, which HF's
@@ -209,9 +208,3 @@ class LayerwiseTrainer(transformers.Trainer):
         self._layerwise.save_partial(tag, layers, lineage, save_dir=out,
                                      on_published=lambda: publish_file(out / LATEST,
                                                                        tag.encode()))
-
-
-def _checkpoint_step(path: Path) -> int | None:
-    """N of a Trainer's checkpoint-N dir, else None."""
-    m = re.fullmatch(r"checkpoint-(\d+)", path.name)
-    return int(m.group(1)) if m and path.is_dir() else None
