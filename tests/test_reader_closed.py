@@ -606,3 +606,13 @@ def test_the_records_torch_reads_before_the_pickle_are_checked(tmp_path, record,
         with pytest.raises(ValueError):
             torch.load(path, weights_only=True)
     refused(path, words)
+
+
+def test_a_storage_location_that_is_not_a_string_is_refused(tmp_path):
+    """The location field of a storage's persistent id (torch decodes bytes there as ASCII
+    and fails on others: seed 3, input 635876): only a string, as torch writes it."""
+    data = saved({"w": torch.ones(2)})
+    pkl = pickle_of(data)
+    assert pkl.count(uni("cpu")) == 1
+    path = with_pickle(data, pkl.replace(uni("cpu"), b"K\x07"), tmp_path / "x.pt")
+    refused(path, "a persistent id torch does not write")

@@ -387,6 +387,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and pid[1] in _DTYPE_OF and isinstance(pid[2], str)
+                and type(pid[3]) is str  # the location ("cpu", "cuda:0"): torch decodes it
                 and type(pid[4]) is int and pid[4] >= 0):
             raise pickle.UnpicklingError(f"a persistent id torch does not write: {bounded(pid)}")
         key, dtype, numel = pid[2], _DTYPE_OF[pid[1]], pid[4]
