@@ -8,6 +8,7 @@ that groups inputs failing the same way (numbers and paths taken out).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -55,6 +56,18 @@ class _Hang(BaseException):
 
 def _on_alarm(signum, frame):
     raise _Hang()
+
+
+@contextlib.contextmanager
+def memory_limited():
+    """limit_memory() for a block, the process's own limit back after it (a pytest worker
+    runs other tests after the fuzzer's: a 4 GiB map of one of them failed under it)."""
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    limit_memory()
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, before)
 
 
 def limit_memory() -> None:

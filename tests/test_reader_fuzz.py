@@ -53,15 +53,15 @@ def test_the_checks_see_bytes_from_elsewhere(tmp_path):
 
 
 def test_reader_agrees_with_torch(seeds, tmp_path):
-    oracle.limit_memory()
     path = tmp_path / "input.pt"
     verdicts, found = collections.Counter(), {}
-    for index in range(COUNT):
-        inp = fz.make_input(SEED, index, seeds)
-        got = oracle.judge(inp, path)
-        verdicts[got.verdict] += 1
-        if oracle.finding(got):
-            found.setdefault((got.verdict, got.sig), []).append(index)
+    with oracle.memory_limited():
+        for index in range(COUNT):
+            inp = fz.make_input(SEED, index, seeds)
+            got = oracle.judge(inp, path)
+            verdicts[got.verdict] += 1
+            if oracle.finding(got):
+                found.setdefault((got.verdict, got.sig), []).append(index)
     assert verdicts["agree-accept"] > COUNT // 10 and verdicts["agree-refuse"] > COUNT // 10
     assert not found, f"{len(found)} kinds of finding in {COUNT} inputs:\n" + "\n".join(
         f"  {v}: {sig} ({len(ix)} inputs; replay: python -m bench.reader_fuzz --seed {SEED} "

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import sys
 import zipfile
@@ -54,10 +55,14 @@ from mpitailor.formats.tensorref import Storage
 MAX32 = 0xFFFFFFFF  # at or above it a size or offset goes to a zip64 field
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_VERSION = re.compile(rb"\d{1,3}\n?")  # torch writes b"3\n"
+MAX_FORMAT_VERSION = 10  # the newest torch 2.13 reads
 _DOS_DIRECTORY = 0x10  # the external attributes' directory bit
 _UTF8, _DESCRIPTOR = 0x800, 0x8  # the general-purpose flags torch's writer sets
 _TORCH_FLAGS = _UTF8 | _DESCRIPTOR
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_VERSION = re.compile(rb"\d{1,3}\n?")  # torch writes b"3\n"
+MAX_FORMAT_VERSION = 10  # the newest torch 2.13 reads
 _DOS_DIRECTORY = 0x10  # the external attributes' directory bit
 _UTF8, _DESCRIPTOR = 0x800, 0x8  # the general-purpose flags torch's writer sets
 _TORCH_FLAGS = _UTF8 | _DESCRIPTOR
@@ -218,8 +223,9 @@ def archive_of(records: dict[str, tuple[int, int, int]]) -> str:
 def read_pickle(f, records: dict[str, tuple[int, int, int]]) -> bytes:
     """The data.pkl record's bytes, checked against its CRC-32, after the records torch
     reads around it: `byteorder` (torch refuses any but little or big; mpitailor reads
-    little-endian files only), `.storage_alignment` (torch parses it with int()) and
-    `.data/serialization_id` (torch decodes it as UTF-8)."""
+    little-endian files only), `.storage_alignment` (torch parses it with int()), the
+    format `version` (torch reads 1 to 10) and `.data/serialization_id` (torch decodes it
+    as UTF-8)."""
     archive = archive_of(records)
     order = _record(f, records, f"{archive}/byteorder", 16)
     if order is not None and order != b"little":
@@ -231,6 +237,12 @@ def read_pickle(f, records: dict[str, tuple[int, int, int]]) -> bytes:
     except ValueError:
         raise zipfile.BadZipFile(f".storage_alignment {alignment[:32]!r}: not a number") \
             from None
+    for name in ("version", ".data/version"):  # torch parses it: a format of 1 to 10
+        version = _record(f, records, f"{archive}/{name}", 32)
+        if version is not None and not (_VERSION.fullmatch(version)
+                                        and 1 <= int(version) <= MAX_FORMAT_VERSION):
+            raise zipfile.BadZipFile(f"{name} {version[:32]!r}: not a torch file format "
+                                     f"version (1 to {MAX_FORMAT_VERSION})")
     serial = _record(f, records, f"{archive}/{_SERIAL_ID}", 1024)
     try:
         serial is None or serial.decode("utf-8")  # torch decodes it (after the pickle)
