@@ -60,12 +60,6 @@ MAX_FORMAT_VERSION = 10  # the newest torch 2.13 reads
 _DOS_DIRECTORY = 0x10  # the external attributes' directory bit
 _UTF8, _DESCRIPTOR = 0x800, 0x8  # the general-purpose flags torch's writer sets
 _TORCH_FLAGS = _UTF8 | _DESCRIPTOR
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
-_VERSION = re.compile(rb"\d{1,3}\n?")  # torch writes b"3\n"
-MAX_FORMAT_VERSION = 10  # the newest torch 2.13 reads
-_DOS_DIRECTORY = 0x10  # the external attributes' directory bit
-_UTF8, _DESCRIPTOR = 0x800, 0x8  # the general-purpose flags torch's writer sets
-_TORCH_FLAGS = _UTF8 | _DESCRIPTOR
 _SERIAL_ID = ".data/serialization_id"
 ALIGNMENT = 64  # torch's storage alignment (.storage_alignment)
 # The records torch's C++ writer adds when it closes the file (torch 2.x): the version, and
