@@ -409,8 +409,8 @@ def overlap_row(label: str, U: dict, u_saves: Path, s_saves: Path) -> Row:
     layers' slices byte for byte, the small states value for value."""
     from dev.compare import same
     from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
-    from mpitailor.formats.opaque import Opaque
-    from mpitailor.formats.safeload import load
+    from mpitailor.formats.torch.opaque import Opaque
+    from mpitailor.formats.torch.safeload import load
     t0 = time.monotonic()
     differ, compared = [], 0
     for step in (4, 6):

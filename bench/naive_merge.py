@@ -15,9 +15,9 @@ import torch
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine.iostats import snapshot
-from mpitailor.formats import KINDS
-from mpitailor.formats.safeload import load
-from mpitailor.formats.shard import flat_tensor
+from mpitailor.formats.torch.safeload import load
+from mpitailor.formats.zero.layout import KINDS
+from mpitailor.formats.zero.shard import flat_tensor
 from mpitailor.jobs.merge import plan_merge
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mpitailor.formats.opaque import Opaque
-from mpitailor.formats.tensorref import Tensor
+from mpitailor.formats.torch.opaque import Opaque
+from mpitailor.formats.torch.tensorref import Tensor
 
 
 def same(a, b) -> bool:

@@ -8,7 +8,7 @@
   or holds the planted marker's bytes;
 - `walkers(ours, path)`: what the object describes unshared is within the reader's bound,
   and the package's walkers of loaded objects (rawio.copied, rawio.materialize,
-  torchpickle.dumps) do work in proportion to it.
+  pickle_write.dumps) do work in proportion to it.
 Each returns None when all is well, else one line. Walks are iterative and visit each object
 once (the inputs nest deep and share a lot).
 """
@@ -22,10 +22,10 @@ import sys
 
 import reader_fuzzing as fz
 
-from mpitailor.formats import opaque, rawio, safeload, torchpickle
 from mpitailor.formats.dtypes import name_of
-from mpitailor.formats.tensorref import Storage, Tensor
-from mpitailor.formats.torchpickle import Size
+from mpitailor.formats.torch import opaque, pickle_write, rawio, rebuild, safeload
+from mpitailor.formats.torch.rebuild import Size
+from mpitailor.formats.torch.tensorref import Storage, Tensor
 
 MAX_NODES = 200_000  # objects a check visits before it gives up (no input has as many)
 WALK_PATHS = 4  # paths per object above which the walkers are run under a call budget
@@ -176,7 +176,7 @@ class _Compare:
             return None if bytes(m.read()) == _storage_bytes(t._untyped_storage) \
                 else "storage bytes differ"
         if isinstance(t, torch.serialization.StorageType):
-            dtype = torchpickle.STORAGE_TYPES.get(getattr(m, "global_name", "")[6:])
+            dtype = rebuild.STORAGE_TYPES.get(getattr(m, "global_name", "")[6:])
             return None if dtype == name_of(t.dtype) else f"storage class {m!r:.60}"
         if isinstance(t, torch.Size):
             return None if type(m) is Size and tuple(m) == tuple(t) else f"torch.Size {m!r:.60}"
@@ -286,7 +286,7 @@ def _reloads_as(m, t) -> bool:
     from reader_oracle import _torch_globals
     from torch._weights_only_unpickler import Unpickler
     try:
-        data, storages = torchpickle.dumps(m)
+        data, storages = pickle_write.dumps(m)
         if storages:
             return False
         with torch.serialization.safe_globals(_torch_globals(("numpy", "deepspeed"))):
@@ -360,7 +360,7 @@ def walkers(root, path) -> str | None:
     try:
         for name, fn in (("rawio.copied", lambda: rawio.copied(root, fd)),
                          ("rawio.materialize", lambda: rawio.materialize(root)),
-                         ("torchpickle.dumps", lambda: torchpickle.dumps(root))):
+                         ("pickle_write.dumps", lambda: pickle_write.dumps(root))):
             try:
                 _budgeted(fn, budget)
             except _Budget:

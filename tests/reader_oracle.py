@@ -25,7 +25,7 @@ import reader_fuzzing as fz
 import reader_grammar as grammar
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import safeload, torchpickle
+from mpitailor.formats.torch import pickle_read, safeload
 
 FINDINGS = ("disagree", "mismatch", "crash", "outside", "blowup", "memory", "hang", "slow",
             "harness")  # the last: the fuzzer's own checks failed (a bug here, to fix)
@@ -34,7 +34,7 @@ FINDINGS = ("disagree", "mismatch", "crash", "outside", "blowup", "memory", "han
 # safe_globals naming the same ones. When torch refuses an input only because one of them
 # raised on the file's arguments, mpitailor's acceptance is this exception, not a finding.
 # (mpitailor's own lists: torch is told exactly what mpitailor allows)
-STAND_INS = {group: torchpickle.ALLOWED[group] for group in ("deepspeed", "numpy")}
+STAND_INS = {group: pickle_read.ALLOWED[group] for group in ("deepspeed", "numpy")}
 SLOW_S = 2.0  # bench: one input's load and checks
 MEMORY_MB = 200  # bench: growth of the process's peak RSS on one input
 HANG_S = 20  # test and bench: a load that runs this long is stopped and reported

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mpitailor.errors import MpitailorError
-from mpitailor.formats.files import Lineage
+from mpitailor.formats.zero.files import Lineage
 from mpitailor.planning.lineage import BadTombstone, CannotReadNow, vet
 from mpitailor.planning.recovery import Chain, Pruned, Save, choose
 from mpitailor.planning.retention import PRUNED_DIR, plan_retention

@@ -9,8 +9,8 @@ import h5py
 import pytest
 import torch
 
-from mpitailor.formats.read import read_meta
-from mpitailor.formats.shard import open_shard
+from mpitailor.formats.zero.read import read_meta
+from mpitailor.formats.zero.shard import open_shard
 from mpitailor.planning.layers import LayerClassifier
 
 

@@ -19,7 +19,7 @@ from doc_scripts import assert_same_checkpoint, copy_run, doc_script, run_ranks
 from torch_files import torch_load
 
 from mpitailor import recover
-from mpitailor.formats.read import read_meta
+from mpitailor.formats.zero.read import read_meta
 
 KILL_AT_8 = "partial-publish/checkpoint-8/pytorch_model:0"  # rank 0, publishing step 8's save
 

@@ -14,7 +14,7 @@ from merging import RECIPES, merge_in_process, recipe_env
 
 import mpitailor
 from mpitailor.errors import NothingToRecover, UserError
-from mpitailor.formats.read import read_meta
+from mpitailor.formats.zero.read import read_meta
 
 
 def test_merge_returns_what_it_wrote(ckpt, tmp_path, monkeypatch):

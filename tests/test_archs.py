@@ -14,8 +14,8 @@ import pytest
 import yaml
 from merging import run_cli
 
-from mpitailor.formats.read import read_meta
 from dev.tinytrain import TrainSpec, launch
+from mpitailor.formats.zero.read import read_meta
 
 ALL_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "gpt2",
              "gpt_neox", "gptj", "opt", "falcon", "bloom", "stablelm", "olmo", "gpt_neo"]

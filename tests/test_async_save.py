@@ -15,11 +15,11 @@ from merging import run_cli
 from safetensors import safe_open
 from stats_check import check_norms, read_log
 
-from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
-from mpitailor.formats.safeload import load
 from dev.compare import same
 from dev.tinytrain import TrainSpec, launch
 from dev.tinytrain.launch import TrainFailed
+from mpitailor.formats.manifest import PARTIAL_MANIFEST, read_manifest
+from mpitailor.formats.torch.safeload import load
 
 LAYERWISE_STEPS = (4, 6, 8)  # partial saves of the fixtures (2 is the full one)
 

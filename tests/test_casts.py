@@ -1,4 +1,4 @@
-"""mpitailor.formats.casts against torch's CPU `Tensor.to`, bit for bit: every 16-bit pattern of
+"""mpitailor.formats.torch.casts against torch's CPU `Tensor.to`, bit for bit: every 16-bit pattern of
 bf16 and fp16, and for fp32 the special values, every rounding tie at every exponent, a strided
 sweep of all 2^32 patterns and 1M random ones."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from mpitailor.formats.casts import cast, numpy_dtype
+from mpitailor.formats.torch.casts import cast, numpy_dtype
 
 torch = pytest.importorskip("torch")
 

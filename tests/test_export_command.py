@@ -202,8 +202,8 @@ def test_verify_refuses_a_flipped_bit_in_a_record_the_export_reads(ckpt_copy, tm
     from conftest import tree_digest
     from test_merge_errors import expect_clean_failure
 
-    from mpitailor.formats.read import read_meta
-    from mpitailor.formats.shard import open_shard
+    from mpitailor.formats.zero.read import read_meta
+    from mpitailor.formats.zero.shard import open_shard
     root = ckpt_copy("hf_w2_bf16")
     tag = root / "checkpoint-10"
     with open_shard(read_meta(tag), 1) as shard:

@@ -22,7 +22,7 @@ from test_merge_errors import expect_clean_failure, expect_one_error
 
 import mpitailor
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.read import read_meta
+from mpitailor.formats.zero.read import read_meta
 
 MEMORY = 2 << 30  # bytes of address space per process: a runaway fails, a normal run fits
 TIMEOUT = 120     # seconds: a runaway is killed, a normal run takes a few
@@ -256,7 +256,8 @@ def test_the_checks_pass_every_real_partial_save(ckpt):
     """Every partial save of the layer-wise fixtures (stages 1, 2 and 3, fp32 and bf16, HF)
     passes the checks: they refuse forgeries, not what mpitailor writes."""
     from ckpt_fixtures import build
-    from mpitailor.formats.partial_shard import check_partial_rank
+
+    from mpitailor.formats.zero.partial_shard import check_partial_rank
     from mpitailor.planning.layers import LayerClassifier
     for name in ("w2_parity", "s2_w3_bf16_parity", "s1_w2_parity", "hf_s2_w2_parity",
                  "w2_adaptive", "w2_parity_async"):

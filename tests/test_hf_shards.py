@@ -21,9 +21,9 @@ from transformers.utils.hub import convert_file_size_to_int
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine import storage
 from mpitailor.engine.copyio import join_crcs
-from mpitailor.formats.layout import ELEMENT
 from mpitailor.formats.manifest import MANIFEST
-from mpitailor.formats.read import read_meta
+from mpitailor.formats.zero.layout import ELEMENT
+from mpitailor.formats.zero.read import read_meta
 from mpitailor.jobs.merge import MergeOptions, plan_merge, run_merge
 from mpitailor.planning.hf_layout import (
     INDEX,

@@ -243,7 +243,7 @@ def test_the_command_line_and_api_reach_the_training_side_only_where_named():
 
 
 PLANTED = {  # one violation each, as #42's reviewer planted them; every one must be caught
-    "an upward import": ("mpitailor.formats.read", "from mpitailor.jobs.merge import merge"),
+    "an upward import": ("mpitailor.formats.zero.read", "from mpitailor.jobs.merge import merge"),
     "torch on the merge side": ("mpitailor.engine.execute", "import torch"),
     "training past the facade": ("mpitailor.training.hf",
                                  "from mpitailor.jobs.recovery import recover_chain"),
@@ -309,16 +309,16 @@ def test_the_torch_rule_sees_top_level_and_lazy_imports_and_spares_the_training_
             from transformers import AutoConfig
             from accelerate.utils import DistributedType
             import h5py
-            from mpitailor.formats.read import read_meta
+            from mpitailor.formats.zero.read import read_meta
             import torchvision  # not torch: another distribution
     """))
-    assert training_only_imports(tree, "mpitailor.formats.read", False) == [
-        "mpitailor.formats.read:3 imports torch",
-        "mpitailor.formats.read:4 imports deepspeed.runtime.zero",
-        "mpitailor.formats.read:8 imports torch.distributed",
-        "mpitailor.formats.read:9 imports transformers.AutoConfig",
-        "mpitailor.formats.read:10 imports accelerate.utils.DistributedType",
-        "mpitailor.formats.read:11 imports h5py",
+    assert training_only_imports(tree, "mpitailor.formats.zero.read", False) == [
+        "mpitailor.formats.zero.read:3 imports torch",
+        "mpitailor.formats.zero.read:4 imports deepspeed.runtime.zero",
+        "mpitailor.formats.zero.read:8 imports torch.distributed",
+        "mpitailor.formats.zero.read:9 imports transformers.AutoConfig",
+        "mpitailor.formats.zero.read:10 imports accelerate.utils.DistributedType",
+        "mpitailor.formats.zero.read:11 imports h5py",
     ]
     for module in ("mpitailor.training.checkpointer", "mpitailor.training"):
         assert training_only_imports(tree, module, module == "mpitailor.training") == []
@@ -339,7 +339,7 @@ def test_the_facade_rule_sees_top_level_and_lazy_imports_and_names_what_to_use()
     tree = ast.parse(textwrap.dedent("""
         from mpitailor import failpoints
         from mpitailor.errors import UserError
-        from mpitailor.formats.files import LATEST
+        from mpitailor.formats.zero.files import LATEST
         from mpitailor.facade import layer_index
         from mpitailor.planning.layers import sort_keys
         import mpitailor

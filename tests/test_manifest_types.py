@@ -1,4 +1,4 @@
-"""The manifest's typed fields (formats/manifest.py) and the save record (formats/files.py):
+"""The manifest's typed fields (formats/manifest.py) and the save record (formats/zero/files.py):
 every kind reads back as it was written, and writes the bytes the untyped writers wrote."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pickle
 import pytest
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.files import Lineage, SaveRecord, read_save_record
 from mpitailor.formats.manifest import (
     ABSENT,
     FORMAT_VERSION,
@@ -18,6 +17,7 @@ from mpitailor.formats.manifest import (
     MergeFields,
     PartialFields,
 )
+from mpitailor.formats.zero.files import Lineage, SaveRecord, read_save_record
 
 HEAD = {"format_version": FORMAT_VERSION, "mpitailor_version": "9.9.9",
         "created": "2026-01-02T03:04:05+00:00"}
@@ -101,7 +101,7 @@ def test_unknown_keys_are_kept_aside_not_refused():
 
 
 def test_fields_are_not_validated_when_read():
-    """Readers check what they use, where they use it (formats/files.py: partial_fields):
+    """Readers check what they use, where they use it (formats/zero/files.py: partial_fields):
     the typed parse refuses nothing that the untyped one took."""
     odd = {"world_size": "two", "layers": 3, "dtype": None}
     back = Manifest.from_json(json.dumps({"kind": "partial", **odd, "files": {}}), "p")

@@ -8,7 +8,7 @@ from conftest import tree_digest
 from merge_check import assert_same, check_merge, filter_first_last, parity
 from merging import merge_in_process, recipe_env
 
-from mpitailor.formats.safeload import load
+from mpitailor.formats.torch.safeload import load
 
 RECIPES = {"parity.yml": parity, "filter.yml": filter_first_last, "layer-patterns.yml": parity}
 

@@ -148,7 +148,7 @@ def test_whole_source_records_are_copied_unchanged(ckpt, tmp_path):
     this process; with one group for the whole model, none can be."""
     import json
 
-    from mpitailor.formats.read import read_meta
+    from mpitailor.formats.zero.read import read_meta
     for name, whole in (("w4_fp32_per_layer", True), ("w2_fp32_one", False)):
         stats = tmp_path / f"{name}.json"
         new = ckpt(name, 10)

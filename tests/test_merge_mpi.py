@@ -14,7 +14,7 @@ from merging import merge_in_process, recipe_env
 from safetensors.torch import load_file
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.formats.safeload import load
+from mpitailor.formats.torch.safeload import load
 
 
 def hf_weights(ckpt_dir: Path) -> dict:

@@ -18,7 +18,7 @@ from child_env import child_env
 from ckpt_fixtures import build
 from merging import MPIEXEC
 
-from mpitailor.formats.read import read_meta
+from mpitailor.formats.zero.read import read_meta
 
 
 def prologue(save_dir: Path, out_parent: Path, world: int | None) -> subprocess.CompletedProcess:

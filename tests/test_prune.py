@@ -20,10 +20,10 @@ from conftest import tree_digest
 from merging import run_cli
 from retention_timelines import Files, Meta
 
-from mpitailor.formats.files import Lineage
+from dev.tinytrain import launch
+from mpitailor.formats.zero.files import Lineage
 from mpitailor.planning.recovery import Pruned, Save, choose, follow
 from mpitailor.planning.retention import Composite, plan_retention
-from dev.tinytrain import launch
 
 AUX = frozenset({"embed", "norm", "lm_head"})
 ODD, EVEN = frozenset({"layers.1", "layers.3"}) | AUX, frozenset({"layers.0", "layers.2"}) | AUX

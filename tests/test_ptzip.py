@@ -1,4 +1,4 @@
-"""The direct torch-file writer (mpitailor/formats/ptzip.py) and the CRC arithmetic under it,
+"""The direct torch-file writer (mpitailor/formats/torch/zip_write.py) and the CRC arithmetic under it,
 held against torch.save itself, Python's zipfile and torch.load.
 
 The writer is torch-free: it takes objects whose tensors are tensorref.Tensor. Objects made
@@ -23,11 +23,11 @@ from ckpt_fixtures import VARIANTS, build
 from torch.utils.serialization import config as ser_config
 from torch_files import as_refs, ref_bytes
 
-from mpitailor.formats import opaque, ptzip
-from mpitailor.formats.crc import crc32_combine, crc32_zeros
-from mpitailor.formats.filerecord import FileRecord
-from mpitailor.formats.safeload import load as safe_load
-from mpitailor.formats.tensorref import Tensor
+from mpitailor.formats.io.crc import crc32_combine, crc32_zeros
+from mpitailor.formats.io.filerecord import FileRecord
+from mpitailor.formats.torch import opaque, zip_format, zip_write
+from mpitailor.formats.torch.safeload import load as safe_load
+from mpitailor.formats.torch.tensorref import Tensor
 
 SERIAL_ID = "archive/.data/serialization_id"
 
@@ -164,7 +164,7 @@ def load_every_way(path, monkeypatch) -> list:
 def test_written_file_is_torch_save_but_for_its_id(which, tmp_path, monkeypatch):
     obj = OBJECTS[which]()
     path = tmp_path / "a.pt"
-    record = ptzip.write_torch_file(path, as_refs(obj))
+    record = zip_write.write_torch_file(path, as_refs(obj))
     ours = path.read_bytes()
 
     whole = FileRecord()
@@ -188,11 +188,11 @@ def test_written_file_is_torch_save_but_for_its_id(which, tmp_path, monkeypatch)
 
     theirs = torch_saved(obj)
     assert pickled == zipfile.ZipFile(io.BytesIO(theirs)).read("archive/data.pkl")
-    assert pickled == ptzip.describe(as_refs(obj)).pickle
+    assert pickled == zip_write.describe(as_refs(obj)).pickle
     assert masked_serialization_id(ours) == masked_serialization_id(theirs)
 
     again = tmp_path / "b.pt"
-    ptzip.write_torch_file(again, as_refs(OBJECTS[which]()))
+    zip_write.write_torch_file(again, as_refs(OBJECTS[which]()))
     assert again.read_bytes() == ours  # deterministic, serialization id included
 
 
@@ -203,7 +203,7 @@ def test_layout_first_big_data_later(tmp_path, monkeypatch):
     placeholder = Tensor.empty(n)  # no bytes anywhere: stands for a partition-sized tensor
     obj = {"state": {0: {"step": Tensor.scalar(7.0, "fp32"), "exp_avg": placeholder}},
            "ids": [1, 2]}
-    tf = ptzip.describe(obj)
+    tf = zip_write.describe(obj)
     lay = tf.layout()
     (big,) = [i for i, r in tf.storages() if r.storage is placeholder.storage]
     assert tf.records[big].size == 4 * n
@@ -251,10 +251,10 @@ def test_zip64_record_in_a_sparse_file(tmp_path, monkeypatch):
     os.truncate(hole, 4 * n)
     x = torch.from_file(str(hole), shared=True, size=n, dtype=torch.float32)
     obj = {"a": torch.arange(3.0), "x": x, "b": torch.ones(2)}
-    tf = ptzip.describe(as_refs(obj))  # zero-copy: the 4 GiB are never touched
+    tf = zip_write.describe(as_refs(obj))  # zero-copy: the 4 GiB are never touched
     lay = tf.layout()
-    big = next(i for i, r in enumerate(tf.records) if r.size > ptzip.MAX32)
-    assert lay.entries[big + 1].header_offset > ptzip.MAX32  # records after it go zip64 too
+    big = next(i for i, r in enumerate(tf.records) if r.size > zip_format.MAX32)
+    assert lay.entries[big + 1].header_offset > zip_format.MAX32  # records after it go zip64 too
 
     path = tmp_path / "big.pt"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -341,7 +341,7 @@ def test_opaque_stand_ins_written_as_torch_writes_them(tmp_path):
     assert all(isinstance(obj[k], opaque.Opaque) for k in ("args", "best", "info"))
 
     out = tmp_path / "out.pt"
-    ptzip.write_torch_file(out, obj)
+    zip_write.write_torch_file(out, obj)
     ours = out.read_bytes()
     theirs = torch_saved(client_state_like())
     assert zipfile.ZipFile(out).read("archive/data.pkl") == \
@@ -361,7 +361,7 @@ def test_torch_tensors_are_refused():
     be pickled some other way (torch.storage._load_from_bytes: a file weights-only loaders,
     mpitailor's included, refuse)."""
     with pytest.raises((TypeError, ValueError)):
-        ptzip.describe({"x": torch.arange(3.0)})
+        zip_write.describe({"x": torch.arange(3.0)})
 
 
 # ---- every fixture file: loaded and written back, the same pickle and records ------------
@@ -393,7 +393,7 @@ def test_every_fixture_file_written_back_is_the_same(tmp_path):
             guards += 1
             continue
         out = tmp_path / f"{i}.pt"
-        ptzip.write_torch_file(out, safe_load(src, allow=("deepspeed", "numpy"),
+        zip_write.write_torch_file(out, safe_load(src, allow=("deepspeed", "numpy"),
                                               opaque_ok=True))
         assert _records(out) == _records(src), src
         out.unlink()

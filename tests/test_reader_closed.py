@@ -24,10 +24,10 @@ import torch
 from merging import run_cli
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import opaque, ptzip
-from mpitailor.formats.safeload import MAX_OBJECTS, load, load_with_globals
-from mpitailor.formats.tensorref import Storage, Tensor
-from mpitailor.formats.torchpickle import Size
+from mpitailor.formats.torch import opaque, zip_write
+from mpitailor.formats.torch.rebuild import Size
+from mpitailor.formats.torch.safeload import MAX_OBJECTS, load, load_with_globals
+from mpitailor.formats.torch.tensorref import Storage, Tensor
 
 SECRET = b"SECRET-8d1c-" * 8
 
@@ -218,7 +218,7 @@ def test_real_client_state_is_carried(tmp_path):
     assert obj["raw"] == bytearray(b"ab\xff") and obj["args"].lr == 0.1
     assert "argparse.Namespace" in names and "builtins.bytearray" in names
     out = tmp_path / "w.pt"
-    ptzip.write_torch_file(out, obj)
+    zip_write.write_torch_file(out, obj)
     assert pickle_of(out.read_bytes()) == pickle_of(path.read_bytes())
 
 
@@ -243,7 +243,7 @@ def test_a_file_of_a_million_containers_is_refused_as_they_are_made(tmp_path):
     them, refused there (it was refused after the whole load and a walk, at ~220 MB of
     growth and 4 s); 2**20 of them are still read. And one int referenced 2**20 + 1 times
     (nothing made but the list) is refused by what it describes."""
-    from mpitailor.formats.torchpickle import MAX_MADE
+    from mpitailor.formats.torch.pickle_read import MAX_MADE
     path = rezip({"archive/data.pkl": b"\x80\x02](" + b"}" * (MAX_MADE + 1) + b"e."},
                  tmp_path / "x.pt")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -375,7 +375,7 @@ def test_dicts_and_lists_batch_as_torch_save_does(n):
     pure one around multiples of 1000 items; the writer's bytes follow torch.save's."""
     from torch_files import as_refs
 
-    from mpitailor.formats.torchpickle import dumps
+    from mpitailor.formats.torch.pickle_write import dumps
     for obj in ({f"k{i}": i for i in range(n)}, list(range(n)),
                 OrderedDict((i, [i]) for i in range(n))):
         assert dumps(as_refs(obj))[0] == pickle_of(saved(obj)), (n, type(obj))
@@ -420,7 +420,7 @@ def test_a_zip_whose_central_directory_is_not_where_its_end_record_says(tmp_path
 
 
 def test_a_shared_tensor_is_copied_once_and_views_are_bounded(tmp_path):
-    from mpitailor.formats.rawio import copied
+    from mpitailor.formats.torch.rawio import copied
     t = torch.arange(8.0)
     path = tmp_path / "s.pt"
     path.write_bytes(saved({"a": [t, t], "b": t}))

@@ -19,7 +19,7 @@ import reader_compare as compare
 import reader_fuzzing as fz
 import reader_oracle as oracle
 
-from mpitailor.formats.tensorref import Storage, Tensor
+from mpitailor.formats.torch.tensorref import Storage, Tensor
 
 SEED, COUNT = 40, 2000  # ~10 ms an input: the long run is bench/reader_fuzz.py
 

@@ -9,7 +9,7 @@ import pytest
 from doc_scripts import assert_same_checkpoint, copy_run, doc_script, run_ranks
 
 from mpitailor import recover
-from mpitailor.formats.read import read_meta
+from mpitailor.formats.zero.read import read_meta
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import pytest
 from ckpt_fixtures import spec_for
 from merging import RECIPES, merge_in_process, recipe_env, run_cli
 
-from mpitailor.formats.consolidate import consolidate
-from mpitailor.formats.read import read_meta
 from dev.tinytrain import launch
+from mpitailor.formats.zero.consolidate import consolidate
+from mpitailor.formats.zero.read import read_meta
 
 
 @pytest.mark.parametrize("name,world", [("w2_bf16_small_subgroups_tied_frozen", 3),

@@ -19,12 +19,11 @@ from pathlib import Path
 import ckpt_fixtures
 import pytest
 from cluster_util import wait_for
+from doc_scripts import doc_script
 
 from dev.tinytrain import TrainSpec
 from dev.tinytrain.worker import client_state, shown_client_state
-from doc_scripts import doc_script
-
-from mpitailor.formats.read import read_meta
+from mpitailor.formats.zero.read import read_meta
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"

@@ -11,8 +11,8 @@ import numpy as np
 from ckpt_fixtures import build, spec_for
 from stats_check import check_norms, read_log
 
-from mpitailor.formats.read import read_meta
 from dev.tinytrain import launch
+from mpitailor.formats.zero.read import read_meta
 from mpitailor.training.plot import plot_stats
 from mpitailor.training.stats import StatsLog
 

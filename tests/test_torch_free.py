@@ -218,7 +218,7 @@ def test_prune_dry_run(site, tmp_path):
 def test_slurm_prologue(site, tmp_path):
     """The shipped resume prologue (bash): it plans with `recover --emit-recipe`, merges
     with `$MPITAILOR_LAUNCH python -m mpitailor recover` on 2 ranks, and checks the result
-    with `python -c` (mpitailor.formats.files): every one of those Pythons is witnessed."""
+    with `python -c` (mpitailor.formats.zero.files): every one of those Pythons is witnessed."""
     out = tmp_path / "resume"
     env = {"MPITAILOR_LAUNCH": f"{MPIEXEC} -n {RANKS}"}
     r, records = witnessed(site, tmp_path, ["slurm-prologue", str(build("w2_parity")),

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import shutil
 from dataclasses import replace
 
@@ -17,9 +17,9 @@ from conftest import tree_digest
 from merge_check import check_merge
 from merging import run_cli
 
-from mpitailor.formats.read import read_meta
-from mpitailor.formats.shard import open_shard
 from dev.tinytrain import launch
+from mpitailor.formats.zero.read import read_meta
+from mpitailor.formats.zero.shard import open_shard
 
 AUX = ("embed", "norm", "lm_head")
 

@@ -16,10 +16,10 @@ from merge_check import check_merge
 from merging import RECIPES, run_cli
 from torch_files import torch_load
 
-from mpitailor.formats.read import read_meta
-from mpitailor.formats.safeload import load
 from dev.tinytrain import launch
 from dev.tinytrain.worker import client_state, shown_client_state
+from mpitailor.formats.torch.safeload import load
+from mpitailor.formats.zero.read import read_meta
 
 AUX = ("embed", "norm", "lm_head")
 CLIENT_GLOBALS = {"argparse.Namespace", "numpy._core.multiarray.scalar", "numpy.dtype",

@@ -18,10 +18,10 @@ import torch
 from ckpt_fixtures import spec_for
 from merging import RECIPES, recipe_env, run_cli
 
-from mpitailor.engine.universal import min_single_subgroup_world
-from mpitailor.formats.read import read_meta
-from mpitailor.planning.reshard import target_layout
 from dev.tinytrain import launch
+from mpitailor.engine.universal import min_single_subgroup_world
+from mpitailor.formats.zero.read import read_meta
+from mpitailor.planning.reshard import target_layout
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -19,8 +19,8 @@ from merging import RECIPES, run_cli
 from test_merge_errors import error_lines, expect_one_error
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.boundedio import MAX_JSON_DEPTH, loads, read_small, shown
-from mpitailor.formats.fsview import UnionView, listing
+from mpitailor.formats.io.boundedio import MAX_JSON_DEPTH, loads, read_small, shown
+from mpitailor.formats.io.fsview import UnionView, listing
 
 TIMEOUT = 120
 DEEP = b"[" * 100_000 + b"]" * 100_000   # json.loads: RecursionError near 1000

@@ -10,10 +10,10 @@ from ckpt_fixtures import tag_dir as fixture_tag_dir
 from torch_files import torch_load
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import resolve
-from mpitailor.formats.read import read_meta
-from mpitailor.formats.safeload import load
-from mpitailor.formats.shard import open_shard
+from mpitailor.formats.torch.safeload import load
+from mpitailor.formats.zero.files import resolve
+from mpitailor.formats.zero.read import read_meta
+from mpitailor.formats.zero.shard import open_shard
 
 
 class Payload:
@@ -221,10 +221,10 @@ def test_stage12_weights_older_than_the_fp32_state_are_warned_of(ckpt_copy, capl
     """Stage 1/2 model states hold the whole model's weights, which DeepSpeed keeps equal to
     the fp32 master weights cast down (the untouched save: no warning). The step-5 file
     copied into step 10 is older than the optimizer files: one warning naming it."""
-    from mpitailor.formats import read
+    from mpitailor.formats.zero import read
     root = ckpt_copy(name)
     tag = root / "global_step10"
-    with caplog.at_level("WARNING", logger="mpitailor.formats.read"):
+    with caplog.at_level("WARNING", logger="mpitailor.formats.zero.read"):
         read_meta(tag)
         assert caplog.records == []
         victim = tag / "mp_rank_00_model_states.pt"

@@ -7,10 +7,10 @@ import torch
 from ckpt_fixtures import STAGE12_VARIANTS, ZERO3_VARIANTS
 from deepspeed.utils import zero_to_fp32 as z2f
 
-from mpitailor.formats import compute_layout
-from mpitailor.formats.consolidate import consolidate
-from mpitailor.formats.read import read_meta
-from mpitailor.formats.shard import open_shard
+from mpitailor.formats.zero.consolidate import consolidate
+from mpitailor.formats.zero.layout import compute_layout
+from mpitailor.formats.zero.read import read_meta
+from mpitailor.formats.zero.shard import open_shard
 
 
 def same(ours: np.ndarray, theirs: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ with torch (its reader returns tensorref.Tensor references, never torch tensors)
 - `torch_load(path)`: a checkpoint file as torch tensors in memory (weights_only, DeepSpeed's
   own classes allowed), for tests that change a file and write it back with torch.save.
 - `as_refs(obj)`: a torch object in the form mpitailor's torch-free writer takes (tensors as
-  tensorref.Tensor), so that `ptzip.write_torch_file(path, as_refs(obj))` can be held byte
+  tensorref.Tensor), so that `zip_write.write_torch_file(path, as_refs(obj))` can be held byte
   for byte against `torch.save(obj)`.
 - `ref_bytes(t)`: the bytes of a tensorref.Tensor's elements, for bitwise comparisons.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from merge_check import _allowed
 
-from mpitailor.formats import opaque
 from mpitailor.formats.dtypes import name_of
-from mpitailor.formats.tensorref import Storage, Tensor
-from mpitailor.formats.torchpickle import Size
+from mpitailor.formats.torch import opaque
+from mpitailor.formats.torch.rebuild import Size
+from mpitailor.formats.torch.tensorref import Storage, Tensor
 
 
 def _numpy_globals() -> list:

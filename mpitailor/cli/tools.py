@@ -13,8 +13,8 @@ from mpitailor.errors import MpitailorError
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from mpitailor.cli.reports import format_table
-    from mpitailor.formats.read import read_meta
-    from mpitailor.formats.shard import open_all_shards
+    from mpitailor.formats.zero.read import read_meta
+    from mpitailor.formats.zero.shard import open_all_shards
     from mpitailor.jobs.inspect import composite_manifest, newer_saves, report
 
     meta = read_meta(args.checkpoint)

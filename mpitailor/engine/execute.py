@@ -2,7 +2,7 @@
 
 Collective throughout (`write_partitions` is called on every rank). Three steps:
 1. Lay out: each partition's home rank builds its optimizer dict with placeholder flat
-   buffers, lays out the torch zip container (`formats/ptzip.py`), creates the file at its
+   buffers, lays out the torch zip container (`formats/torch/zip_write.py`), creates the file at its
    final size (zeros: the padding needs no write) and writes the small records; a Universal
    file (one whole parameter) is laid out the same way. The data offset of every buffer is
    shared with all ranks.
@@ -28,9 +28,9 @@ from pathlib import Path
 
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
+from mpitailor.cluster.exchange import Exchanged
 from mpitailor.cluster.nodes import Placement, shard_paths
 from mpitailor.engine.copyio import join_crcs
-from mpitailor.cluster.exchange import Exchanged
 from mpitailor.engine.copystep import Copy, Shards, output_file, raise_error
 from mpitailor.engine.iostats import snapshot
 from mpitailor.engine.partition_states import (
@@ -45,12 +45,12 @@ from mpitailor.engine.progress import Progress
 from mpitailor.engine.storage import create_sized, fsync_close, pwrite_all, pwrite_synced
 from mpitailor.engine.weights_copy import Weights
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats import ptzip
-from mpitailor.formats.crc import crc32
-from mpitailor.formats.files import STAGE12_MODEL, model_file
-from mpitailor.formats.layout import ELEMENT
-from mpitailor.formats.shard_protocol import ShardStates
-from mpitailor.formats.tensorref import Tensor
+from mpitailor.formats.io.crc import crc32
+from mpitailor.formats.torch import zip_write
+from mpitailor.formats.torch.tensorref import Tensor
+from mpitailor.formats.zero.files import STAGE12_MODEL, model_file
+from mpitailor.formats.zero.layout import ELEMENT
+from mpitailor.formats.zero.shard_protocol import ShardStates
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 from mpitailor.publish.staging import make_dirs_under
@@ -61,7 +61,7 @@ class _Laid:
     """A partition's optimizer file as its home rank laid it out."""
 
     name: str
-    layout: ptzip.ZipLayout
+    layout: zip_write.ZipLayout
     crcs: list[int | None]            # per record; None where the copy step supplies it
     flat_records: dict[int, int]      # program buffer index -> record index
     model: dict | None                # the model states, written after the optimizer file
@@ -285,7 +285,7 @@ def _lay_out_one(bufs, unit: int, path: Path, flats: dict, obj, model: dict | No
     """Lay out the torch file of `obj` (holding the placeholders `flats` of unit's buffers),
     create it at path, write its small records; `model`: the model states written after it
     (stage 3: every partition's; stage 1/2: partition 0's, for all)."""
-    tf = ptzip.describe(obj)
+    tf = zip_write.describe(obj)
     layout = tf.layout()
     # Placeholders are found by their storage; empty ones (no bytes to copy) are written
     # like any small record.
@@ -327,7 +327,7 @@ def _finish(laid: dict[int, _Laid], bufs, joined: dict[int, list[tuple[int, int,
         if lay.model is None:  # stage 1/2: partition 0 writes the model states
             continue
         name = lay.model_name
-        records[name] = ptzip.write_torch_file(tag_dir / name, lay.model)
+        records[name] = zip_write.write_torch_file(tag_dir / name, lay.model)
     return records
 
 

@@ -11,7 +11,7 @@ Manifests written before the version existed read as "1.0". The schema: docs/out
 A manifest is read from files anyone could have written: parsing checks the head (version,
 kind, `files` a mapping) and nothing else. A key that is missing reads as ABSENT; a value is
 kept as the JSON held it, whatever its type: every reader checks the fields it uses, where it
-uses them (formats/files.py: partial_fields).
+uses them (formats/zero/files.py: partial_fields).
 It lives with the formats (not in publish/) because the readers of saves, at the bottom of
 the house, read it too.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.boundedio import MAX_MANIFEST_BYTES, loads, read_small, shown
+from mpitailor.formats.io.boundedio import MAX_MANIFEST_BYTES, loads, read_small, shown
 from mpitailor.version import __version__
 
 MANIFEST = "mpitailor_manifest.json"          # of a merge or an export
@@ -147,7 +147,7 @@ class PartialFields(_Fields):
     layers: list[str]              # the layer keys it holds
     zero_stage: int                # 1, 2 or 3
     layout_sha256: str             # of the parameters' names and shapes
-    lineage: Mapping[str, Any] | None  # Lineage.to_json() (formats/files.py), or null
+    lineage: Mapping[str, Any] | None  # Lineage.to_json() (formats/zero/files.py), or null
     layer_patterns: Mapping[str, str]  # the patterns the run saved with
 
 

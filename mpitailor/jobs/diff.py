@@ -21,18 +21,20 @@ import numpy as np
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats import KINDS, CheckpointMeta, rawio
-from mpitailor.formats.boundedio import open_regular, shown
-from mpitailor.formats.casts import cast
-from mpitailor.formats.consolidate import frozen_tensor, read_range
 from mpitailor.formats.dtypes import DTYPES, from_safetensors
-from mpitailor.formats.extras import weight_files
-from mpitailor.formats.read import read_meta
-from mpitailor.formats.safeload import load
-from mpitailor.formats.safetensors_header import read_header
-from mpitailor.formats.shard import open_all_shards
-from mpitailor.formats.state_equal import same_values
-from mpitailor.formats.tensorref import Tensor, numpy_dtype
+from mpitailor.formats.hf.safetensors_header import read_header
+from mpitailor.formats.io.boundedio import open_regular, shown
+from mpitailor.formats.torch import rawio
+from mpitailor.formats.torch.casts import cast
+from mpitailor.formats.torch.safeload import load
+from mpitailor.formats.torch.state_equal import same_values
+from mpitailor.formats.torch.tensorref import numpy_dtype
+from mpitailor.formats.zero.consolidate import frozen_tensor, read_range
+from mpitailor.formats.zero.extras import weight_files
+from mpitailor.formats.zero.layout import KINDS
+from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero.read import read_meta
+from mpitailor.formats.zero.shard import open_all_shards
 from mpitailor.jobs.torchsum import torch_sum
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 

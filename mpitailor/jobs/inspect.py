@@ -4,9 +4,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mpitailor.formats import OPTIM_BYTES_PER_ELEMENT, CheckpointMeta
 from mpitailor.formats.manifest import MANIFEST, Manifest, read_manifest
-from mpitailor.formats.safeload import carried_globals
+from mpitailor.formats.torch.safeload import carried_globals
+from mpitailor.formats.zero.layout import OPTIM_BYTES_PER_ELEMENT
+from mpitailor.formats.zero.meta import CheckpointMeta
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
 

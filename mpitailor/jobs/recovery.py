@@ -29,8 +29,9 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths, survey
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
-from mpitailor.formats.boundedio import TooLarge
-from mpitailor.formats.files import (
+from mpitailor.formats.io.boundedio import TooLarge
+from mpitailor.formats.io.fsview import LOCAL
+from mpitailor.formats.zero.files import (
     LATEST,
     MAX_TAG_BYTES,
     PARTIAL_MANIFEST,
@@ -40,9 +41,8 @@ from mpitailor.formats.files import (
     partial_files,
     read_latest,
 )
-from mpitailor.formats.fsview import LOCAL
-from mpitailor.formats.partial_shard import check_partial_rank
-from mpitailor.formats.shard import open_shard
+from mpitailor.formats.zero.partial_shard import check_partial_rank
+from mpitailor.formats.zero.shard import open_shard
 from mpitailor.jobs.merge import Planned, plan_recipe
 from mpitailor.jobs.readable import (
     cannot_read,

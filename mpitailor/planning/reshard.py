@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpitailor.formats import CheckpointMeta, Layout, compute_layout
+from mpitailor.formats.zero.layout import Layout, compute_layout
+from mpitailor.formats.zero.meta import CheckpointMeta
 
 
 @dataclass(frozen=True, slots=True)

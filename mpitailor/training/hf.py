@@ -36,10 +36,10 @@ with dependencies(__name__):
 from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index, publish_file
-from mpitailor.formats.files import LATEST, PARTIAL_MANIFEST, hf_checkpoint_step
+from mpitailor.formats.zero.files import LATEST, PARTIAL_MANIFEST, hf_checkpoint_step
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
-from mpitailor.training.policies import Policy
 from mpitailor.training.notice import make_visible
+from mpitailor.training.policies import Policy
 from mpitailor.training.resume import recover_for_resume, reshard_for_resume
 from mpitailor.training.snapshot import host_bytes_limit
 

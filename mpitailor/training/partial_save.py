@@ -31,15 +31,15 @@ with dependencies(__name__):
 
 from mpitailor import failpoints
 from mpitailor.facade import LayerClassifier
-from mpitailor.formats.files import (
+from mpitailor.formats.manifest import PARTIAL_FORMAT, PartialFields
+from mpitailor.formats.zero.files import (
     STAGE12_MODEL,
     Lineage,
     model_file,
     partial_files,
 )
-from mpitailor.formats.layout import KINDS, compute_layout
-from mpitailor.formats.manifest import PARTIAL_FORMAT, PartialFields
-from mpitailor.formats.shard import without_flat_buffers
+from mpitailor.formats.zero.layout import KINDS, compute_layout
+from mpitailor.formats.zero.shard import without_flat_buffers
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.overlap import StepGuard
 from mpitailor.training.snapshot import (

@@ -39,9 +39,9 @@ from merge_check import _load, check_merge, parity
 from merging import RECIPES, recipe_env, run_cli
 from safetensors.torch import load_file
 
-from mpitailor.formats.consolidate import consolidate
-from mpitailor.formats.read import read_meta
 from dev.tinytrain import TrainSpec, launch
+from mpitailor.formats.zero.consolidate import consolidate
+from mpitailor.formats.zero.read import read_meta
 
 RESHARD_TO = 3
 

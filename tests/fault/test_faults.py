@@ -20,7 +20,7 @@ from merge_check import assert_same, check_merge, parity
 from merging import MPIEXEC, RECIPES, run_cli
 from torch_files import torch_load
 
-from mpitailor.formats.safeload import load
+from mpitailor.formats.torch.safeload import load
 
 NAME = "w3_bf16_decay_tied_frozen"   # 3 partitions: uneven ownership over 2 ranks
 
@@ -175,8 +175,8 @@ def test_flipped_bytes_inside_a_tensor_record(run, tmp_path):
     merge cannot see a flipped bit inside a record it reads only part of."""
     root, env = run
     victim = root / "global_step5" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    from mpitailor.formats.read import read_meta
-    from mpitailor.formats.shard import open_shard
+    from mpitailor.formats.zero.read import read_meta
+    from mpitailor.formats.zero.shard import open_shard
     with open_shard(read_meta(root / "global_step5"), 1) as shard:
         at = shard.offsets["exp_avg", 0] + 1000
     data = bytearray(victim.read_bytes())

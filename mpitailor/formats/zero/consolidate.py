@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mpitailor.formats.layout import KINDS, Slot
-from mpitailor.formats.meta import CheckpointMeta
-from mpitailor.formats.shard import open_all_shards
-from mpitailor.formats.shard_protocol import Shard
+from mpitailor.formats.zero.layout import KINDS, Slot
+from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero.shard import open_all_shards
+from mpitailor.formats.zero.shard_protocol import Shard
 
 
 def full_tensor(shards: Sequence[Shard], slot: Slot, kind: str):
@@ -42,7 +42,7 @@ def frozen_tensor(shards: Sequence[Shard], name: str, shape: tuple[int, ...]):
 
 def consolidate(meta: CheckpointMeta, kinds: Sequence[str] = KINDS) -> dict[str, dict]:
     """kind -> {name: whole float32 array}; frozen parameters appear under `fp32` only."""
-    from mpitailor.formats.casts import cast
+    from mpitailor.formats.torch.casts import cast
     with open_all_shards(meta) as shards:
         out: dict[str, dict] = {k: {} for k in kinds}
         for kind in kinds:

@@ -1,21 +1,16 @@
-"""torch's pickle, read and written without torch.
+"""torch's pickle read without torch: `unpickle` gives the object a torch file's `data.pkl`
+describes.
 
-A torch file (torch.save, zip) holds `data.pkl`, a pickle in which every tensor is a call of
-`torch._utils._rebuild_tensor_v2(storage, offset, shape, stride, requires_grad, hooks)` and
-every storage a persistent id `("storage", torch.<T>Storage, key, location, numel)` naming the
-record `data/<key>`.
+Every tensor there is a call of `torch._utils._rebuild_tensor_v2(storage, offset, shape,
+stride, requires_grad, hooks)` and every storage a persistent id `("storage",
+torch.<T>Storage, key, location, numel)` naming the record `data/<key>`.
 
-Reading (`unpickle`): Python's unpickler with `find_class` as the only gate. Every global
-the pickle names resolves to a stand-in (opaque.py) or is refused; tensors become
+Python's unpickler with `find_class` as the only gate. Every global the pickle names
+resolves to a stand-in (opaque.py, rebuild.py) or is refused; tensors become
 `tensorref.Tensor`s whose storages point at their records' bytes in the file, which are not
 read. Nothing from a file is ever imported or run: the stand-ins record the arguments and
 state the pickle gives them and do nothing else. Names the user allows with `--safe-globals`
 (safeload.trust) are accepted where they would be refused, and are stand-ins too.
-
-Writing (`dumps`): the pure-Python pickler, protocol 2, with torch's `persistent_id`: a
-`Tensor` reduces as torch's tensor does, a stand-in writes back its original GLOBAL, REDUCE,
-NEWOBJ and BUILD, so the pickle's bytes are those `torch.save` writes for the same object
-(tests/test_ptzip.py holds them against torch.save).
 """
 from __future__ import annotations
 
@@ -28,105 +23,30 @@ import re
 from collections.abc import Callable
 
 from mpitailor.display import bounded
-from mpitailor.formats import opaque
-from mpitailor.formats.tensorref import Storage, Tensor
+from mpitailor.formats.torch import opaque
+from mpitailor.formats.torch.rebuild import (
+    CALLS_ONLY,
+    DTYPE_OF,
+    REBUILD_FROM_TYPE,
+    REBUILD_TENSOR,
+    STORAGE_OF,
+    STORAGE_TYPES,
+    TORCH_DTYPES,
+    Size,
+)
+from mpitailor.formats.torch.tensorref import Storage
 
-# torch's storage classes (the persistent id's second field) -> dtype names of dtypes.py.
-STORAGE_TYPES = {
-    "FloatStorage": "fp32", "HalfStorage": "fp16", "BFloat16Storage": "bf16",
-    "DoubleStorage": "f64", "LongStorage": "i64", "IntStorage": "i32", "ShortStorage": "i16",
-    "CharStorage": "i8", "ByteStorage": "u8", "BoolStorage": "bool",
-}
-_STORAGE_OF = {dtype: opaque.stand_in(f"torch.{name}") for name, dtype in STORAGE_TYPES.items()}
-_DTYPE_OF = {cls: dtype for dtype, cls in _STORAGE_OF.items()}
-TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16",
-                "int8", "uint8", "bool")
-
-
-class _RebuildTensor(opaque.Opaque):
-    """`torch._utils._rebuild_tensor_v2`: called by the pickle, it gives a Tensor."""
-
-    global_name = "torch._utils._rebuild_tensor_v2"
-
-    def __new__(cls, storage, storage_offset, shape, stride, requires_grad, hooks,
-                metadata=None, *, wrapper=None):  # (torch's needs the first six too)
-        if not isinstance(storage, Storage) or not _ints(shape, stride):
-            raise pickle.UnpicklingError("a tensor with malformed storage, shape or stride")
-        if metadata is not None and not (type(metadata) is dict
-                                         and all(type(k) is str for k in metadata)):
-            raise pickle.UnpicklingError("tensor metadata that is not a dict of names")
-        if type(requires_grad) is not bool or (requires_grad and storage.dtype not in _FLOATS):
-            raise pickle.UnpicklingError("requires_grad that is not a bool, or of a tensor "
-                                         "that is not floating point")
-        try:
-            return Tensor(storage, storage_offset, shape, stride, bool(requires_grad),
-                          metadata, wrapper)
-        except ValueError as e:
-            raise pickle.UnpicklingError(str(e)) from None
-
-
-REBUILD_TENSOR = opaque.register(_RebuildTensor)
-
-
-class _RebuildFromType(opaque.Opaque):
-    """`torch._tensor._rebuild_from_type_v2(func, type, args, state)`: a tensor with attributes
-    of its own (DeepSpeed's `ds_id` on its flat groups) or of a subclass. A tensor's comes back
-    as that Tensor carrying (type, state); anything else stays a stand-in."""
-
-    global_name = "torch._tensor._rebuild_from_type_v2"
-
-    def __new__(cls, func=None, new_type=None, args=(), state=None):
-        # torch calls func(*args) first: only its tensor rebuild may be named here (anything
-        # else, written back, would be a call DeepSpeed's loader makes), of a tensor type.
-        if func is not REBUILD_TENSOR or not isinstance(args, tuple) \
-                or new_type not in _TENSOR_TYPES or (state is not None and type(state) is not dict):
-            raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a "
-                                         "tensor")
-        # torch sets each key as an attribute of the tensor: `data` would swap its bytes
-        # for another's. DeepSpeed's own (ds_id, ...) are the ones real files carry.
-        odd = next((k for k in state or () if type(k) is not str or not _DS_ATTR.fullmatch(k)),
-                   None)
-        if odd is not None:
-            raise pickle.UnpicklingError(f"a tensor attribute {bounded(odd)} other than "
-                                         f"DeepSpeed's ds_*")
-        return func(*args, wrapper=(new_type, state))
-
-
-REBUILD_FROM_TYPE = opaque.register(_RebuildFromType)
-
-
-# Stand-ins that are functions in torch: called (REDUCE), never made with NEWOBJ.
-_CALLS_ONLY = frozenset({REBUILD_TENSOR, REBUILD_FROM_TYPE})
-_FLOATS = ("fp32", "fp16", "bf16", "f64")
-_DS_ATTR = re.compile(r"ds_\w+")
 _STATE_AFTER_CALL = frozenset(f"numpy.{m}.{n}" for m in ("core.multiarray", "_core.multiarray")
                               for n in ("_reconstruct",)) | {"numpy.dtype"}
-# The dtype strings numpy pickles (dtype('u4').__reduce__() is (dtype, ('u4', False, True),
-# state)) of the numpy.dtypes classes in ALLOWED["numpy"]: bool, ints, floats up to long
-# double, complex64/128, bytes, str.
-_BUILT_DTYPES = re.compile(r"b1|[iu][1248]|f(2|4|8|12|16)|c(8|16)|[SU]\d+")
-TENSOR_TYPE = opaque.stand_in("torch.Tensor")  # how torch names its type(self)
-_TENSOR_TYPES = frozenset({TENSOR_TYPE})  # what DeepSpeed's tensors with ds_* carry
-
-
-@opaque.register
-class Size(tuple, metaclass=opaque._OpaqueMeta):
-    """`torch.Size`: a tuple of ints, written back as torch writes one."""
-
-    global_name = "torch.Size"
-
-    def __new__(cls, dims=()):
-        dims = tuple(dims)
-        if not _ints(dims):
-            raise pickle.UnpicklingError("torch.Size of non-integers")
-        return super().__new__(cls, dims)
-
-    def __reduce__(self):
-        return Size, (tuple([*self]),)
-
-
-def _ints(*seqs) -> bool:
-    return all(isinstance(s, tuple) and all(type(d) is int for d in s) for s in seqs)
+# The numpy dtypes a file may hold (torch's weights-only allow-list): each numpy.dtypes class
+# and the dtype strings numpy pickles for it (dtype('u4').__reduce__() is (dtype, ('u4',
+# False, True), state)); a long double is 12 or 16 bytes by platform.
+_NUMPY_DTYPES = {
+    "Bool": "b1", "Int8": "i1", "Int16": "i2", "Int32": "i4", "Int64": "i8", "UInt8": "u1",
+    "UInt16": "u2", "UInt32": "u4", "UInt64": "u8", "Float16": "f2", "Float32": "f4",
+    "Float64": "f8", "LongDouble": "f12|f16", "Complex64": "c8", "Complex128": "c16",
+    "Bytes": r"S\d+", "Str": r"U\d+"}
+_BUILT_DTYPES = re.compile("|".join(_NUMPY_DTYPES.values()))
 
 
 MAX_KEY_OBJECTS = 1000  # in one dict key or set member: real keys are names and numbers
@@ -182,7 +102,7 @@ _BASE: dict[str, object] = {
     "builtins.set": _set, "builtins.bytearray": _bytearray,
     "builtins.complex": complex, "collections.Counter": collections.Counter,
     "torch._tensor._rebuild_from_type_v2": REBUILD_FROM_TYPE,
-    **{f"torch.{name}": _STORAGE_OF[dtype] for name, dtype in STORAGE_TYPES.items()},
+    **{f"torch.{name}": STORAGE_OF[dtype] for name, dtype in STORAGE_TYPES.items()},
 }
 _TORCH_STAND_INS = ("torch.Tensor", "torch.nn.parameter.Parameter", "torch.device",
                     *(f"torch.{d}" for d in TORCH_DTYPES))
@@ -194,7 +114,7 @@ _VALUES_ONLY = frozenset(f"torch.{n}" for n in (*STORAGE_TYPES, *TORCH_DTYPES)) 
 # What find_class gives that a pickle may only call: never a value of the object it makes
 # (written back, the class or function would be a global of Python's or mpitailor's).
 CALLS_ONLY_VALUES = {id(x): name for name, x in _BASE.items() if not isinstance(x, type)
-                     or not issubclass(x, opaque.Opaque) or x in _CALLS_ONLY}
+                     or not issubclass(x, opaque.Opaque) or x in CALLS_ONLY}
 # torch's own machinery (tensors, storages, sizes, dtypes): what every torch file names.
 TORCH_OWN = frozenset(_BASE) | frozenset(_TORCH_STAND_INS)
 # The extra names of each allow-list safeload.load takes.
@@ -206,10 +126,7 @@ ALLOWED = {
     "numpy": tuple(f"{m}.{n}" for m in ("numpy.core.multiarray", "numpy._core.multiarray")
                    for n in ("_reconstruct", "scalar"))
     + ("numpy.ndarray", "numpy.dtype")
-    + tuple(f"numpy.dtypes.{k}DType" for k in (
-        "Bool", "Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64",
-        "Float16", "Float32", "Float64", "LongDouble", "Complex64", "Complex128", "Bytes",
-        "Str")),
+    + tuple(f"numpy.dtypes.{k}DType" for k in _NUMPY_DTYPES),
 }
 # What training scripts put in DeepSpeed's client_state besides plain data and their own
 # dataclasses: allowed in model-states files (safeload.load(opaque_ok=True)).
@@ -318,7 +235,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         cls = self.stack.pop()
         if not isinstance(args, tuple) or id(cls) in self.values_only or not (
                 cls is collections.OrderedDict or cls is Size
-                or (isinstance(cls, opaque._OpaqueMeta) and cls not in _CALLS_ONLY)):
+                or (isinstance(cls, opaque._OpaqueMeta) and cls not in CALLS_ONLY)):
             raise pickle.UnpicklingError(f"a new object of {bounded(cls)}, not of a class the "
                                          f"file may name")
         self.append(cls.__new__(cls, *args))
@@ -386,11 +303,11 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and pid[1] in _DTYPE_OF and isinstance(pid[2], str)
+                and pid[1] in DTYPE_OF and isinstance(pid[2], str)
                 and type(pid[3]) is str  # the location ("cpu", "cuda:0"): torch decodes it
                 and type(pid[4]) is int and pid[4] >= 0):
             raise pickle.UnpicklingError(f"a persistent id torch does not write: {bounded(pid)}")
-        key, dtype, numel = pid[2], _DTYPE_OF[pid[1]], pid[4]
+        key, dtype, numel = pid[2], DTYPE_OF[pid[1]], pid[4]
         if key not in self.storages:
             self.storages[key] = self.storage(key, dtype, numel)
         got = self.storages[key]
@@ -434,49 +351,3 @@ def unpickle(data: bytes, *, allowed: frozenset[str] = frozenset(),
     u = _Unpickler(data, allowed, opaque_ok, storage)
     return u.load(), frozenset(u.globals)
 
-
-class StorageRef:
-    """A tensor's storage as its reduce names it (torch wraps it in a new TypedStorage each
-    time): the pickler's persistent_id turns it into torch's storage tuple."""
-
-    __slots__ = ("storage",)
-
-    def __init__(self, storage: Storage) -> None:
-        self.storage = storage
-
-
-class _Pickler(opaque.Pickler):
-    def __init__(self, buf) -> None:
-        super().__init__(buf, protocol=2)
-        self.keys: dict[int, str] = {}
-        self.storages: list[Storage] = []  # in key order; also keeps their ids unique
-
-    def reducer_override(self, obj):
-        if type(obj) is Tensor:
-            return obj.torch_reduce()
-        if type(obj).__module__.partition(".")[0] == "torch":
-            # torch's own objects pickle their storages by value in a form weights-only
-            # loaders refuse: the merge side never has one, the training side calls torch.save
-            raise TypeError(f"internal error: a torch {type(obj).__name__} to the torch-free "
-                            f"writer")
-        return super().reducer_override(obj)
-
-    def persistent_id(self, obj):
-        if type(obj) is not StorageRef:
-            return None
-        s = obj.storage
-        key = self.keys.get(id(s))
-        if key is None:
-            key = self.keys[id(s)] = str(len(self.keys))
-            self.storages.append(s)
-        # torch's tuple, with the same objects: its literals "storage" and "cpu" and one key
-        # string per storage, which the memo then shares just as in torch's pickle.
-        return ("storage", _STORAGE_OF[s.dtype], key, "cpu", s.numel)
-
-
-def dumps(obj) -> tuple[bytes, list[Storage]]:
-    """The data.pkl torch.save(obj) writes, and the storages it names, in key order."""
-    buf = io.BytesIO()
-    p = _Pickler(buf)
-    p.dump(obj)
-    return buf.getvalue(), p.storages

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import rawio
-from mpitailor.formats.layout import ELEMENT
-from mpitailor.formats.meta import CheckpointMeta
+from mpitailor.formats.torch import rawio
+from mpitailor.formats.zero.layout import ELEMENT
+from mpitailor.formats.zero.meta import CheckpointMeta
 
 
 @dataclass(frozen=True, slots=True)

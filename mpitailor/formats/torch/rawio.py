@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from mpitailor.formats.fileio import read_into
-from mpitailor.formats.tensorref import Tensor
+from mpitailor.formats.io.fileio import read_into
+from mpitailor.formats.torch.tensorref import Tensor
 
 __all__ = ["copied", "materialize", "read_into", "read_slice"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.boundedio import (
+from mpitailor.formats.io.boundedio import (
     MAX_MANIFEST_BYTES,
     kind_of,
     open_regular,
@@ -24,7 +24,7 @@ from mpitailor.formats.boundedio import (
     shown,
     too_large,
 )
-from mpitailor.formats.crc import crc32
+from mpitailor.formats.io.crc import crc32
 
 SMALL = 64 << 10  # files up to this size travel in a listing whole (latest, JSON records)
 TAIL = 4 << 10    # of a larger file, the CRC of its last bytes (a zip's central directory,

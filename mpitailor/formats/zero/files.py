@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.boundedio import (
+from mpitailor.formats.io.boundedio import (
     MAX_MANIFEST_BYTES,
     MAX_RECORD_BYTES,
     TooLarge,
     loads,
     shown,
 )
-from mpitailor.formats.fsview import LOCAL
+from mpitailor.formats.io.fsview import LOCAL
 from mpitailor.formats.manifest import (
     MANIFEST,
     PARTIAL_FORMAT,

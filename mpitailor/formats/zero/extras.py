@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import CheckpointMeta
-from mpitailor.formats.boundedio import MAX_SIDE_FILE_BYTES, read_small
-from mpitailor.formats.files import LATEST, LATEST_UNIVERSAL, read_latest
+from mpitailor.formats.io.boundedio import MAX_SIDE_FILE_BYTES, read_small
 from mpitailor.formats.manifest import MANIFEST
-from mpitailor.formats.safeload import load
+from mpitailor.formats.torch.safeload import load
+from mpitailor.formats.zero.files import LATEST, LATEST_UNIVERSAL, read_latest
+from mpitailor.formats.zero.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.fileio import write_synced
-from mpitailor.formats.safetensors_header import header_prefix
+from mpitailor.formats.hf.safetensors_header import header_prefix
+from mpitailor.formats.io.fileio import write_synced
 
 # name -> (dtype name of dtypes.py, shape, the tensor's bytes, contiguous)
 Tensors = dict[str, tuple[str, tuple[int, ...], memoryview]]

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpitailor.formats import files as zfiles
-from mpitailor.formats.files import CheckpointFiles
-from mpitailor.formats.layout import Layout
+from mpitailor.formats.zero import files as zfiles
+from mpitailor.formats.zero.files import CheckpointFiles
+from mpitailor.formats.zero.layout import Layout
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default `sub_group_size`
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.boundedio import MAX_SAFETENSORS_HEADER, loads, open_regular, shown
-from mpitailor.formats.fileio import crc32_of
-from mpitailor.formats.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
-from mpitailor.formats.layout import ELEMENT, KINDS, Slot
+from mpitailor.formats.io.boundedio import MAX_SAFETENSORS_HEADER, loads, open_regular, shown
+from mpitailor.formats.io.fileio import crc32_of
 from mpitailor.formats.manifest import Manifest, brief
-from mpitailor.formats.meta import CheckpointMeta
-from mpitailor.formats.rawio import materialize
-from mpitailor.formats.safeload import load, require_regular
-from mpitailor.formats.shard_protocol import Shard
+from mpitailor.formats.torch.rawio import materialize
+from mpitailor.formats.torch.safeload import load, require_regular
+from mpitailor.formats.zero.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
+from mpitailor.formats.zero.layout import ELEMENT, KINDS, Slot
+from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero.shard_protocol import Shard
 
 
 @dataclass

@@ -4,7 +4,7 @@ fills a buffer from a byte range of a file.
 
 The engine's storage seam (engine/storage.py) moves byte ranges between files it holds open;
 this is its counterpart for files read or written whole, kept in the format layer so that the
-writers of formats/ (stwrite.py, ptzip.py) and everything above them share it. A file is
+writers of formats/ (hf/stwrite.py, torch/zip_write.py) and everything above them share it. A file is
 created here, never overwritten ("x"), and trusted only once fsynced; what is published is
 then renamed into place by publish/staging.py, which fsyncs the directory. Torch-free.
 """
@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from mpitailor.formats.crc import crc32
-from mpitailor.formats.filerecord import FileRecord
+from mpitailor.formats.io.crc import crc32
+from mpitailor.formats.io.filerecord import FileRecord
 
 FILE_CHUNK = 4 << 20  # bytes a whole-file read or copy holds at a time
 

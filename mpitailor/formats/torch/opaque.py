@@ -4,14 +4,14 @@ Every global a checkpoint names gets a stand-in class here, never the real thing
 own classes (its loss scaler, its ZeRO stage enum), torch's dtypes, and the ordinary objects
 training scripts put in DeepSpeed's `client_state` (an argparse `Namespace`, a numpy scalar, a
 dataclass). Building the real ones would mean importing their modules and running their code.
-The unpickler (torchpickle.py) builds stand-ins, which record the arguments and state the
+The unpickler (pickle_read.py) builds stand-ins, which record the arguments and state the
 pickle gave them, and the pickler here writes them back as the very same GLOBAL / REDUCE /
 NEWOBJ / BUILD instructions. So the output refers to the same classes with the same
 arguments, and DeepSpeed's `load_checkpoint` builds the objects from it exactly as it would
 from the source. What mpitailor reads of them: the fields of their state (`a.numel` of a
 `fragment_address`) and the value of an int enum (`int(zero_stage)`).
 
-Which globals may be carried: those of allow-lists (torchpickle.py, `--safe-globals`), and
+Which globals may be carried: those of allow-lists (pickle_read.py, `--safe-globals`), and
 otherwise only the training script's own classes (`__main__.Name`), and those only as plain
 instances: made by NEWOBJ and given a state by BUILD, as a dataclass pickles. A file that
 calls such a global (REDUCE: what a payload does to run code) is refused, so the output can
@@ -112,7 +112,7 @@ class Opaque(metaclass=_OpaqueMeta):
         return f"<opaque {type(self).global_name}>"
 
 
-_registered: dict[str, type] = {}  # stand-ins that do more than record (torchpickle.py)
+_registered: dict[str, type] = {}  # stand-ins that do more than record (rebuild.py)
 
 
 def register(cls: type) -> type:

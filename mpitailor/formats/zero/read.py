@@ -1,7 +1,7 @@
 """Read a checkpoint's `CheckpointMeta` (meta.py) from its rank-0 files, and check them.
 
 Apart from the record so that the record stays small: reading parses the files' pickles
-(torchpickle.py); big tensors are never touched.
+(formats/torch/pickle_read.py); big tensors are never touched.
 """
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from pathlib import Path
 
 from mpitailor.display import bounded
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import files as zfiles
-from mpitailor.formats.files import CheckpointFiles
-from mpitailor.formats.fsview import LOCAL
-from mpitailor.formats.layout import compute_layout
+from mpitailor.formats.io.fsview import LOCAL
 from mpitailor.formats.manifest import read_manifest
-from mpitailor.formats.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
-from mpitailor.formats.partial_shard import check_partial_claims
-from mpitailor.formats.rawio import materialize, read_slice
-from mpitailor.formats.safeload import load
-from mpitailor.formats.tensorref import Tensor
+from mpitailor.formats.torch.rawio import materialize, read_slice
+from mpitailor.formats.torch.safeload import load
+from mpitailor.formats.torch.tensorref import Tensor
+from mpitailor.formats.zero import files as zfiles
+from mpitailor.formats.zero.files import CheckpointFiles
+from mpitailor.formats.zero.layout import compute_layout
+from mpitailor.formats.zero.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
+from mpitailor.formats.zero.partial_shard import check_partial_claims
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _check_16bit_current(files: CheckpointFiles, model: dict, flat: list, layout
         module.get(s.name), Tensor) and module[s.name].numel() == s.numel]
     if path in _warned or not held:
         return
-    from mpitailor.formats.casts import cast
+    from mpitailor.formats.torch.casts import cast
     with open(files.optim_path(0), "rb") as f:
         for s in held[::max(1, len(held) // SAMPLED_PARAMS)]:
             at, first, n = layout.held(s, 0)
@@ -147,7 +147,8 @@ def _check_16bit_current(files: CheckpointFiles, model: dict, flat: list, layout
 def _same_or_nan(a, b, dtype: str) -> bool:
     """Equal bits, or both NaN (what torch.allclose(..., equal_nan=True) accepts)."""
     import numpy as np
-    from mpitailor.formats.casts import cast
+
+    from mpitailor.formats.torch.casts import cast
     fa, fb = (cast(x, dtype, "fp32") for x in (a, b))
     return bool(np.all((fa == fb) | (np.isnan(fa) & np.isnan(fb))))
 

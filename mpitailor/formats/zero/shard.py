@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import rawio
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.layout import ELEMENT, KINDS
-from mpitailor.formats.meta import CheckpointMeta
-from mpitailor.formats.partial_shard import open_partial_shard
-from mpitailor.formats.read import flat_mappings_agree
-from mpitailor.formats.safeload import load
-from mpitailor.formats.shard_protocol import Shard
-from mpitailor.formats.tensorref import Tensor
-from mpitailor.formats.verify import record_crcs, verify_records
+from mpitailor.formats.torch import rawio
+from mpitailor.formats.torch.safeload import load
+from mpitailor.formats.torch.tensorref import Tensor
+from mpitailor.formats.torch.verify import record_crcs, verify_records
+from mpitailor.formats.zero.layout import ELEMENT, KINDS
+from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero.partial_shard import open_partial_shard
+from mpitailor.formats.zero.read import flat_mappings_agree
+from mpitailor.formats.zero.shard_protocol import Shard
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """The manifest record of one file: its size and CRC-32, taken as it is written.
 
-A leaf of the house (imports only `mpitailor.formats.crc`), so that the format layer (`formats/`,
+A leaf of the house (imports only `mpitailor.formats.io.crc`), so that the format layer (`formats/`,
 `stwrite.py`) and the top layer (`commit.py`) can both record what they write without
 the format layer importing anything above it.
 """
 from __future__ import annotations
 
-from mpitailor.formats.crc import crc32
+from mpitailor.formats.io.crc import crc32
 
 
 class FileRecord:

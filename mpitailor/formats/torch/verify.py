@@ -11,15 +11,15 @@ import os
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats import ptzip
-from mpitailor.formats.crc import crc32
+from mpitailor.formats.io.crc import crc32
+from mpitailor.formats.torch import zip_read
 
 
 def record_crcs(path: Path, fd: int) -> dict[int, tuple[int, int]]:
     """Data offset -> (CRC-32, size) of every record of the zip archive open as `fd` (the
     file at `path`)."""
     with os.fdopen(os.dup(fd), "rb") as f:  # zipfile seeks; the shard's fd is read by pread
-        return {start: (crc, size) for start, size, crc in ptzip.read_records(f).values()}
+        return {start: (crc, size) for start, size, crc in zip_read.read_records(f).values()}
 
 
 def verify_records(path: Path, fd: int, offsets: set[int],

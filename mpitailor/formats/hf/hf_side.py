@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.boundedio import (
+from mpitailor.formats.io.boundedio import (
     MAX_CONFIG_BYTES,
     MAX_SIDE_FILE_BYTES,
     kind_of,
@@ -22,8 +22,8 @@ from mpitailor.formats.boundedio import (
     shown,
     too_large,
 )
-from mpitailor.formats.extras import MODEL_FILE, extras_dir
-from mpitailor.formats import CheckpointMeta
+from mpitailor.formats.zero.extras import MODEL_FILE, extras_dir
+from mpitailor.formats.zero.meta import CheckpointMeta
 
 log = logging.getLogger(__name__)
 

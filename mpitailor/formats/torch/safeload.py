@@ -1,6 +1,6 @@
 """Load DeepSpeed checkpoint files without ever unpickling arbitrary objects, or torch.
 
-The files are torch zips; their pickle is read by torchpickle.py, whose only way to a global
+The files are torch zips; their pickle is read by pickle_read.py, whose only way to a global
 is an allow-list: torch's tensor and storage records, a few small DeepSpeed classes (by
 name, as stand-ins, never imported), numpy's for HF's RNG states where asked. Model-states
 files may also hold the training script's own objects (client state): loaded with
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats import opaque, ptzip, torchpickle
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.tensorref import Storage, Tensor, view_problem
+from mpitailor.formats.torch import opaque, pickle_read, zip_read
+from mpitailor.formats.torch.tensorref import Storage, Tensor, view_problem
 
 _trusted: set[str] = set()  # names the user allowed with --safe-globals
 
@@ -65,13 +65,13 @@ def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed"
     """load(), and the full name of every global the file's pickle names."""
     path = Path(path)
     lists = (*allow, "client") if opaque_ok else allow
-    allowed = frozenset(n for name in lists for n in torchpickle.ALLOWED[name]) | _trusted
+    allowed = frozenset(n for name in lists for n in pickle_read.ALLOWED[name]) | _trusted
     require_regular(path)
     try:
         with open(path, "rb") as f:
-            records = ptzip.read_records(f)
-            data = ptzip.read_pickle(f, records)
-        archive = ptzip.archive_of(records)
+            records = zip_read.read_records(f)
+            data = zip_read.read_pickle(f, records)
+        archive = zip_read.archive_of(records)
 
         def storage(key: str, dtype: str, numel: int) -> Storage:
             name = f"{archive}/data/{key}"
@@ -89,7 +89,7 @@ def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed"
         collecting = gc.isenabled()
         gc.disable()
         try:
-            obj, names = torchpickle.unpickle(data, allowed=allowed, opaque_ok=opaque_ok,
+            obj, names = pickle_read.unpickle(data, allowed=allowed, opaque_ok=opaque_ok,
                                               storage=storage)
             _check_loaded(obj, path)
         finally:
@@ -98,7 +98,7 @@ def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed"
         return obj, names
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except torchpickle.Refused as e:
+    except pickle_read.Refused as e:
         raise CheckpointError(_refusal(path, e, opaque_ok)) from None
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError, ValueError,
             TypeError, KeyError, IndexError, AttributeError, RecursionError,
@@ -113,10 +113,10 @@ def carried_globals(path: Path | str) -> list[str]:
     """The globals a model-states file names beyond torch's own tensor machinery
     (DeepSpeed's classes, the training script's client state), sorted."""
     names = load_with_globals(path, opaque_ok=True)[1]
-    return sorted(names - torchpickle.TORCH_OWN)
+    return sorted(names - pickle_read.TORCH_OWN)
 
 
-def _refusal(path: Path, e: torchpickle.Refused, opaque_ok: bool) -> str:
+def _refusal(path: Path, e: pickle_read.Refused, opaque_ok: bool) -> str:
     if e.how == "calls":
         what = (f"it calls {e.name} (a class of your script is carried only as plain "
                 f"instances, as a dataclass pickles; a call could run code when DeepSpeed "
@@ -172,9 +172,9 @@ def _check_loaded(obj, path: Path) -> None:
     stack = [(obj, 1, False)]
     while stack:
         x, depth, done = stack.pop()
-        if id(x) in torchpickle.CALLS_ONLY_VALUES:
+        if id(x) in pickle_read.CALLS_ONLY_VALUES:
             raise CheckpointError(f"{path}: a pickle that keeps the global "
-                                  f"{torchpickle.CALLS_ONLY_VALUES[id(x)]} as a value (torch "
+                                  f"{pickle_read.CALLS_ONLY_VALUES[id(x)]} as a value (torch "
                                   f"files only call it); a damaged or crafted file")
         if isinstance(x, Tensor) and not done and id(x) not in size:
             problem = view_problem(x.storage, x.storage_offset, x.shape, x.stride)

@@ -2,7 +2,7 @@
 keep as tensors, scheduler states), where `==` on a tensor would not give one answer."""
 from __future__ import annotations
 
-from mpitailor.formats.tensorref import Tensor
+from mpitailor.formats.torch.tensorref import Tensor
 
 
 def same_values(a, b) -> bool:

@@ -1,7 +1,7 @@
 """Tensors as the merge side sees them: references to bytes, never torch tensors.
 
 A merge moves bytes; it never computes with a tensor. So a checkpoint's tensors are read
-(formats/torchpickle.py) as `Tensor`s: a `Storage` (dtype, element count, and where its
+(pickle_read.py) as `Tensor`s: a `Storage` (dtype, element count, and where its
 bytes are: a record of a file, bytes in memory, or nowhere yet, for a placeholder whose
 bytes the copy step writes) plus torch's view fields (storage offset, shape, stride,
 requires_grad). Written back, a `Tensor` pickles exactly as torch pickles a tensor with
@@ -13,12 +13,11 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections import OrderedDict
 from pathlib import Path
 
 from mpitailor.display import bounded
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.fileio import read_into
+from mpitailor.formats.io.fileio import read_into
 
 # numpy's name for the bits of each dtype; bf16 has no numpy type: its bits are uint16.
 _NUMPY = {"fp32": "<f4", "fp16": "<f2", "bf16": "<u2", "f64": "<f8", "i64": "<i8",
@@ -264,25 +263,6 @@ class Tensor(_ReadOnly):
     def _need_contiguous(self) -> None:
         if not self.is_contiguous():
             raise ValueError(f"a non-contiguous tensor ({self.shape}, stride {self.stride})")
-
-    # ---- written as torch writes a tensor --------------------------------------------
-    def torch_reduce(self):
-        """What torch's pickler writes for a tensor with these fields (torchpickle.py writes
-        it; any other pickler, e.g. mpi4py's, carries the object as it is)."""
-        from mpitailor.formats.torchpickle import (
-            REBUILD_FROM_TYPE,
-            REBUILD_TENSOR,
-            TENSOR_TYPE,
-            StorageRef,
-        )
-        # Fresh tuples and hooks dict, as torch's Tensor.__reduce_ex__ makes them: the
-        # pickle's memo then shares exactly what torch's would.
-        args = (StorageRef(self.storage), self.storage_offset, tuple([*self.shape]),
-                tuple([*self.stride]), self.requires_grad, OrderedDict())
-        args += (self.metadata,) if self.metadata else ()
-        if self.wrapper is None or (self.wrapper[0] is TENSOR_TYPE and not self.wrapper[1]):
-            return REBUILD_TENSOR, args
-        return REBUILD_FROM_TYPE, (REBUILD_TENSOR, self.wrapper[0], args, self.wrapper[1])
 
     def __repr__(self) -> str:
         return f"Tensor({self.dtype}, {list(self.shape)})"

@@ -19,7 +19,7 @@ from typing import Any
 
 from mpitailor.display import shown  # noqa: F401 - names in messages, escaped (re-exported)
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.fileio import FILE_CHUNK
+from mpitailor.formats.io.fileio import FILE_CHUNK
 
 # Limits, each far above what a real file of its kind holds, and far below what would hurt.
 # A manifest (partial save, merge, export): a record (~100 bytes) per file of the output
