@@ -23,6 +23,10 @@ mpitailor only `mpitailor.facade` (what training needs of the merge side, named 
 the public API, `formats/`, the base modules and itself; and torch.distributed is called
 only by the training comm (training/distcomm.py); nor is DeepSpeed's wrapper of it,
 deepspeed.comm, however either is spelled (`import torch as t; t.distributed`).
+
+Inside formats/ (issue 42) the families stand in FORMATS_ORDER, each importing only those
+before it, and the rest of the package reaches a family only through its face: the names its
+`__init__` lists in EXPORTS (formats/lazyface.py).
 """
 from __future__ import annotations
 
@@ -196,6 +200,56 @@ def torch_distributed_uses(tree: ast.Module, module: str, is_package: bool) -> l
     return [f"{module}:{line} {what}" for line, what in sorted(found)]
 
 
+# formats/ inside: its leaves, then the families, each importing only those before it.
+FORMATS_ORDER = ("lazyface", "dtypes", "io", "manifest", "torch", "zero", "hf")
+FAMILIES = ("io", "torch", "zero", "hf")  # the subpackages, each with a face
+
+
+def formats_part(module: str) -> str | None:
+    """The part of formats/ a module is in (None outside formats/, "" for its __init__)."""
+    parts = module.split(".")
+    if parts[:2] != ["mpitailor", "formats"]:
+        return None
+    return parts[2] if len(parts) > 2 else ""
+
+
+def face_exports(family: str) -> dict[str, str]:
+    """The EXPORTS of formats/<family>/__init__.py, read from its source."""
+    tree = ast.parse((PACKAGE / "formats" / family / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == [
+                "EXPORTS"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"formats/{family}/__init__.py has no EXPORTS")
+
+
+def formats_order(tree: ast.Module, module: str, is_package: bool) -> list[str]:
+    """`module imports name` for each import, inside formats/, of a part after its own."""
+    here = formats_part(module)
+    if not here:
+        return []
+    return [f"{module} ({here}) imports {name} ({formats_part(name)})"
+            for name in sorted(imported(tree, module, is_package))
+            if formats_part(name) and FORMATS_ORDER.index(formats_part(name))
+            > FORMATS_ORDER.index(here)]
+
+
+def past_a_face(tree: ast.Module, module: str, is_package: bool) -> list[str]:
+    """`module:line imports name` for each import of a formats/ family from outside it that
+    is not a name of its face."""
+    here = formats_part(module)
+    wrong = []
+    for line, name in sorted(imports(tree, module, is_package)):
+        family = formats_part(name)
+        if family not in FAMILIES or family == here or name == f"mpitailor.formats.{family}":
+            continue
+        rest = name.split(".")[3:]
+        if len(rest) != 1 or rest[0] not in face_exports(family):
+            wrong.append(f"{module}:{line} imports {name}: import from mpitailor.formats."
+                         f"{family} a name its EXPORTS lists")
+    return wrong
+
+
 def upward(tree: ast.Module, module: str, is_package: bool) -> list[str]:
     """`module (layer) imports name (layer)` for each import that points up the layers."""
     here = ORDER.index(layer(module))
@@ -214,7 +268,8 @@ def top_to_training(tree: ast.Module, module: str, is_package: bool) -> list[str
             if on_training_side(name) and not within(name, TOP_TO_TRAINING)]
 
 
-RULES = (upward, training_only_imports, facade_breaches, torch_distributed_uses, top_to_training)
+RULES = (upward, training_only_imports, facade_breaches, torch_distributed_uses, top_to_training,
+         formats_order, past_a_face)
 
 
 def violations(tree: ast.Module, module: str, is_package: bool = False) -> list[str]:
@@ -259,6 +314,12 @@ PLANTED = {  # one violation each, as #42's reviewer planted them; every one mus
                                               "from mpitailor.cli.main import main"),
     "the command line importing training": ("mpitailor.cli.tools",
                                             "from mpitailor.training.hf import LayerwiseTrainer"),
+    "past a family's face": ("mpitailor.jobs.merge",
+                             "from mpitailor.formats.zero.read import read_meta"),
+    "a name a face does not export": ("mpitailor.jobs.merge",
+                                      "from mpitailor.formats.zero import RankShard"),
+    "a family importing one after it": ("mpitailor.formats.torch.safeload",
+                                        "from mpitailor.formats.zero import read_meta"),
 }
 
 
@@ -271,6 +332,23 @@ def test_every_planted_violation_is_caught_and_the_clean_lines_pass():
              "import importlib\nimportlib.import_module('mpitailor.training.plot')")
     assert violations(ast.parse("\n".join(clean[:2])), "mpitailor.training.hf") == []
     assert violations(ast.parse(clean[2]), "mpitailor.cli.tools") == []
+
+
+def test_formats_families_import_only_those_before_them_and_others_only_their_faces():
+    wrong = []
+    for module, path in modules():
+        tree = ast.parse(path.read_text())
+        wrong += formats_order(tree, module, path.name == "__init__.py")
+        wrong += past_a_face(tree, module, path.name == "__init__.py")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_name_of_every_face_is_there():
+    for family in FAMILIES:
+        face = importlib.import_module(f"mpitailor.formats.{family}")
+        for name in face_exports(family):
+            assert getattr(face, name) is not None, (family, name)
+        assert sorted(dir(face)) == sorted(face_exports(family))
 
 
 def test_the_package_never_imports_the_repos_dev_tools():

@@ -8,6 +8,7 @@ make the checkout's own (editable) mpitailor importable there."""
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -26,10 +27,19 @@ def sh(cmd, **kwargs) -> subprocess.CompletedProcess:
 
 
 def build_and_install(root: Path) -> None:
-    """The wheel built into root/wheels, installed into a fresh venv, root/venv."""
-    wheels = root / "wheels"
+    """The wheel built into root/wheels, installed into a fresh venv, root/venv. Built from
+    a copy of the checkout's files (tracked, and new ones git does not ignore): setuptools
+    packs what an earlier build left in the checkout's build/ too, which would hide a module
+    that pyproject no longer ships."""
+    src, wheels = root / "src", root / "wheels"
+    files = sh(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO)
+    assert files.returncode == 0, files.stderr
+    for name in filter(None, files.stdout.split("\0")):
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
     r = sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-            "-w", wheels, REPO])
+            "-w", wheels, src])
     assert r.returncode == 0, r.stderr
     venv = root / "venv"
     assert sh([sys.executable, "-m", "venv", venv]).returncode == 0
@@ -79,6 +89,14 @@ def test_the_wheel_leaves_the_repos_dev_tools_out(installed):
     assert "mpitailor/slurm/train-script.sbatch" in names  # the docs' sbatch for scripts
     r = sh([venv / "bin" / "python", "-c", "import dev.tinytrain"], cwd=away, env=env)
     assert r.returncode != 0 and "No module named 'dev'" in r.stderr, r.stderr
+
+
+def test_the_wheel_holds_every_module_of_the_package(installed):
+    """pyproject lists the packages by name: a new subpackage left off would ship without its
+    modules and fail only when imported."""
+    names = set(zipfile.ZipFile(installed[4]).namelist())
+    modules = {str(p.relative_to(REPO)) for p in (REPO / "mpitailor").rglob("*.py")}
+    assert sorted(modules - names) == []
 
 
 def test_the_prologue_runs_from_the_installed_package(installed):

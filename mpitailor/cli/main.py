@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_logging(0, verbosity)
         check_path_lengths(args)
         if getattr(args, "safe_globals", None):
-            from mpitailor.formats.torch.safeload import trust
+            from mpitailor.formats.torch import trust
             trust([n.strip() for n in args.safe_globals.split(",") if n.strip()])
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush

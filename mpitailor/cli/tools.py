@@ -13,8 +13,7 @@ from mpitailor.errors import MpitailorError
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from mpitailor.cli.reports import format_table
-    from mpitailor.formats.zero.read import read_meta
-    from mpitailor.formats.zero.shard import open_all_shards
+    from mpitailor.formats.zero import open_all_shards, read_meta
     from mpitailor.jobs.inspect import composite_manifest, newer_saves, report
 
     meta = read_meta(args.checkpoint)

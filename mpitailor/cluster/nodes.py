@@ -19,9 +19,7 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io.boundedio import open_regular
-from mpitailor.formats.io.fileio import crc32_of
-from mpitailor.formats.io.fsview import LINK, LOCAL, Entry, UnionView, listing
+from mpitailor.formats.io import LINK, LOCAL, Entry, UnionView, crc32_of, listing, open_regular
 
 
 @dataclass(frozen=True, slots=True)

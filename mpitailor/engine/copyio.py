@@ -15,8 +15,8 @@ from mpitailor.engine.storage import (
     pread_into,
     write_out,
 )
-from mpitailor.formats.io.crc import crc32, crc32_combine
-from mpitailor.formats.zero.layout import ELEMENT
+from mpitailor.formats.io import crc32, crc32_combine
+from mpitailor.formats.zero import ELEMENT
 
 
 def join_crcs(ranges: Iterable[tuple[int, int, int]], crc: int = 0, pos: int = 0
@@ -71,7 +71,7 @@ class Copier:
         from dst_off on; return the CRC-32 continued over the bytes written. fill(first,
         into) puts the elements from `first` on into the float32 numpy array `into`, a
         chunk at a time."""
-        from mpitailor.formats.torch.casts import cast
+        from mpitailor.formats.torch import cast
         step = self.chunk // ELEMENT
         for a in range(lo, hi, step):
             n = min(hi - a, step)
@@ -94,7 +94,7 @@ class Copier:
         if dtype not in self.casts:
             import numpy as np
 
-            from mpitailor.formats.torch.tensorref import numpy_dtype
+            from mpitailor.formats.torch import numpy_dtype
             made = []
             for raw in self.raw:
                 f32 = np.frombuffer(raw, dtype=np.float32)

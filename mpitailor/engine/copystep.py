@@ -19,12 +19,8 @@ from mpitailor.engine.copyio import Copier, copy_unchanged, sync_close
 from mpitailor.engine.progress import Progress
 from mpitailor.engine.storage import CrcWriter, open_output, pread_exact
 from mpitailor.engine.weights_copy import Weights
-from mpitailor.formats.io.crc import crc32_combine, crc32_zeros
-from mpitailor.formats.zero.files import optim_file
-from mpitailor.formats.zero.layout import ELEMENT
-from mpitailor.formats.zero.meta import CheckpointMeta
-from mpitailor.formats.zero.shard import open_shard
-from mpitailor.formats.zero.shard_protocol import Shard
+from mpitailor.formats.io import crc32_combine, crc32_zeros
+from mpitailor.formats.zero import ELEMENT, CheckpointMeta, Shard, open_shard, optim_file
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 

@@ -45,12 +45,9 @@ from mpitailor.engine.progress import Progress
 from mpitailor.engine.storage import create_sized, fsync_close, pwrite_all, pwrite_synced
 from mpitailor.engine.weights_copy import Weights
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io.crc import crc32
-from mpitailor.formats.torch import zip_write
-from mpitailor.formats.torch.tensorref import Tensor
-from mpitailor.formats.zero.files import STAGE12_MODEL, model_file
-from mpitailor.formats.zero.layout import ELEMENT
-from mpitailor.formats.zero.shard_protocol import ShardStates
+from mpitailor.formats.io import crc32
+from mpitailor.formats.torch import Tensor, zip_write
+from mpitailor.formats.zero import ELEMENT, STAGE12_MODEL, ShardStates, model_file
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 from mpitailor.publish.staging import make_dirs_under

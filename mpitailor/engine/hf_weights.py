@@ -19,24 +19,23 @@ from mpitailor.engine.execute import write_weights
 from mpitailor.engine.weights_copy import Weights
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.dtypes import DTYPES, from_safetensors
-from mpitailor.formats.hf.hf_side import (  # noqa: F401 - has_config: the jobs' import point
+from mpitailor.formats.hf import (  # noqa: F401 - has_config: the jobs' import point
     NO_CONFIG_HINT,
     has_config,
     read_config,
+    read_header,
     side_files,
     warn_if_another_model,
 )
-from mpitailor.formats.hf.safetensors_header import read_header
-from mpitailor.formats.io.boundedio import (
+from mpitailor.formats.io import (
     MAX_INDEX_BYTES,
     MAX_SIDE_FILE_BYTES,
     read_json,
     read_small,
     shown,
+    write_synced,
 )
-from mpitailor.formats.io.fileio import write_synced
-from mpitailor.formats.zero.extras import weight_files
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero import CheckpointMeta, weight_files
 from mpitailor.planning.hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX,

@@ -15,13 +15,8 @@ import math
 from contextlib import ExitStack
 from types import SimpleNamespace
 
-from mpitailor.formats.torch.rawio import materialize
-from mpitailor.formats.torch.rebuild import Size
-from mpitailor.formats.torch.safeload import load
-from mpitailor.formats.torch.tensorref import Tensor, contiguous_stride
-from mpitailor.formats.zero.consolidate import full_tensor
-from mpitailor.formats.zero.layout import KINDS, Layout
-from mpitailor.formats.zero.shard import open_all_shards
+from mpitailor.formats.torch import Size, Tensor, contiguous_stride, load, materialize
+from mpitailor.formats.zero import KINDS, Layout, full_tensor, open_all_shards
 from mpitailor.planning.plan import MergePlan
 
 Placeholders = dict[tuple[str, int], Tensor]  # (kind, sub-group) -> placeholder
@@ -164,7 +159,7 @@ def _flat_module(plan: MergePlan, shards: dict):
 
 def _cast_down(fp32, dtype: str, shape: tuple[int, ...]) -> Tensor:
     """A new tensor of `shape`: the fp32 numpy array cast to dtype (torch's .to(dtype))."""
-    from mpitailor.formats.torch.casts import cast
+    from mpitailor.formats.torch import cast
     return Tensor.of_bytes(cast(fp32, "fp32", dtype).tobytes(), dtype, shape)
 
 
@@ -173,7 +168,7 @@ def _as(t: Tensor, dtype: str, shape: tuple[int, ...]) -> Tensor:
     (a view of it, as reshape of a contiguous tensor gives), else a new one."""
     if t.dtype == dtype:
         return Tensor(t.storage, t.storage_offset, shape, contiguous_stride(shape))
-    from mpitailor.formats.torch.casts import cast
+    from mpitailor.formats.torch import cast
     return Tensor.of_bytes(cast(t.raw(), t.dtype, dtype).tobytes(), dtype, shape)
 
 

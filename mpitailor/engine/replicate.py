@@ -23,11 +23,8 @@ from mpitailor.cluster.exchange import Request, exchange
 from mpitailor.cluster.nodes import Nodes, Placement
 from mpitailor.engine.storage import CrcWriter, close_all, create_sized, fsync_close
 from mpitailor.errors import CheckpointError, MergeFailed
-from mpitailor.formats.io.boundedio import open_regular
-from mpitailor.formats.io.crc import crc32
-from mpitailor.formats.io.fileio import copy_synced
-from mpitailor.formats.zero.files import partial_files
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.io import copy_synced, crc32, open_regular
+from mpitailor.formats.zero import CheckpointMeta, partial_files
 from mpitailor.publish.staging import make_dirs_under
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mpitailor.engine import writeback
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.crc import crc32
+from mpitailor.formats.io import crc32
 
 COPY_CHUNK = 512 << 10  # bytes per read/write, the copy engine's whole buffer: small enough
 # that what preadv brings in is still in the CPU's L2 cache when the CRC and pwrite read it

@@ -20,13 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.formats.io.fileio import write_synced
-from mpitailor.formats.torch.state_equal import same_values
-from mpitailor.formats.torch.tensorref import Tensor
-from mpitailor.formats.torch.zip_write import write_torch_file
-from mpitailor.formats.zero.files import LATEST_UNIVERSAL
-from mpitailor.formats.zero.meta import CheckpointMeta
-from mpitailor.formats.zero.shard import open_shard, without_flat_buffers
+from mpitailor.formats.io import write_synced
+from mpitailor.formats.torch import Tensor, same_values, write_torch_file
+from mpitailor.formats.zero import (
+    LATEST_UNIVERSAL,
+    CheckpointMeta,
+    open_shard,
+    without_flat_buffers,
+)
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.reshard import close_subgroups
 

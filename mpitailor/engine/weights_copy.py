@@ -14,10 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mpitailor.formats.zero.consolidate import read_range
-from mpitailor.formats.zero.layout import Slot
-from mpitailor.formats.zero.meta import CheckpointMeta
-from mpitailor.formats.zero.shard_protocol import Shard
+from mpitailor.formats.zero import CheckpointMeta, Shard, Slot, read_range
 from mpitailor.planning import program
 from mpitailor.planning.hf_layout import FileTensor, WeightsPlan, runs
 
@@ -96,7 +93,7 @@ def _reader(shards: Sequence[Shard], slot: Slot | None, name: str
 
 
 def _frozen_range(shards: Sequence[Shard], name: str, a: int, into) -> None:
-    from mpitailor.formats.torch.casts import cast
+    from mpitailor.formats.torch import cast
     b, pos = a + into.size, 0
     for s in shards:  # the fragments in rank order, padded at the end
         frag = s.model["frozen_param_fragments"][name]

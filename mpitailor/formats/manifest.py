@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.boundedio import MAX_MANIFEST_BYTES, loads, read_small, shown
+from mpitailor.formats.io import MAX_MANIFEST_BYTES, loads, read_small, shown
 from mpitailor.version import __version__
 
 MANIFEST = "mpitailor_manifest.json"          # of a merge or an export

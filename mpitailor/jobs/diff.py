@@ -22,19 +22,18 @@ import numpy as np
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dtypes import DTYPES, from_safetensors
-from mpitailor.formats.hf.safetensors_header import read_header
-from mpitailor.formats.io.boundedio import open_regular, shown
-from mpitailor.formats.torch import rawio
-from mpitailor.formats.torch.casts import cast
-from mpitailor.formats.torch.safeload import load
-from mpitailor.formats.torch.state_equal import same_values
-from mpitailor.formats.torch.tensorref import numpy_dtype
-from mpitailor.formats.zero.consolidate import frozen_tensor, read_range
-from mpitailor.formats.zero.extras import weight_files
-from mpitailor.formats.zero.layout import KINDS
-from mpitailor.formats.zero.meta import CheckpointMeta
-from mpitailor.formats.zero.read import read_meta
-from mpitailor.formats.zero.shard import open_all_shards
+from mpitailor.formats.hf import read_header
+from mpitailor.formats.io import open_regular, shown
+from mpitailor.formats.torch import cast, load, numpy_dtype, rawio, same_values
+from mpitailor.formats.zero import (
+    KINDS,
+    CheckpointMeta,
+    frozen_tensor,
+    open_all_shards,
+    read_meta,
+    read_range,
+    weight_files,
+)
 from mpitailor.jobs.torchsum import torch_sum
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 

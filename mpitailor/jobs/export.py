@@ -30,12 +30,10 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement
 from mpitailor.engine.hf_weights import export_hf, has_config, plan_sources
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.hf.hf_side import given_dir_files, read_config
-from mpitailor.formats.io.boundedio import shown
+from mpitailor.formats.hf import given_dir_files, read_config
+from mpitailor.formats.io import shown
 from mpitailor.formats.manifest import ExportFields, Manifest
-from mpitailor.formats.zero.extras import extras_dir
-from mpitailor.formats.zero.files import PARTIAL_MANIFEST, is_tag_dir, resolve
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero import PARTIAL_MANIFEST, CheckpointMeta, extras_dir, is_tag_dir, resolve
 from mpitailor.jobs.export_nodes import export_on_nodes
 from mpitailor.jobs.merge import MergeOptions, Planned, check_shard_size, plan_recipe, run_merge
 from mpitailor.jobs.recovery import recover_chain

@@ -22,7 +22,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, output_is_shared
 from mpitailor.engine.replicate import drop_gathered, gather_sources, replicate
 from mpitailor.formats.manifest import Manifest
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero import CheckpointMeta
 from mpitailor.planning.plan import MergePlan
 from mpitailor.publish.staging import Staging, commit_on_leaders, holding
 

@@ -5,9 +5,8 @@ import os
 from pathlib import Path
 
 from mpitailor.formats.manifest import MANIFEST, Manifest, read_manifest
-from mpitailor.formats.torch.safeload import carried_globals
-from mpitailor.formats.zero.layout import OPTIM_BYTES_PER_ELEMENT
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.torch import carried_globals
+from mpitailor.formats.zero import OPTIM_BYTES_PER_ELEMENT, CheckpointMeta
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
 

@@ -22,13 +22,18 @@ from mpitailor.engine.hf_weights import (
 from mpitailor.engine.replicate import carry_files, replicate
 from mpitailor.engine.universal import export_universal
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io.fileio import write_synced
+from mpitailor.formats.io import write_synced
 from mpitailor.formats.manifest import Manifest, MergeFields
-from mpitailor.formats.torch.safeload import trust
-from mpitailor.formats.zero.extras import Extras, extras_dir, read_extras
-from mpitailor.formats.zero.files import LATEST, resolve
-from mpitailor.formats.zero.meta import CheckpointMeta
-from mpitailor.formats.zero.read import read_meta
+from mpitailor.formats.torch import trust
+from mpitailor.formats.zero import (
+    LATEST,
+    CheckpointMeta,
+    Extras,
+    extras_dir,
+    read_extras,
+    read_meta,
+    resolve,
+)
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan, make_plan
 from mpitailor.planning.recipe import Recipe, load_recipe

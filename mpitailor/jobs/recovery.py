@@ -29,20 +29,19 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths, survey
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
-from mpitailor.formats.io.boundedio import TooLarge
-from mpitailor.formats.io.fsview import LOCAL
-from mpitailor.formats.zero.files import (
+from mpitailor.formats.io import LOCAL, TooLarge
+from mpitailor.formats.zero import (
     LATEST,
     MAX_TAG_BYTES,
     PARTIAL_MANIFEST,
     SAVE_RECORD,
     STAGE12_MODEL,
+    check_partial_rank,
     model_file,
+    open_shard,
     partial_files,
     read_latest,
 )
-from mpitailor.formats.zero.partial_shard import check_partial_rank
-from mpitailor.formats.zero.shard import open_shard
 from mpitailor.jobs.merge import Planned, plan_recipe
 from mpitailor.jobs.readable import (
     cannot_read,

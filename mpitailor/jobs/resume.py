@@ -23,7 +23,7 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, NothingToRecover
 from mpitailor.formats.manifest import MANIFEST, MergeFields, read_manifest
-from mpitailor.formats.zero.read import read_meta
+from mpitailor.formats.zero import read_meta
 from mpitailor.jobs.clean import clean
 from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.prune import RESUME_DIR

@@ -17,16 +17,16 @@ from pathlib import Path
 
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io.fsview import LOCAL
+from mpitailor.formats.io import LOCAL
 from mpitailor.formats.manifest import MANIFEST, read_manifest
-from mpitailor.formats.zero.files import (
+from mpitailor.formats.zero import (
     LATEST,
     PARTIAL_MANIFEST,
     SAVE_RECORD,
     Lineage,
+    read_meta,
     read_save_record,
 )
-from mpitailor.formats.zero.read import read_meta
 from mpitailor.jobs.readable import cannot_read, vanished
 from mpitailor.planning.recovery import Save
 from mpitailor.planning.retention import PRUNED_DIR

@@ -32,9 +32,8 @@ from pathlib import Path
 
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.boundedio import loads
-from mpitailor.formats.io.fsview import LOCAL
-from mpitailor.formats.zero.files import Lineage
+from mpitailor.formats.io import LOCAL, loads
+from mpitailor.formats.zero import Lineage
 from mpitailor.jobs.readable import cannot_read
 from mpitailor.planning.lineage import BadTombstone, CannotReadNow
 from mpitailor.planning.recovery import Pruned

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from mpitailor.errors import UserError
 from mpitailor.formats.dtypes import canonical
-from mpitailor.formats.zero.layout import OPTIM_BYTES_PER_ELEMENT
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero import OPTIM_BYTES_PER_ELEMENT, CheckpointMeta
 from mpitailor.planning.layers import (
     AUX_KEYS,
     OTHER,

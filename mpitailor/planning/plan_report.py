@@ -1,7 +1,7 @@
 """`--dry-run`: the plan in words and bytes (layer -> source; reads and writes per rank)."""
 from __future__ import annotations
 
-from mpitailor.formats.zero.layout import ELEMENT
+from mpitailor.formats.zero import ELEMENT
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 

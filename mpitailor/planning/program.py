@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpitailor.formats.zero.layout import ELEMENT, KINDS
+from mpitailor.formats.zero import ELEMENT, KINDS
 from mpitailor.planning.hf_layout import WeightsPlan
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.reshard import Piece, pieces_for

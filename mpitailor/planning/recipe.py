@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io.boundedio import TooLarge, read_small
+from mpitailor.formats.io import TooLarge, read_small
 from mpitailor.planning.layers import check_patterns
 
 MAX_RECIPE_BYTES = 4 << 20  # a recipe is a page of YAML; anything this big is the wrong file

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.display import escaped
-from mpitailor.formats.zero.files import LATEST, Lineage
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero import LATEST, CheckpointMeta, Lineage
 from mpitailor.planning.layers import (
     AUX_KEYS,
     OTHER,

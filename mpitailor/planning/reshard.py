@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpitailor.formats.zero.layout import Layout, compute_layout
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero import CheckpointMeta, Layout, compute_layout
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
 from mpitailor.errors import MergeFailed, UserError
-from mpitailor.formats.io.fileio import created, write_synced
+from mpitailor.formats.io import created, write_synced
 from mpitailor.formats.manifest import Manifest
 from mpitailor.publish import interrupt, leftovers
 from mpitailor.publish.leftovers import DISCARD, LOCK, OLD, STAGING, path_of

@@ -33,7 +33,7 @@ with dependencies(__name__):
 from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.facade import publish_file
-from mpitailor.formats.zero.files import LATEST, Lineage
+from mpitailor.formats.zero import LATEST, Lineage
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Decision, Policy
 

@@ -46,8 +46,7 @@ from mpitailor.facade import (
     layer_index,
     publish_file,
 )
-from mpitailor.formats.zero.files import PARTIAL_MANIFEST, SAVE_RECORD, Lineage, SaveRecord
-from mpitailor.formats.zero.layout import ELEMENT
+from mpitailor.formats.zero import ELEMENT, PARTIAL_MANIFEST, SAVE_RECORD, Lineage, SaveRecord
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.overlap import StepGuard
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take

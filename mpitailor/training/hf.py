@@ -36,7 +36,7 @@ with dependencies(__name__):
 from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index, publish_file
-from mpitailor.formats.zero.files import LATEST, PARTIAL_MANIFEST, hf_checkpoint_step
+from mpitailor.formats.zero import LATEST, PARTIAL_MANIFEST, hf_checkpoint_step
 from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.notice import make_visible
 from mpitailor.training.policies import Policy

@@ -32,14 +32,15 @@ with dependencies(__name__):
 from mpitailor import failpoints
 from mpitailor.facade import LayerClassifier
 from mpitailor.formats.manifest import PARTIAL_FORMAT, PartialFields
-from mpitailor.formats.zero.files import (
+from mpitailor.formats.zero import (
+    KINDS,
     STAGE12_MODEL,
     Lineage,
+    compute_layout,
     model_file,
     partial_files,
+    without_flat_buffers,
 )
-from mpitailor.formats.zero.layout import KINDS, compute_layout
-from mpitailor.formats.zero.shard import without_flat_buffers
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.overlap import StepGuard
 from mpitailor.training.snapshot import (

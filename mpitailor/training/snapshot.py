@@ -27,10 +27,10 @@ from mpitailor import failpoints
 from mpitailor.errors import MpitailorError, UserError
 from mpitailor.facade import Comm, parse_size, publishing
 from mpitailor.formats.dtypes import name_of
-from mpitailor.formats.hf.stwrite import write_safetensors
-from mpitailor.formats.io.fileio import write_synced
+from mpitailor.formats.hf import write_safetensors
+from mpitailor.formats.io import write_synced
 from mpitailor.formats.manifest import PARTIAL_FORMAT, Manifest, PartialFields
-from mpitailor.formats.zero.files import partial_files
+from mpitailor.formats.zero import partial_files
 
 
 class PartialSaveFailed(RuntimeError):

@@ -28,7 +28,7 @@ with dependencies(__name__):
 
 from mpitailor.facade import classify as default_classify
 from mpitailor.facade import sort_keys
-from mpitailor.formats.zero.layout import compute_layout
+from mpitailor.formats.zero import compute_layout
 from mpitailor.training.distcomm import sum_over_ranks
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.boundedio import (
+from mpitailor.formats.io import (
     MAX_CONFIG_BYTES,
     MAX_SIDE_FILE_BYTES,
     kind_of,
@@ -22,8 +22,7 @@ from mpitailor.formats.io.boundedio import (
     shown,
     too_large,
 )
-from mpitailor.formats.zero.extras import MODEL_FILE, extras_dir
-from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero import MODEL_FILE, CheckpointMeta, extras_dir
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.boundedio import MAX_SAFETENSORS_HEADER, loads, open_regular, shown
+from mpitailor.formats.io import MAX_SAFETENSORS_HEADER, loads, open_regular, shown
 
 
 def header_prefix(entries: Iterable[tuple[str, str, Sequence[int], int]],

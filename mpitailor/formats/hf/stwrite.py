@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.hf.safetensors_header import header_prefix
-from mpitailor.formats.io.fileio import write_synced
+from mpitailor.formats.io import write_synced
 
 # name -> (dtype name of dtypes.py, shape, the tensor's bytes, contiguous)
 Tensors = dict[str, tuple[str, tuple[int, ...], memoryview]]

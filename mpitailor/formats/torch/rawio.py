@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from mpitailor.formats.io.fileio import read_into
+from mpitailor.formats.io import read_into
 from mpitailor.formats.torch.tensorref import Tensor
 
 __all__ = ["copied", "materialize", "read_into", "read_slice"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mpitailor.display import bounded
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.io.fileio import read_into
+from mpitailor.formats.io import read_into
 
 # numpy's name for the bits of each dtype; bf16 has no numpy type: its bits are uint16.
 _NUMPY = {"fp32": "<f4", "fp16": "<f2", "bf16": "<u2", "f64": "<f8", "i64": "<i8",

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.crc import crc32
+from mpitailor.formats.io import crc32
 from mpitailor.formats.torch import zip_read
 
 

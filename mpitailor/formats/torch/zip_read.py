@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import zipfile
 
-from mpitailor.formats.io.crc import crc32
+from mpitailor.formats.io import crc32
 from mpitailor.formats.torch.zip_format import (
     CENTRAL,
     DOS_DIRECTORY,

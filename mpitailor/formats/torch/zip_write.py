@@ -15,8 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpitailor.formats.io.crc import crc32, crc32_combine
-from mpitailor.formats.io.fileio import created
+from mpitailor.formats.io import crc32, crc32_combine, created
 from mpitailor.formats.torch import pickle_write
 from mpitailor.formats.torch.tensorref import Storage
 from mpitailor.formats.torch.zip_format import (

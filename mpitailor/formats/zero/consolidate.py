@@ -42,7 +42,7 @@ def frozen_tensor(shards: Sequence[Shard], name: str, shape: tuple[int, ...]):
 
 def consolidate(meta: CheckpointMeta, kinds: Sequence[str] = KINDS) -> dict[str, dict]:
     """kind -> {name: whole float32 array}; frozen parameters appear under `fp32` only."""
-    from mpitailor.formats.torch.casts import cast
+    from mpitailor.formats.torch import cast
     with open_all_shards(meta) as shards:
         out: dict[str, dict] = {k: {} for k in kinds}
         for kind in kinds:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.boundedio import MAX_SIDE_FILE_BYTES, read_small
+from mpitailor.formats.io import MAX_SIDE_FILE_BYTES, read_small
 from mpitailor.formats.manifest import MANIFEST
-from mpitailor.formats.torch.safeload import load
+from mpitailor.formats.torch import load
 from mpitailor.formats.zero.files import LATEST, LATEST_UNIVERSAL, read_latest
 from mpitailor.formats.zero.meta import CheckpointMeta
 

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.boundedio import (
+from mpitailor.formats.io import (
+    LOCAL,
     MAX_MANIFEST_BYTES,
     MAX_RECORD_BYTES,
     TooLarge,
     loads,
     shown,
 )
-from mpitailor.formats.io.fsview import LOCAL
 from mpitailor.formats.manifest import (
     MANIFEST,
     PARTIAL_FORMAT,

@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io.boundedio import MAX_SAFETENSORS_HEADER, loads, open_regular, shown
-from mpitailor.formats.io.fileio import crc32_of
+from mpitailor.formats.io import MAX_SAFETENSORS_HEADER, crc32_of, loads, open_regular, shown
 from mpitailor.formats.manifest import Manifest, brief
-from mpitailor.formats.torch.rawio import materialize
-from mpitailor.formats.torch.safeload import load, require_regular
+from mpitailor.formats.torch import load, materialize, require_regular
 from mpitailor.formats.zero.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
 from mpitailor.formats.zero.layout import ELEMENT, KINDS, Slot
 from mpitailor.formats.zero.meta import CheckpointMeta

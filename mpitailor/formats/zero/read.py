@@ -10,11 +10,9 @@ from pathlib import Path
 
 from mpitailor.display import bounded
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io.fsview import LOCAL
+from mpitailor.formats.io import LOCAL
 from mpitailor.formats.manifest import read_manifest
-from mpitailor.formats.torch.rawio import materialize, read_slice
-from mpitailor.formats.torch.safeload import load
-from mpitailor.formats.torch.tensorref import Tensor
+from mpitailor.formats.torch import Tensor, load, materialize, read_slice
 from mpitailor.formats.zero import files as zfiles
 from mpitailor.formats.zero.files import CheckpointFiles
 from mpitailor.formats.zero.layout import compute_layout
@@ -126,7 +124,7 @@ def _check_16bit_current(files: CheckpointFiles, model: dict, flat: list, layout
         module.get(s.name), Tensor) and module[s.name].numel() == s.numel]
     if path in _warned or not held:
         return
-    from mpitailor.formats.torch.casts import cast
+    from mpitailor.formats.torch import cast
     with open(files.optim_path(0), "rb") as f:
         for s in held[::max(1, len(held) // SAMPLED_PARAMS)]:
             at, first, n = layout.held(s, 0)
@@ -148,7 +146,7 @@ def _same_or_nan(a, b, dtype: str) -> bool:
     """Equal bits, or both NaN (what torch.allclose(..., equal_nan=True) accepts)."""
     import numpy as np
 
-    from mpitailor.formats.torch.casts import cast
+    from mpitailor.formats.torch import cast
     fa, fb = (cast(x, dtype, "fp32") for x in (a, b))
     return bool(np.all((fa == fb) | (np.isnan(fa) & np.isnan(fb))))
 

@@ -16,10 +16,7 @@ from pathlib import Path
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.torch import rawio
-from mpitailor.formats.torch.safeload import load
-from mpitailor.formats.torch.tensorref import Tensor
-from mpitailor.formats.torch.verify import record_crcs, verify_records
+from mpitailor.formats.torch import Tensor, load, rawio, record_crcs, verify_records
 from mpitailor.formats.zero.layout import ELEMENT, KINDS
 from mpitailor.formats.zero.meta import CheckpointMeta
 from mpitailor.formats.zero.partial_shard import open_partial_shard
