@@ -113,20 +113,29 @@ is_recovery_of() {
     # a full save's files; in an HF checkpoint-N/, in the tag dir its `latest` names), as
     # read_meta finds it, but reading no rank files: on a node that holds only its own
     # ranks' files (node-local storage) read_meta would refuse the save.
+    # Exit 3: not a recovery of this save; any other failure is the check's own (mpitailor
+    # missing from $PY, the save's record unreadable), said rather than taken for a "no".
+    local rc=0
     "$PY" -c 'import json, sys
 from pathlib import Path
-from mpitailor.formats.files import PARTIAL_MANIFEST, read_latest, read_save_record
-m = json.load(open(sys.argv[1] + "/mpitailor_manifest.json"))
-base = m["sources"][m["base"]]
+from mpitailor.formats.zero import PARTIAL_MANIFEST, read_latest, read_save_record
+try:
+    m = json.load(open(sys.argv[1] + "/mpitailor_manifest.json"))
+    base = m["sources"][m["base"]]
+    made = (base["path"], m["world_size"], m["source_world_size"], base.get("save_id"))
+except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+    sys.exit(3)  # no manifest of a recovery there
 tag = save = Path(sys.argv[2])
 if not (save / PARTIAL_MANIFEST).is_file() and (save / "latest").is_file():
     tag = save / read_latest(save / "latest")
 lineage = read_save_record(tag, (tag / PARTIAL_MANIFEST).is_file())[0]
-world = int(sys.argv[3]) if sys.argv[3] else m["source_world_size"]
+world = int(sys.argv[3]) if sys.argv[3] else made[2]
 # (the manifest names the tag dir: in an HF or Accelerate checkpoint-N/, the one inside it)
-sys.exit(base["path"] not in (sys.argv[2], str(tag)) or m["world_size"] != world
-         or base.get("save_id") != (lineage.save_id if lineage else None))' "$1" "$2" "$WORLD" \
-        || return 1
+sys.exit(3 if made[0] not in (sys.argv[2], str(tag)) or made[1] != world
+         or made[3] != (lineage.save_id if lineage else None) else 0)' \
+        "$1" "$2" "$WORLD" || rc=$?
+    ((rc == 3)) && return 1
+    ((rc == 0)) || fail 1 "cannot tell whether $1 is a recovery of $2: the check exited $rc (see the error above)"
     ((NODES == 1)) && return 0
     srun --mpi=none -N "$NODES" -n "$NODES" --ntasks-per-node=1 \
         sh -c 'test -f "$1/mpitailor_manifest.json" && test -f "$1/latest"' sh "$1" 2>/dev/null

@@ -13,7 +13,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from merging import RECIPES, recipe_env, run_cli
 
 from mpitailor.cli.parser import build_parser
-from mpitailor.formats.hf.safetensors_header import read_header
+from mpitailor.formats.safetensors_header import read_header
 
 
 @pytest.mark.parametrize("dtype,ranks", [("fp32", 1), ("bf16", 2)])

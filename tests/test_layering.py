@@ -201,7 +201,8 @@ def torch_distributed_uses(tree: ast.Module, module: str, is_package: bool) -> l
 
 
 # formats/ inside: its leaves, then the families, each importing only those before it.
-FORMATS_ORDER = ("lazyface", "dtypes", "io", "manifest", "torch", "zero", "hf")
+FORMATS_ORDER = ("lazyface", "dtypes", "io", "manifest", "safetensors_header", "torch", "zero",
+                 "hf")
 FAMILIES = ("io", "torch", "zero", "hf")  # the subpackages, each with a face
 
 

@@ -23,7 +23,6 @@ from mpitailor.formats.hf import (  # noqa: F401 - has_config: the jobs' import 
     NO_CONFIG_HINT,
     has_config,
     read_config,
-    read_header,
     side_files,
     warn_if_another_model,
 )
@@ -35,6 +34,7 @@ from mpitailor.formats.io import (
     shown,
     write_synced,
 )
+from mpitailor.formats.safetensors_header import read_header
 from mpitailor.formats.zero import CheckpointMeta, weight_files
 from mpitailor.planning.hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,

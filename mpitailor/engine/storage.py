@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mpitailor.engine import writeback
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io import crc32
+from mpitailor.formats.io import crc32, read_exact
 
 COPY_CHUNK = 512 << 10  # bytes per read/write, the copy engine's whole buffer: small enough
 # that what preadv brings in is still in the CPU's L2 cache when the CRC and pwrite read it
@@ -42,14 +42,11 @@ def pread_into(fd: int, view: memoryview, offset: int, path: str, left: int) -> 
 
 def pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     """Exactly n bytes at offset (a short file is a truncated one)."""
-    data = os.pread(fd, n, offset)
-    while len(data) < n:
-        more = os.pread(fd, n - len(data), offset + len(data))
-        if not more:
-            raise CheckpointError(f"{path}: ends before byte {offset + n}; the file is "
-                                  f"truncated")
-        data += more
-    return data
+    try:
+        return read_exact(fd, n, offset)
+    except EOFError:
+        raise CheckpointError(f"{path}: ends before byte {offset + n}; the file is "
+                              f"truncated") from None
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:

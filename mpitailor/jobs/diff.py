@@ -22,8 +22,8 @@ import numpy as np
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dtypes import DTYPES, from_safetensors
-from mpitailor.formats.hf import read_header
 from mpitailor.formats.io import open_regular, shown
+from mpitailor.formats.safetensors_header import read_tensor_records
 from mpitailor.formats.torch import cast, load, numpy_dtype, rawio, same_values
 from mpitailor.formats.zero import (
     KINDS,
@@ -253,32 +253,17 @@ def _safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], tu
     """{name: (dtype, shape, (byte offset in the file, byte count))} of a safetensors file's
     tensors, in name order (safetensors' own), those of a dtype outside dtypes.py left out;
     CheckpointError naming the file where its header is not one."""
-    header = read_header(path, "a 16-bit weights file")
-    fd = open_regular(path, "a 16-bit weights file")
-    try:
-        data = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")  # where the tensors start
-        size = os.fstat(fd).st_size - data
-    finally:
-        os.close(fd)
     out = {}
-    try:
-        for name in sorted(header):
-            if name == "__metadata__":
-                continue
-            rec = header[name]
-            dtype, shape, (a, b) = from_safetensors(rec["dtype"]), tuple(rec["shape"]), \
-                rec["data_offsets"]
-            if not all(type(n) is int and n >= 0 for n in (*shape, a, b)) or \
-                    not a <= b <= size:
-                raise ValueError(f"tensor {name!r}: shape {rec['shape']}, bytes {a}-{b}")
-            if dtype is None:
-                continue
-            if b - a != math.prod(shape) * DTYPES[dtype].itemsize:
-                raise ValueError(f"tensor {name!r}: {b - a} bytes for {dtype} x {list(shape)}")
-            out[name] = (dtype, shape, (data + a, b - a))
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{shown(path)}: not a readable safetensors file ({e}); a 16-bit "
-                              f"weights file is damaged") from None
+    for name, (st_dtype, shape, at, n) in read_tensor_records(path, "a 16-bit weights file"
+                                                               ).items():
+        dtype = from_safetensors(st_dtype)
+        if dtype is None:
+            continue
+        if n != math.prod(shape) * DTYPES[dtype].itemsize:
+            raise CheckpointError(f"{shown(path)}: not a readable safetensors file (tensor "
+                                  f"{name!r}: {n} bytes for {dtype} x {list(shape)}); a 16-bit "
+                                  f"weights file is damaged")
+        out[name] = (dtype, shape, (at, n))
     return out
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.hf import header_prefix
+from mpitailor.formats.safetensors_header import header_prefix
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Hugging Face files: safetensors headers and files, and the config and tokenizer files an
-export carries.
+"""Hugging Face files: safetensors files written whole, and the config and tokenizer files
+an export carries (the safetensors header itself: formats/safetensors_header.py).
 
 The face (lazyface.py): what the rest of the package imports from here, by name."""
 from __future__ import annotations
@@ -9,7 +9,6 @@ from mpitailor.formats.lazyface import face
 EXPORTS = {
     "NO_CONFIG_HINT": "hf_side", "given_dir_files": "hf_side", "has_config": "hf_side",
     "read_config": "hf_side", "side_files": "hf_side", "warn_if_another_model": "hf_side",
-    "header_prefix": "safetensors_header", "read_header": "safetensors_header",
     "write_safetensors": "stwrite",
 }
 __all__ = sorted(EXPORTS)

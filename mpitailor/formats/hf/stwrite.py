@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.hf.safetensors_header import header_prefix
 from mpitailor.formats.io import write_synced
+from mpitailor.formats.safetensors_header import header_prefix
 
 # name -> (dtype name of dtypes.py, shape, the tensor's bytes, contiguous)
 Tensors = dict[str, tuple[str, tuple[int, ...], memoryview]]

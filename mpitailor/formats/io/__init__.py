@@ -14,8 +14,8 @@ EXPORTS = {
     "open_regular": "boundedio", "read_json": "boundedio", "read_small": "boundedio",
     "shown": "boundedio", "too_large": "boundedio",
     "crc32": "crc", "crc32_combine": "crc", "crc32_zeros": "crc",
-    "copy_synced": "fileio", "crc32_of": "fileio", "created": "fileio", "read_into": "fileio",
-    "write_synced": "fileio",
+    "FILE_CHUNK": "fileio", "copy_synced": "fileio", "crc32_of": "fileio", "created": "fileio",
+    "read_exact": "fileio", "read_into": "fileio", "write_synced": "fileio",
     "Entry": "fsview", "LINK": "fsview", "LOCAL": "fsview", "UnionView": "fsview",
     "listing": "fsview",
 }

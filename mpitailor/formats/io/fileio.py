@@ -1,6 +1,6 @@
 """Whole-file I/O: a new file written and fsynced with its manifest record, a file copied so,
 a whole file's CRC-32, one buffer size for every whole-file read, and the one loop that
-fills a buffer from a byte range of a file.
+fills a buffer from a byte range of a file (read_into; read_exact gives the bytes).
 
 The engine's storage seam (engine/storage.py) moves byte ranges between files it holds open;
 this is its counterpart for files read or written whole, kept in the format layer so that the
@@ -32,6 +32,13 @@ def read_into(fd: int, offset: int, out) -> None:
         if n <= 0:
             raise EOFError(f"file ends {len(view) - done} bytes early")
         done += n
+
+
+def read_exact(fd: int, n: int, offset: int) -> bytes:
+    """The n bytes at `offset` of file `fd`; EOFError if the file ends first."""
+    out = bytearray(n)
+    read_into(fd, offset, out)
+    return bytes(out)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io import crc32
+from mpitailor.formats.io import FILE_CHUNK, crc32, read_into
 from mpitailor.formats.torch import zip_read
 
 
@@ -31,13 +31,14 @@ def verify_records(path: Path, fd: int, offsets: set[int],
             raise CheckpointError(f"{path}: no zip record starts at byte {off}; the file "
                                   f"is damaged")
         want, size = crcs[off]
-        crc, done = 0, 0
-        while done < size:
-            chunk = os.pread(fd, min(16 << 20, size - done), off + done)
-            if not chunk:
-                break
-            crc = crc32(chunk, crc)
-            done += len(chunk)
-        if done != size or crc != want:
+        crc, buf = 0, memoryview(bytearray(max(1, min(size, FILE_CHUNK))))
+        try:
+            for done in range(0, size, len(buf)):
+                chunk = buf[:min(len(buf), size - done)]
+                read_into(fd, off + done, chunk)
+                crc = crc32(chunk, crc)
+        except EOFError:
+            crc = None  # the record runs past the end of the file
+        if crc != want:
             raise CheckpointError(f"{path}: the record at byte {off} fails its CRC-32 check; "
                                   f"the file is corrupt (re-copy it from the original save)")

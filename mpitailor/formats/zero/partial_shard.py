@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io import MAX_SAFETENSORS_HEADER, crc32_of, loads, open_regular, shown
+from mpitailor.formats.io import crc32_of, open_regular, shown
 from mpitailor.formats.manifest import Manifest, brief
+from mpitailor.formats.safetensors_header import parse_header, tensor_records
 from mpitailor.formats.torch import load, materialize, require_regular
 from mpitailor.formats.zero.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
 from mpitailor.formats.zero.layout import ELEMENT, KINDS, Slot
@@ -129,21 +130,15 @@ def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
 
 def _safetensors_records(path, fd: int) -> dict[str, tuple[int, int]]:
     """{record name: (byte offset in the file, byte count)} of an fp32 safetensors file."""
-    size = os.fstat(fd).st_size
     try:
-        n = int.from_bytes(os.pread(fd, 8, 0), "little")
-        if not 2 <= n <= min(size - 8, MAX_SAFETENSORS_HEADER):
-            raise ValueError(f"header length {n}")
-        header = loads(os.pread(fd, n, 8))  # nesting bounded: a ValueError
+        header, data_start = parse_header(fd)
         out = {}
-        for key, rec in header.items():
-            if key == "__metadata__":
-                continue
-            a, b = (int(x) for x in rec["data_offsets"])
-            if rec["dtype"] != "F32" or not 0 <= a <= b <= size - 8 - n:
-                raise ValueError(f"record {key!r}: {rec['dtype']} at {a}-{b}")
-            out[key] = (8 + n + a, b - a)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        for key, (dtype, _, at, n) in tensor_records(header, data_start,
+                                                      os.fstat(fd).st_size).items():
+            if dtype != "F32":
+                raise ValueError(f"record {key!r}: {dtype}")
+            out[key] = (at, n)
+    except (OSError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable fp32 safetensors file ({e}); the partial "
                               f"checkpoint is damaged") from None
     return out
