@@ -39,7 +39,7 @@ from mpitailor.jobs.merge import MergeOptions, Planned, check_shard_size, plan_r
 from mpitailor.jobs.recovery import recover_chain
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.recipe import Recipe, recipe_from
-from mpitailor.publish.staging import Staging, holding
+from mpitailor.publish.staging import commit_on_leaders, staged
 
 FORMATS = ("hf", "fp32", "universal")
 
@@ -174,10 +174,7 @@ def _export_weights(comm: Comm, planned: Planned, fmt: str, dtype: str | None,
     if place.node_local:  # no node holds every rank's files: made on one (export_nodes.py)
         written = export_on_nodes(comm, place, plan, sources, export, manifest)
         return ExportResult(plan.output, written, time.perf_counter() - t0)
-    staging = Staging(plan.output)
-    with holding(staging, comm.rank == 0):
-        root = comm.root_step(staging.acquire, None)
-        files = export(comm, base, sources, root)
-
-        written = comm.root_step(lambda: staging.commit(manifest(files)))
+    with staged(comm, plan.output, [0]) as staging:
+        files = export(comm, base, sources, staging.dir)
+        written = commit_on_leaders(comm, staging, [0], lambda: manifest(files))
     return ExportResult(plan.output, written, time.perf_counter() - t0)

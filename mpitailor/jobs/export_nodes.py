@@ -24,7 +24,7 @@ from mpitailor.engine.replicate import drop_gathered, gather_sources, replicate
 from mpitailor.formats.manifest import Manifest
 from mpitailor.formats.zero import CheckpointMeta
 from mpitailor.planning.plan import MergePlan
-from mpitailor.publish.staging import Staging, commit_on_leaders, holding
+from mpitailor.publish.staging import commit_on_leaders, staged
 
 SCRATCH = ".mpitailor-sources"  # under the staging dir, removed before it is published
 
@@ -44,10 +44,8 @@ def export_on_nodes(comm: Comm, place: Placement, plan: MergePlan,
     on_node = nodes.of_rank[comm.rank] == node
     local_out = not output_is_shared(comm, nodes, plan.output)
     leaders = nodes.leaders() if local_out else [0]
-    staging = Staging(plan.output)
-    root, scratch = staging.dir, staging.dir / SCRATCH
-    with holding(staging, comm.rank in leaders):
-        comm.step(lambda: staging.acquire(None) if comm.rank in leaders else None)
+    with staged(comm, plan.output, leaders) as staging:
+        root, scratch = staging.dir, staging.dir / SCRATCH
         gathered = gather_sources(comm, place, node, [base, *sources.values()], scratch)
         near = comm.split(0 if on_node else 1)
 

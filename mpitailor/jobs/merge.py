@@ -37,7 +37,7 @@ from mpitailor.formats.zero import (
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan, make_plan
 from mpitailor.planning.recipe import Recipe, load_recipe
-from mpitailor.publish.staging import Staging, commit_on_leaders, holding
+from mpitailor.publish.staging import Staging, commit_on_leaders, staged
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +133,9 @@ def _write_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResul
     # Who writes the files every node needs (latest, manifest, extras): each node's first
     # rank when every node keeps its own copy of the output, else rank 0.
     leaders = place.nodes.leaders() if out_nodes is not None else [0]
-    staging = Staging(plan.output)
     tag = plan.base_meta.files.tag
-    root = staging.dir
-    with holding(staging, comm.rank in leaders):
-        comm.step(lambda: staging.acquire(tag) if comm.rank in leaders else None)
+    with staged(comm, plan.output, leaders, tag) as staging:
+        root = staging.dir
         records, mine = write_partitions(comm, plan, root / tag, verify, progress, universal,
                                          place, out_nodes)
         # each rank's node by name: a benchmark or a user sums bytes per node from it
@@ -161,8 +159,8 @@ def _write_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResul
         files.update(carry_files(comm, place, root, extras.carried, extras.folder, beside,
                                  out_nodes is not None))
         if out_nodes is None:
-            written = comm.root_step(_finish, plan, staging, files, extras, recipe_text,
-                                     comm.size)
+            written = commit_on_leaders(comm, staging, leaders, lambda: _write_metadata(
+                plan, root, files, extras, recipe_text, comm.size))
         else:
             written = _finish_on_nodes(comm, plan, place, staging, files, extras, by_rank,
                                        leaders, recipe_text)
@@ -245,12 +243,6 @@ def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
     files.update(made)
     mine = {k: sum(m[k] for m in moved) for k in moved[0]}
     return comm.allgather(mine)
-
-
-def _finish(plan: MergePlan, staging: Staging, files: dict, extras: Extras,
-            recipe_text: str, ranks: int) -> int:
-    """Rank 0: the metadata files, then publish."""
-    return staging.commit(_write_metadata(plan, staging.dir, files, extras, recipe_text, ranks))
 
 
 def _write_metadata(plan: MergePlan, root: Path, files: dict, extras: Extras,

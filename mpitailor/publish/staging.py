@@ -20,7 +20,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mpitailor import failpoints
@@ -165,10 +165,25 @@ class Staging:
             time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def staged(comm: Comm, output: Path, leaders: list[int], tag: str | None = None
+           ) -> Iterator[Staging]:
+    """Collective: the one acquire -> write -> commit skeleton of what a job publishes (a
+    merge, an export, either with node-local output). The leaders (rank 0 alone, or each
+    node's first rank where every node keeps its own copy) take the output's lock and make
+    its staging dir (with an empty `tag` dir) in one guarded step; the block writes into
+    `.dir` and ends with commit_on_leaders; whatever it leaves unpublished is abandoned and
+    the lock released, published or not (holding)."""
+    staging = Staging(output)
+    with holding(staging, comm.rank in leaders):
+        comm.step(lambda: staging.acquire(tag) if comm.rank in leaders else None)
+        yield staging
+
+
 def commit_on_leaders(comm: Comm, staging: Staging, leaders: list[int],
                       manifest: Callable[[], Manifest]) -> int:
-    """Collective: Staging.commit where every node keeps its own copy of the output. Each
-    leader (one a node) builds and writes its node's manifest; only once every leader has
+    """Collective: Staging.commit on the leaders of `staged`. Each leader builds and writes
+    its manifest (a node's, where every node keeps its own copy); only once every leader has
     does each publish its copy, so that a node that failed to stage leaves no node with a
     published output. Returns the bytes the first leader's manifest records."""
     mine = comm.rank in leaders
