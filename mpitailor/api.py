@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import UserError
-from mpitailor.jobs.merge import MergeOptions, MergeResult, plan_merge, run_merge
-from mpitailor.jobs.recovery import plan_recover
+from mpitailor.jobs.merge import MergeOptions, MergeResult, plan_merge, plan_recipe, run_merge
+from mpitailor.jobs.recovery import recover_chain
 
 __all__ = ["MergeResult", "merge", "recover"]
 
@@ -45,8 +45,9 @@ def recover(save_dir: str | os.PathLike, output: str | os.PathLike, *,
     --layer-pattern; by default the patterns the saves recorded."""
     comm = comm or Comm.world()
     opts = _options(export, export_dtype, max_shard_size, verify, progress)
-    return run_merge(comm, plan_recover(comm, save_dir, output, layer_patterns, world_size),
-                     opts)
+    recipe, _, place = recover_chain(comm, save_dir, output, layer_patterns,
+                                     world_size=world_size)
+    return run_merge(comm, plan_recipe(comm, recipe, place), opts)
 
 
 def _options(export, export_dtype, max_shard_size, verify, progress) -> MergeOptions:

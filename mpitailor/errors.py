@@ -1,7 +1,9 @@
-"""The two kinds of failure mpitailor reports, and their exit codes.
+"""What mpitailor reports, and its exit codes.
 
 A `UserError` is something the user can fix (a recipe key, a missing file, checkpoints that
-disagree): one line, exit 2. A `MergeFailed` is a runtime failure (I/O, a rank died): exit 1.
+disagree): one line, exit 2; a `CheckpointError` is the kind about a checkpoint's files. A
+`MergeFailed` is a runtime failure (I/O, a rank died): exit 1. `NothingToRecover` is no
+failure: a save dir without a finished save (a first start), exit 3.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ class UserError(MpitailorError):
 
 
 class CheckpointError(UserError):
-    """A checkpoint that cannot be read as a DeepSpeed ZeRO-3 checkpoint."""
+    """A checkpoint whose files cannot be read as what they claim to be (a ZeRO save of any
+    stage, a partial save, a safetensors or torch file): the message names the file."""
 
 
 class NothingToRecover(MpitailorError):

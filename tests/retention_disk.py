@@ -24,7 +24,7 @@ import pytest
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import MpitailorError
 from mpitailor.jobs.readlocks import release
-from mpitailor.jobs.recovery import recover_recipe
+from mpitailor.jobs.recovery import recover_chain
 
 PRUNED = ".mpitailor-pruned"
 STRAY = ("file", "dir", "fifo")       # a merge manifest's name inside a save, as
@@ -35,7 +35,7 @@ def recipe_body(run: Path) -> str | None:
     """What `recover` takes from where (the recipe less its comment lines); None: it
     refuses."""
     try:
-        text = recover_recipe(Comm(), run, None).text
+        text = recover_chain(Comm(), run, None)[0].text
     except MpitailorError:
         return None
     finally:

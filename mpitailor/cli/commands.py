@@ -22,7 +22,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_recover(args: argparse.Namespace) -> int:
     from mpitailor.jobs.merge import plan_recipe
-    from mpitailor.jobs.recovery import recover_chain, recover_recipe, recovered
+    from mpitailor.jobs.recovery import recover_chain, recovered
 
     comm = args.comm
     save_dir = Path(args.save_dir).resolve()
@@ -39,7 +39,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
                                 f"'model\\.decoder\\.layers\\.(\\d+)\\..*=layers.{{i}}'")
             patterns[regex] = key
     if args.emit_recipe:
-        recipe = recover_recipe(comm, save_dir, out, patterns, "--layer-pattern")
+        recipe = recover_chain(comm, save_dir, out, patterns, "--layer-pattern")[0]
         if comm.rank == 0:
             print(recipe.text, end="", flush=True)
         return 0

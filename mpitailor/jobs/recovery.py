@@ -42,7 +42,6 @@ from mpitailor.formats.zero import (
     partial_files,
     read_latest,
 )
-from mpitailor.jobs.merge import Planned, plan_recipe
 from mpitailor.jobs.readable import (
     cannot_read,
     looked_at,
@@ -246,21 +245,15 @@ def _finder(place: Placement, save_dir: Path) -> int:
     return place.nodes.leader(max(counts, key=lambda n: (counts[n], -n)) if counts else 0)
 
 
-def recover_recipe(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike | None,
-                   layer_patterns: Mapping[str, str] | None = None,
-                   where: str = "layer_patterns", world_size: int | None = None) -> Recipe:
-    """Collective: the recipe `recover` merges (the saves checked, the chain chosen);
-    `where` names the patterns' origin in errors."""
-    return recover_chain(comm, save_dir, output, layer_patterns, where, world_size)[0]
-
-
 def recover_chain(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike | None,
                   layer_patterns: Mapping[str, str] | None = None,
                   where: str = "layer_patterns",
                   world_size: int | None = None) -> tuple[Recipe, Chain, Placement]:
-    """Collective: recover_recipe's recipe, the chain of saves it was made from (what the
-    command line reports: the saves used and those skipped), and where the save dir's files
-    lie (for plan_recipe: surveyed once)."""
+    """Collective: what `recover` merges: the recipe (the saves checked, the chain chosen;
+    `where` names the patterns' origin in errors), the chain of saves it was made from (what
+    the command line reports: the saves used and those skipped), and where the save dir's
+    files lie (for plan_recipe: surveyed once). The one entry of a recovery; plan_recovery
+    (the chain alone) and survey_saves (every save found, for prune) lie under it."""
     if layer_patterns:
         check_patterns(dict(layer_patterns), where=where)
     save_dir = Path(save_dir).resolve()
@@ -271,15 +264,6 @@ def recover_chain(comm: Comm, save_dir: str | os.PathLike, output: str | os.Path
     if not place.node_local:  # held until the process ends, or it recovers again
         comm.root_step(hold_sources, [path for _, path in recipe.sources])
     return recipe, chain, place
-
-
-def plan_recover(comm: Comm, save_dir: str | os.PathLike, output: str | os.PathLike,
-                 layer_patterns: Mapping[str, str] | None = None,
-                 world_size: int | None = None,
-                 where: str = "layer_patterns") -> Planned:
-    """Collective: the recipe and plan of `recover`."""
-    recipe, _, place = recover_chain(comm, save_dir, output, layer_patterns, where, world_size)
-    return plan_recipe(comm, recipe, place)
 
 
 def recovered(plan: MergePlan, chain: Chain) -> str:

@@ -10,7 +10,7 @@ pipelined snapshot, FAST'21).
 The hook is a step pre-hook of the torch optimizer inside DeepSpeed's ZeRO optimizer
 (`engine.optimizer.optimizer`): DeepSpeed's engine, the HF Trainer and Accelerate all reach
 the weights through it. Where there is none (another optimizer wrapper), the snapshot is
-copied while training waits, as before, and the checkpointer says so once.
+copied while training waits, and the checkpointer says so once.
 """
 from __future__ import annotations
 

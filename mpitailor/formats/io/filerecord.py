@@ -1,8 +1,7 @@
 """The manifest record of one file: its size and CRC-32, taken as it is written.
 
-A leaf of the house (imports only `mpitailor.formats.io.crc`), so that the format layer (`formats/`,
-`stwrite.py`) and the top layer (`commit.py`) can both record what they write without
-the format layer importing anything above it.
+The whole-file writers of fileio.py (write_synced, copy_synced) take it as they write; a leaf
+of formats/io/ (it imports only crc.py).
 """
 from __future__ import annotations
 

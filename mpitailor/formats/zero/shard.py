@@ -174,7 +174,7 @@ def _adam_state(optim: dict, flat: bool) -> bool:
 
 
 def _torch_name(dtype: str) -> str:
-    """torch's spelling of a dtype, as messages have always named it ("torch.bfloat16")."""
+    """torch's spelling of a dtype, which messages name ("torch.bfloat16")."""
     return f"torch.{DTYPES[dtype].torch}"
 
 
