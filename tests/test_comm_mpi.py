@@ -16,9 +16,23 @@ def test_one_rank_failure_raises_on_every_rank():
             raise CheckpointError("bad.pt: truncated")
         return comm.rank
 
-    with pytest.raises(UserError, match=r"^bad.pt: truncated \(on rank 1\)$"):
-        comm.step(work)
+    with pytest.raises(CheckpointError, match=r"^bad.pt: truncated \(on rank 1\)$"):
+        comm.step(work)  # its class on every rank, not only its exit code's (UserError)
     assert comm.step(lambda: comm.rank * 10) == comm.rank * 10
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_error_class_defined_elsewhere_keeps_its_type_on_every_rank():
+    from mpitailor.formats.io import TooLarge
+    comm = Comm.world()
+
+    def work():
+        if comm.rank == comm.size - 1:
+            raise TooLarge("big.json: 2 GB")
+    with pytest.raises(TooLarge, match="big.json: 2 GB"):
+        comm.step(work)
+    with pytest.raises(TooLarge):
+        comm.root_step(lambda: (_ for _ in ()).throw(TooLarge("root's")))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -215,20 +215,39 @@ def check_not_singleton(mpi_size: int, env) -> None:
 
 
 def _describe(e: Exception) -> tuple[str, str, int]:
+    """(kind, message, exit code) of a rank's failure, as it travels to the others: kind names
+    the class of an mpitailor error (module.name), so that every rank raises the same one."""
     if isinstance(e, MpitailorError):
-        return (type(e).__name__, str(e), e.exit_code)
-    return ("MergeFailed", f"{type(e).__name__}: {e}".split("\n")[0], 1)
+        return (_kind(type(e)), str(e), e.exit_code)
+    return (_kind(MergeFailed), f"{type(e).__name__}: {e}".split("\n")[0], 1)
+
+
+def _kind(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _error_class(kind: str, code: int) -> type[MpitailorError]:
+    """The class a failure's kind names (a subclass of MpitailorError defined on this rank
+    too, as the same program runs on every rank); else the base class of its exit code."""
+    stack: list[type[MpitailorError]] = [MpitailorError]
+    while stack:
+        cls = stack.pop()
+        if _kind(cls) == kind and cls.exit_code == code:
+            return cls
+        stack.extend(cls.__subclasses__())
+    return _BY_EXIT_CODE.get(code, MergeFailed)
 
 
 def _raise_all(failures: list) -> None:
     """Raise, on this rank, the error of every failed rank (as DCP's `_DistWrapper` keeps
     every rank's failure): ranks that failed alike share one clause, the first failed rank's
-    kind of error sets the exit code, `.failures` keeps {rank: message}, and `.raised_on`
-    the size of the world whose every rank raises it."""
+    kind of error is the one raised (its class, so that `except CheckpointError` holds on
+    every rank), `.failures` keeps {rank: message}, and `.raised_on` the size of the world
+    whose every rank raises it."""
     failed = [(r, f) for r, f in enumerate(failures) if f is not None]
     if not failed:
         return
-    code = failed[0][1][2]
+    kind, _, code = failed[0][1]
     alike: dict[str, list[int]] = {}
     for rank, (_, message, _) in failed:
         alike.setdefault(message, []).append(rank)
@@ -240,7 +259,7 @@ def _raise_all(failures: list) -> None:
                             for m, ranks in alike.items())
     else:
         message = failed[0][1][1]
-    error = _BY_EXIT_CODE.get(code, MergeFailed)(message)
+    error = _error_class(kind, code)(message)
     error.failures = {rank: f[1] for rank, f in failed}
     error.raised_on = len(failures)  # every rank of a world this size raises this same error
     raise error
