@@ -18,7 +18,7 @@ Each name says what training needs, not where it lives:
 - `discard_dir`: what a killed save left at a path, renamed aside and removed.
 - `keep_last_saves`: retention after a save (`prune --keep-last`).
 - `recover_in_job`, `reshard_in_job` (a `ResumePoint` each), `RESUME_DIR`: the in-job
-  resume, planned and written on the training ranks (jobs/resume.py).
+  resume, planned and written on the training ranks (jobs/in_job_resume.py).
 
 Collective where a function takes a `comm`: call it on every rank of that comm.
 """
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
+from mpitailor.jobs.in_job_resume import ResumePoint, recover_in_job, reshard_in_job
 from mpitailor.jobs.prune import RESUME_DIR, prune
-from mpitailor.jobs.resume import ResumePoint, recover_in_job, reshard_in_job
 from mpitailor.planning.hf_layout import parse_size
 from mpitailor.planning.layers import LayerClassifier, classify, layer_index, sort_keys
 from mpitailor.publish.leftovers import DISCARD, discard, path_of

@@ -1,7 +1,7 @@
 """Random timelines for retention's property: after any prune, recovery is what it was before
 (the same base save, the same source for every layer), or prune refused and removed nothing.
 
-In memory, on the planning layer's own records (planning/recovery.py's Save, Pruned;
+In memory, on the planning layer's own records (planning/chain.py's Save, Pruned;
 planning/retention.py; planning/lineage.py), so that thousands of timelines run in seconds:
 tests/test_retention_safety.py runs a few thousand, bench/retention_fuzz.py as many as asked.
 What jobs/ adds around the planner is done here as jobs/ does it, from the same functions:
@@ -28,8 +28,8 @@ from pathlib import Path
 
 from mpitailor.errors import MpitailorError
 from mpitailor.formats.zero.files import Lineage
+from mpitailor.planning.chain import Chain, Pruned, Save, choose
 from mpitailor.planning.lineage import BadTombstone, CannotReadNow, vet
-from mpitailor.planning.recovery import Chain, Pruned, Save, choose
 from mpitailor.planning.retention import PRUNED_DIR, plan_retention
 
 ROOT = Path("/saves")
@@ -213,7 +213,7 @@ def recover_pure(d: SaveDir) -> tuple:
 
 def choose_pure(d: SaveDir, prune: bool = False) -> Chain | None:
     """As jobs/recovery.py chooses: the record checked against the tombstone dir, the
-    tombstones vetted, then planning/recovery.py's choice. MpitailorError if it refuses
+    tombstones vetted, then planning/chain.py's choice. MpitailorError if it refuses
     (prune: also while `latest` cannot be read; recover then starts from the newest full
     save, with a warning)."""
     if d.listed and not d.dir_ok:

@@ -22,7 +22,7 @@ from retention_timelines import Files, Meta
 
 from dev.tinytrain import launch
 from mpitailor.formats.zero.files import Lineage
-from mpitailor.planning.recovery import Pruned, Save, choose, follow
+from mpitailor.planning.chain import Pruned, Save, choose, follow
 from mpitailor.planning.retention import Composite, plan_retention
 
 AUX = frozenset({"embed", "norm", "lm_head"})

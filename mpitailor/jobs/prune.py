@@ -57,7 +57,7 @@ from mpitailor.publish.leftovers import (
 )
 
 log = logging.getLogger(__name__)
-RESUME_DIR = ".mpitailor-resume"  # where the in-job resume writes composites (jobs/resume.py)
+RESUME_DIR = ".mpitailor-resume"  # where the in-job resume writes composites (jobs/in_job_resume.py)
 COMPOSITE_PREFIX = "recovered-"
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement
 from mpitailor.errors import MpitailorError
+from mpitailor.planning.chain import Chain, Save, follow
 from mpitailor.planning.lineage import CannotReadNow
-from mpitailor.planning.recovery import Chain, Save, follow
 
 # errnos that say "not there", which a save's own record can prove incomplete
 ABSENT = (errno.ENOENT, errno.ENOTDIR)

@@ -51,11 +51,11 @@ from mpitailor.jobs.readable import (
 from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.jobs.saves import find_saves, hf_unfinished
 from mpitailor.jobs.tombstones import read_tombstones
+from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe
 from mpitailor.planning.layers import LayerClassifier, check_patterns
 from mpitailor.planning.lineage import CannotReadNow, vet
 from mpitailor.planning.plan import MergePlan
 from mpitailor.planning.recipe import Recipe
-from mpitailor.planning.recovery import Chain, Save, choose, recovery_recipe
 from mpitailor.planning.retention import PRUNED_DIR
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
 
 def _timeline_to_recover(save_dir: Path, saves: list[Save], view=LOCAL,
                          strict: bool = False) -> Chain:
-    """The timeline to recover (planning/recovery.py's choice), or why there is none. Only
+    """The timeline to recover (planning/chain.py's choice), or why there is none. Only
     the tombstones a save builds on are stepped across (planning/lineage.py's `vet`).
     strict: prune's reading of `latest` (_latest)."""
     found = read_tombstones(save_dir, view)

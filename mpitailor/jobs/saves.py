@@ -1,5 +1,5 @@
 """Which entries of a save dir are saves: found by their files (rank-0 metadata only), each
-a `Save` (planning/recovery.py), usable or not; jobs/recovery.py checks and chooses them.
+a `Save` (planning/chain.py), usable or not; jobs/recovery.py checks and chooses them.
 
 Nothing that might be a save is passed over on a guess. A dir that cannot be listed or
 looked at now is a save that cannot be read now (`unreadable`: retention keeps it, and
@@ -28,7 +28,7 @@ from mpitailor.formats.zero import (
     read_save_record,
 )
 from mpitailor.jobs.readable import cannot_read, vanished
-from mpitailor.planning.recovery import Save
+from mpitailor.planning.chain import Save
 from mpitailor.planning.retention import PRUNED_DIR
 
 SAVE_NAMES = ("global_step", "checkpoint-")

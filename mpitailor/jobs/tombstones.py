@@ -35,8 +35,8 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.io import LOCAL, loads
 from mpitailor.formats.zero import Lineage
 from mpitailor.jobs.readable import cannot_read
+from mpitailor.planning.chain import Pruned
 from mpitailor.planning.lineage import BadTombstone, CannotReadNow
-from mpitailor.planning.recovery import Pruned
 from mpitailor.planning.retention import PRUNED_DIR, valid_id
 from mpitailor.publish.staging import write_replacing
 

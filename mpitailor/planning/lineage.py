@@ -1,7 +1,7 @@
 """Which tombstones a timeline may step across, checked against the saves, with no I/O.
 
 A tombstone (`Pruned`) stands for a deleted save; recovery follows it to reach the saves
-built on it (planning/recovery.py's `follow`). Its file is written by prune, but whoever can
+built on it (planning/chain.py's `follow`). Its file is written by prune, but whoever can
 write the save dir can write one too, so it is trusted only as far as the saves agree:
 
 - It counts only when a save's lineage passes through it: a save names it as its parent, or
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, MpitailorError
-from mpitailor.planning.recovery import Pruned, Save
+from mpitailor.planning.chain import Pruned, Save
 
 
 class CannotReadNow(MpitailorError):

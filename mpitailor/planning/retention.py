@@ -11,7 +11,7 @@ at least as new as the oldest of them. The rest goes: saves of older chains, aba
 timelines, incomplete saves older than the newest usable one, and partial saves of the
 timeline whose every layer a newer one holds again.
 
-A save of the timeline that goes leaves a tombstone (planning/recovery.py's `Pruned`), so
+A save of the timeline that goes leaves a tombstone (planning/chain.py's `Pruned`), so
 that recovery steps across it; a tombstone no remaining save builds on goes too, and one
 that is not a tombstone (planning/lineage.py: damaged, unreadable) stays.
 
@@ -38,8 +38,8 @@ from pathlib import Path
 
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, MpitailorError
+from mpitailor.planning.chain import Chain, Pruned, Save, choose
 from mpitailor.planning.lineage import BadTombstone, vet
-from mpitailor.planning.recovery import Chain, Pruned, Save, choose
 
 PRUNED_DIR = ".mpitailor-pruned"  # in the save dir: one tombstone per pruned save, by id
 _HEX = re.compile(r"[0-9a-f]{8,64}")

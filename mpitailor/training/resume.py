@@ -5,7 +5,7 @@ composite checkpoint together, as `mpiexec python -m mpitailor recover` would, i
 dir under the save dir (`.mpitailor-resume/`), where later recoveries do not mistake it for
 a save. The composite is written for the world size of the job that resumes (a job requeued
 on another number of GPUs resumes as it is); a composite of the same newest save at the same
-world size is reused. The work is the merge side's (jobs/resume.py, through
+world size is reused. The work is the merge side's (jobs/in_job_resume.py, through
 mpitailor/facade.py); this module runs it on the training ranks and says, on rank 0, what
 the job resumes from.
 """

@@ -28,8 +28,8 @@ from mpitailor.jobs.clean import clean
 from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.prune import RESUME_DIR
 from mpitailor.jobs.recovery import find_saves, plan_recovery
+from mpitailor.planning.chain import Chain, recovery_recipe
 from mpitailor.planning.recipe import recipe_from
-from mpitailor.planning.recovery import Chain, recovery_recipe
 from mpitailor.publish.leftovers import DISCARD, discard, path_of
 
 
