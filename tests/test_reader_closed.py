@@ -327,6 +327,29 @@ def test_two_records_of_one_name_are_refused(tmp_path, twice):
     refused(path, "two records named")
 
 
+@pytest.mark.parametrize("other", ["archive/DATA.PKL", "archive/DATA/0", "archive/BYTEORDER"])
+def test_records_whose_names_differ_only_in_case_are_refused(tmp_path, other):
+    """Attack 03/09 (helper, 2026-11-28): torch's miniz finds a record ignoring case, so a
+    second `DATA.PKL` (a payload), `DATA/0` (other tensor bytes) or `BYTEORDER` (big: torch
+    swaps bytes) was what torch read while mpitailor read the real one and passed it on."""
+    recs = list(records(saved({"w": torch.ones(4)})).items())
+    real = dict(recs)[other.lower()]
+    path = rezip(recs + [(other, b"big" if other.endswith("BYTEORDER") else bytes(len(real)))],
+                 tmp_path / "x.pt")
+    refused(path, "differ only in case")
+
+
+def test_a_record_name_with_a_nul_is_refused(tmp_path):
+    """Attack 03 (NUL variant): zipfile ends a name at its first NUL and torch does not, so
+    `data.pkl\\0` was mpitailor's data.pkl and `DATA.PKL` torch's, every time."""
+    recs = list(records(saved({"w": torch.ones(4)})).items())
+    path = rezip(recs, tmp_path / "x.pt")
+    raw = path.read_bytes()
+    at = raw.rindex(b"archive/byteorder")  # its central directory entry: the name's last byte
+    path.write_bytes(raw[:at + len(b"archive/byteorde")] + b"\0" + raw[at + len(b"archive/byteorder"):])
+    refused(path, "NUL")
+
+
 def test_overlapping_records_are_refused(tmp_path):
     """Record 1's central-directory entry pointed at record 0's local header (names of one
     length): one storage's bytes would be another's."""

@@ -22,10 +22,11 @@ from mpitailor.formats.torch.zip_format import (
 def read_records(f) -> dict[str, tuple[int, int, int]]:
     """{full record name: (data offset, size, CRC-32)} of the torch zip open as binary file
     f; zipfile.BadZipFile for a file that is not one, whose records lie past its end, share
-    a name (torch reads the first, zipfile the last) or overlap (one record's bytes would
-    be another's)."""
+    a name (torch reads the first, zipfile the last), have names that differ only in case
+    (torch's miniz finds a name ignoring case: it may read the other) or overlap (one
+    record's bytes would be another's)."""
     size = os.fstat(f.fileno()).st_size
-    out, spans = {}, []
+    out, spans, folded = {}, [], {}
     try:
         z = zipfile.ZipFile(f)
     except NotImplementedError as e:  # a "version needed" zipfile does not know
@@ -46,6 +47,11 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
         for info in z.infolist():
             if info.filename in out:
                 raise zipfile.BadZipFile(f"two records named {info.filename}")
+            other = folded.setdefault(info.filename.encode().lower(), info.filename)
+            if other != info.filename:
+                raise zipfile.BadZipFile(f"records {other!r:.80} and {info.filename!r:.80}: "
+                                         f"names that differ only in case (torch finds a "
+                                         f"record ignoring case)")
             if info.compress_type != zipfile.ZIP_STORED:
                 raise zipfile.BadZipFile(f"record {info.filename} is compressed")
             if info.compress_size != info.file_size:  # miniz refuses a stored record so
@@ -86,6 +92,10 @@ def _check_central_directory(f, start: int, length: int, count: int, size: int) 
             raise zipfile.BadZipFile("a central directory header out of place")
         fields = CENTRAL.unpack_from(data, at)
         name_len, extra_len, comment_len, disk, _, attributes = fields[10:16]
+        if b"\0" in data[at + CENTRAL.size:at + CENTRAL.size + name_len]:
+            # zipfile ends a name at its first NUL, torch does not: each would read a
+            # record the other cannot name
+            raise zipfile.BadZipFile("a record name with a NUL byte in it")
         at += CENTRAL.size + name_len + extra_len + comment_len
         if at > len(data) or disk != 0:
             raise zipfile.BadZipFile("a central directory header that runs past the "
