@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 from ckpt_fixtures import tag_dir as fixture_tag_dir
+from merging import run_cli
 from torch_files import torch_load
 
 from mpitailor.errors import CheckpointError
@@ -235,3 +236,32 @@ def test_stage12_weights_older_than_the_fp32_state_are_warned_of(ckpt_copy, capl
     msg = record.getMessage()
     assert "\n" not in msg and msg.startswith(f"{victim}: its model weights (module, ")
     assert "are not the fp32 master weights" in msg and "put back" in msg
+
+
+def _rename_params(tag, renames: dict[str, str]) -> None:
+    """Rename parameters in every rank's model states (trusted, test-made files)."""
+    for path in sorted(tag.glob("*model_states.pt")):
+        sd = torch.load(path, weights_only=False)
+        sd["param_shapes"] = [type(g)((renames.get(k, k), v) for k, v in g.items())
+                              for g in sd["param_shapes"]]
+        torch.save(sd, path)
+
+
+@pytest.mark.parametrize("name", ["../../../ESCAPED", "/tmp/ABSOLUTE", "a..b", "__metadata__",
+                                  "x/y", "bad\nname", ""])
+def test_a_parameter_name_that_is_no_name_is_refused(ckpt_copy, tmp_path, name):
+    """Helper attack 13 (CRITICAL) and 11: the Universal export made zero/<name>/ of each
+    parameter's name, so `../` names created files beside the output and inside the input,
+    and an absolute one a folder anywhere; `__metadata__` made an HF export the safetensors
+    library refuses. Such a name is refused where the checkpoint is read, in one line, and
+    an export writes nothing anywhere."""
+    save = ckpt_copy("w2_fp32_one")
+    tag = save / "global_step10"
+    _rename_params(tag, {"lm_head.weight": name})
+    with pytest.raises(CheckpointError) as e:
+        read_meta(tag)
+    assert "not a parameter name" in one_line(e)
+    before = {p for p in tmp_path.rglob("*")}
+    r = run_cli(["export", str(save), "-o", str(tmp_path / "out"), "--format", "universal"], {})
+    assert r.returncode == 2 and "not a parameter name" in r.stderr, r.stderr
+    assert {p for p in tmp_path.rglob("*")} == before

@@ -299,7 +299,10 @@ def write_replacing(path: Path, data: bytes) -> None:
 def make_dirs_under(root: Path, folder: Path) -> None:
     """Create folder and its parents up to, not including, root (a staging dir): never
     mkdir(parents=True), which would bring back a staging dir that a signal's clean-up
-    has just removed (then left behind when the process ends)."""
+    has just removed (then left behind when the process ends). A folder that would not lie
+    under root once `..` is resolved is refused: the names in it come from checkpoints."""
+    if Path(root) not in Path(os.path.normpath(folder)).parents:
+        raise MergeFailed(f"internal error: {folder} is not a folder under {root}")
     missing = []
     for p in (folder, *folder.parents):
         if p == root or os.path.isdir(p):

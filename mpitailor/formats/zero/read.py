@@ -237,10 +237,14 @@ def _names_to(path: Path, model: dict, key: str, kind: type) -> list[tuple[str, 
     got = model.get(key) or {}
     items = list(got.items()) if isinstance(got, dict) else None
     if items is None or not all(type(n) is str and isinstance(v, kind) for n, v in items) or (
-            kind is tuple and not all(type(d) is int and d >= 0 for _, v in items for d in v)):
+            kind is tuple and not all(_elements(v) is not None for _, v in items)):
         raise CheckpointError(f"{path}: {key} is not a mapping of parameter names to "
                               f"{'shapes' if kind is tuple else 'names'}; a damaged or foreign "
                               f"model-states file")
+    for name, value in items:
+        _check_name(path, key, name)
+        if kind is str:
+            _check_name(path, key, value)
     return items
 
 
@@ -254,6 +258,35 @@ def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
 
 
 MAX_ELEMENTS = 1 << 48  # far beyond any parameter: a larger one is a damaged or crafted file
+MAX_NAME = 1024  # characters in a parameter's name: real ones have < 200
+
+
+def _elements(dims) -> int | None:
+    """The element count of a shape of non-negative ints; None for anything else, or past
+    MAX_ELEMENTS (stopped there: the product of thousands of huge dims costs quadratic
+    time)."""
+    if not isinstance(dims, (tuple, list)) or not all(
+            type(d) is int and 0 <= d <= MAX_ELEMENTS for d in dims):
+        return None
+    if 0 in dims:
+        return 0
+    n = 1
+    for d in dims:
+        n *= d
+        if n > MAX_ELEMENTS:
+            return None
+    return n
+
+
+def _check_name(path: Path, key: str, name: str) -> None:
+    """A parameter name as torch makes them (dot-joined module and parameter names, none
+    empty), which the exports use as file and folder names (the Universal layout's
+    zero/<name>/) and safetensors keys: no path separator, NUL or control character, no
+    empty part (a `..`), not safetensors' reserved `__metadata__`."""
+    if not (0 < len(name) <= MAX_NAME) or "" in name.split(".") or name == "__metadata__" \
+            or any(c in "/\\" or ord(c) < 32 for c in name):
+        raise CheckpointError(f"{path}: {key} names a parameter {bounded(name)}, which is not a "
+                              f"parameter name (a damaged or crafted file)")
 
 
 def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
@@ -270,16 +303,14 @@ def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
         for name, shape in shapes.items():
             if not isinstance(name, str) or name in seen:
                 raise CheckpointError(f"{bad} (parameter {bounded(name)} is not a unique name)")
+            _check_name(path, "param_shapes", name)
             seen.add(name)
             try:
                 dims = tuple(int(d) for d in shape)
             except (TypeError, ValueError):
                 raise CheckpointError(f"{bad} ({name}: shape {bounded(shape)})") from None
-            n = 1
-            for d in dims:
-                n *= d
-            if any(d < 0 for d in dims) or n > MAX_ELEMENTS:
-                raise CheckpointError(f"{bad} ({name}: shape {list(dims)})")
+            if _elements(dims) is None:
+                raise CheckpointError(f"{bad} ({name}: shape {bounded(list(dims))})")
             group[name] = dims
         out.append(group)
     return out
