@@ -641,3 +641,82 @@ def test_a_storage_location_that_is_not_a_string_is_refused(tmp_path):
     assert pkl.count(uni("cpu")) == 1
     path = with_pickle(data, pkl.replace(uni("cpu"), b"K\x07"), tmp_path / "x.pt")
     refused(path, "a persistent id torch does not write")
+
+
+# ---- helper attack of 2026-11-28: keys hashed past _small_key, views torch reads otherwise --
+
+def _shared_tuple(depth: int) -> bytes:
+    """Opcodes of t_{i+1} = (t_i, t_i) from t_0 = (): 4 bytes a level (t_i on the stack, its
+    copy from the memo), 2**depth leaves."""
+    return b")q\x00" + b"h\x00\x86q\x00" * depth
+
+
+def _nested_tuple(depth: int) -> bytes:
+    """Opcodes of ((((...)))): one TUPLE1 a level."""
+    return b")" + b"\x85" * depth
+
+
+def _torch_file(pkl: bytes, path: Path, storage: bytes | None = None) -> Path:
+    recs = {"archive/data.pkl": pkl, "archive/byteorder": b"little"}
+    if storage is not None:
+        recs["archive/data/0"] = storage
+    return rezip(recs, path)
+
+
+@pytest.mark.parametrize("call", [
+    b"ccollections\nOrderedDict\n]" + _nested_tuple(200_000) + b"K\x01\x86a\x85R.",
+    b"ccollections\nCounter\n]" + _nested_tuple(200_000) + b"a\x85R.",
+    b"ccollections\nOrderedDict\n]" + _shared_tuple(40) + b"K\x01\x86a\x85R.",
+    b"ccollections\nCounter\n]" + _shared_tuple(40) + b"a\x85R.",
+])
+def test_ordered_dict_and_counter_called_with_keys_are_refused(tmp_path, call):
+    """Attack 04/05: OrderedDict([(K, 1)]) or Counter([K]) by REDUCE hashed K unchecked: K
+    nested 200,000 deep segfaulted the process (C's stack), K a memo-shared tuple 40 levels
+    deep would hash for hours. torch's pickles call OrderedDict() and Counter(a dict) and add
+    the items after, which SETITEM checks."""
+    refused(_torch_file(b"\x80\x02" + call, tmp_path / "x.pt"), "called with arguments")
+
+
+def test_a_persistent_id_naming_a_deep_object_is_refused_not_hashed(tmp_path):
+    """Attack 05 (pid variant): `pid[1] in DTYPE_OF` hashed whatever the pickle put there."""
+    pid = (b"(X\x07\x00\x00\x00storage" + _nested_tuple(200_000)
+           + b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ.")
+    refused(_torch_file(b"\x80\x02" + pid, tmp_path / "x.pt", bytes(16)), "persistent id")
+
+
+def test_stand_ins_compared_by_their_states_are_walked_first(tmp_path):
+    """Attack 04 (eq variant): two numpy.dtype stand-ins of one hash as dict keys, their BUILD
+    states dicts holding a tuple shared 2**40 times: the dict compared the states in C."""
+    def key(slot: int) -> bytes:
+        s = slot.to_bytes(4, "little")
+        shared = b")" + (b"r" + s + b"j" + s + b"\x86") * 40
+        return (b"cnumpy\ndtype\nX\x02\x00\x00\x00f4\x89\x88\x87R"
+                + b"}X\x01\x00\x00\x00s" + shared + b"sb")
+    pkl = b"\x80\x02}" + key(100_000) + b"K\x01s" + key(200_000) + b"K\x02s."
+    refused(_torch_file(pkl, tmp_path / "x.pt"), "objects", allow=("numpy",), opaque_ok=True)
+
+
+def test_a_shape_of_thousands_of_huge_dims_is_refused_at_once(tmp_path):
+    """Attack 10: a shape of 2**62 x 40,000 then 0 (2 bytes a dim, memo): its element count
+    took 18 s of big-int products and was then accepted (0 elements); torch refuses it."""
+    big = b"\x8a\x08" + (2 ** 62).to_bytes(8, "little")
+    pkl = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(" 
+           b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000"
+           b"X\x03\x00\x00\x00cpuK\x04tQK\x00(" + big + b"q\x01" + b"h\x01" * 39_999
+           + b"K\x00tq\x02h\x02\x89ccollections\nOrderedDict\n)RtR.")
+    refused(_torch_file(pkl, tmp_path / "x.pt", bytes(16)), "past 2**63")
+
+
+@pytest.mark.parametrize("view", ["neg", "conj"])
+def test_a_negated_or_conjugated_view_is_refused(tmp_path, view):
+    """Attack 12: torch.save of a neg view (a real file, no byte patched) stores the bytes
+    before negation and {'neg': True}: torch.load negates, a byte copy did not (recover wrote
+    the master weights negated, a reshard's Adam step became -10). conj likewise."""
+    data = saved({"w": torch.arange(4.0)._neg_view()})
+    path = tmp_path / f"{view}.pt"
+    if view == "neg":
+        path.write_bytes(data)
+    else:  # on a float storage, as a crafted file would: torch refuses it, mpitailor too
+        pkl = pickle_of(data).replace(b"X\x03\x00\x00\x00neg", b"X\x04\x00\x00\x00conj")
+        with_pickle(data, pkl, path)
+    refused(path, "negated or conjugated")

@@ -53,9 +53,11 @@ MAX_KEY_OBJECTS = 1000  # in one dict key or set member: real keys are names and
 
 
 def _small_key(key):
-    """key, once it is sure that hashing it is cheap: tuples whose items the pickle shared
-    over and over (memo) hash in time exponential in their depth, inside C, where no signal
-    is seen. Walked without a memo, stopping at MAX_KEY_OBJECTS."""
+    """key, once it is sure that hashing it (and comparing it with another key of the same
+    hash) is cheap: tuples whose items the pickle shared over and over (memo) hash in time
+    exponential in their depth, inside C, where no signal is seen, and one nested 10**5 deep
+    overflows C's stack. Walked without a memo, stopping at MAX_KEY_OBJECTS; a stand-in's
+    state is walked too, as stand-ins compare by it."""
     seen, stack = 0, [key]
     while stack:
         x = stack.pop()
@@ -63,8 +65,11 @@ def _small_key(key):
         if seen > MAX_KEY_OBJECTS:
             raise pickle.UnpicklingError(f"a dict key or set member of over {MAX_KEY_OBJECTS} "
                                          f"objects")
-        if isinstance(x, (tuple, frozenset)):
+        if isinstance(x, (tuple, frozenset, list)):
             stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
         elif isinstance(x, opaque.Opaque):
             if x._how == "newobj":  # a plain object: a dataclass's is unhashable in Python
                 raise pickle.UnpicklingError("an object as a dict key or set member")
@@ -227,6 +232,12 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
             raise pickle.UnpicklingError(f"a call of {type(func).__name__}, not of a global")
         if not isinstance(args, tuple):
             raise pickle.UnpicklingError("a call whose arguments are not a tuple")
+        if func is collections.OrderedDict and args or func is collections.Counter and not (
+                args == () or len(args) == 1 and type(args[0]) is dict):
+            # torch's pickles call OrderedDict() and Counter(a dict) and add the items after
+            # (SETITEMS: keys checked); a call with keys would hash them unchecked
+            raise pickle.UnpicklingError(f"{func.__name__} called with arguments no torch "
+                                         f"pickle gives")
         self.stack[-1] = func(*args)
     dispatch[pickle.REDUCE[0]] = load_reduce
 
@@ -303,7 +314,8 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and pid[1] in DTYPE_OF and isinstance(pid[2], str)
+                and isinstance(pid[1], type) and pid[1] in DTYPE_OF  # a class hashes by id
+                and isinstance(pid[2], str)
                 and type(pid[3]) is str  # the location ("cpu", "cuda:0"): torch decodes it
                 and type(pid[4]) is int and pid[4] >= 0):
             raise pickle.UnpicklingError(f"a persistent id torch does not write: {bounded(pid)}")

@@ -37,6 +37,15 @@ class _RebuildTensor(opaque.Opaque):
         if metadata is not None and not (type(metadata) is dict
                                          and all(type(k) is str for k in metadata)):
             raise pickle.UnpicklingError("tensor metadata that is not a dict of names")
+        if metadata and any(metadata.get(bit, False) is not False for bit in _VIEW_BITS):
+            # torch's neg/conj bits: torch.load gives the negated (conjugated) values, while
+            # a copy of the bytes would carry the values before it
+            raise pickle.UnpicklingError(f"a tensor saved as a negated or conjugated view "
+                                         f"({bounded(metadata)}); save tensor.resolve_neg() "
+                                         f"or .resolve_conj() instead")
+        if not _int64_sized(shape, stride, storage_offset):
+            raise pickle.UnpicklingError("a tensor whose shape, stride, offset or element "
+                                         "count lies past 2**63 (torch's 64-bit integers)")
         if type(requires_grad) is not bool or (requires_grad and storage.dtype not in _FLOATS):
             raise pickle.UnpicklingError("requires_grad that is not a bool, or of a tensor "
                                          "that is not floating point")
@@ -100,6 +109,25 @@ class Size(tuple, metaclass=opaque._OpaqueMeta):
 
     def __reduce__(self):
         return Size, (tuple([*self]),)
+
+
+_VIEW_BITS = ("neg", "conj")  # what torch._utils.get_tensor_metadata records of a view
+_INT64 = 1 << 63
+
+
+def _int64_sized(shape, stride, offset) -> bool:
+    """Whether torch could hold this view: every dim and stride, the offset and the element
+    count within int64, as torch multiplies them (the product stops past it: thousands of
+    huge dims would cost quadratic time)."""
+    if type(offset) is int and not -_INT64 <= offset < _INT64 or not all(
+            -_INT64 <= d < _INT64 for d in (*shape, *stride)):
+        return False
+    n = 1
+    for d in shape:
+        n *= d
+        if abs(n) >= _INT64:
+            return False
+    return True
 
 
 def _ints(*seqs) -> bool:
