@@ -267,3 +267,20 @@ def test_a_merges_weights_are_read_from_the_sources_not_the_staged_output(ckpt, 
                for w, out in outs.items()}
     assert "model.safetensors" in weights[None] and "hf/model.safetensors" in weights[None]
     assert weights[2] == weights[None]
+
+
+def test_safetensors_records_that_overlap_are_refused(tmp_path):
+    """Helper attack 16: a partial save's layers file whose exp_avg record had the fp32
+    record's offsets (the safetensors library refuses it) was read: recover wrote a
+    parameter's weights as its exp_avg. The one safetensors header reader refuses it."""
+    from mpitailor.errors import CheckpointError
+    from mpitailor.formats.safetensors_header import header_prefix, read_tensor_records
+    path = tmp_path / "x.safetensors"
+    prefix = header_prefix([("a", "F32", [2], 8), ("b", "F32", [2], 8)])
+    path.write_bytes(prefix + bytes(16))
+    assert {k: v[2:] for k, v in read_tensor_records(path).items()} == {
+        "a": (len(prefix), 8), "b": (len(prefix) + 8, 8)}
+    header = prefix[8:].replace(b'"data_offsets":[8,16]', b'"data_offsets":[4,12]')
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(CheckpointError, match="'a' and 'b' overlap"):
+        read_tensor_records(path)

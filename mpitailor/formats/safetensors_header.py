@@ -48,8 +48,8 @@ def tensor_records(header: dict, data_start: int, file_size: int
                    ) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
     """{name: (safetensors dtype, shape, byte offset in the file, byte count)} of every
     tensor of a parsed header, in name order; ValueError where a record is not one: its
-    shape and offsets not non-negative integers, its bytes outside the data section. What
-    the dtype and byte count must be is the caller's to check."""
+    shape and offsets not non-negative integers, its bytes outside the data section or
+    overlapping another's. What the dtype and byte count must be is the caller's to check."""
     out = {}
     for name in sorted(header):
         if name == "__metadata__":
@@ -65,6 +65,10 @@ def tensor_records(header: dict, data_start: int, file_size: int
             raise ValueError(f"tensor {name!r}: dtype {dtype!r:.20}, shape {shape!r:.60}, "
                              f"bytes {offsets!r:.60}")
         out[name] = (dtype, tuple(shape), data_start + offsets[0], offsets[1] - offsets[0])
+    spans = sorted((at, at + n, name) for name, (_, _, at, n) in out.items() if n)
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:  # the safetensors library refuses it: one tensor's bytes another's
+            raise ValueError(f"tensors {name!r} and {other!r} overlap")
     return out
 
 
