@@ -91,20 +91,28 @@ def read_small(path: Path | str, limit: int, what: str, *, follow: bool = False)
     what: what the file should be, for the message (e.g. "the partial save's manifest")."""
     fd = open_regular(path, what, follow=follow)
     try:
+        return read_bounded(fd, path, limit, what)
+    finally:
+        os.close(fd)
+
+
+def read_bounded(fd: int, path: Path | str, limit: int, what: str) -> bytes:
+    """read_small of a file already open (`fd`; `path` names it in messages): the bytes a
+    caller checked through that descriptor, whatever the name stands for by now. Read from
+    byte 0 with pread: the descriptor's own offset is wherever its last reader left it."""
+    try:
         size = os.fstat(fd).st_size
         if size > limit:
             raise too_large(path, size, limit, what)
         chunks, got = [], 0
         while got <= limit:  # a file growing while read stops at limit + 1 bytes
-            chunk = os.read(fd, min(limit + 1 - got, FILE_CHUNK))
+            chunk = os.pread(fd, min(limit + 1 - got, FILE_CHUNK), got)
             if not chunk:
                 break
             chunks.append(chunk)
             got += len(chunk)
     except OSError as e:
         raise CheckpointError(f"{shown(path)}: cannot read {what} ({e.strerror})") from None
-    finally:
-        os.close(fd)
     if got > limit:
         raise too_large(path, got, limit, what)
     return b"".join(chunks)

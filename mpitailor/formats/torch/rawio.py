@@ -39,9 +39,11 @@ def materialize(obj, skip: frozenset[int] = frozenset()):
             if isinstance(x, Tensor):
                 s = x.storage
                 if id(x) not in skip and s.data is None and s.path is not None:
-                    if s.path not in fds:
-                        fds[s.path] = os.open(s.path, os.O_RDONLY)
-                    s.hold(bytes(s.read(fd=fds[s.path])))
+                    # one descriptor per file loaded (a path loaded twice, checked each time)
+                    key = (s.path, s.identity)
+                    if key not in fds:
+                        fds[key] = s.open()
+                    s.hold(bytes(s.read(fd=fds[key])))
             elif isinstance(x, (dict, list, tuple)) and id(x) not in seen:
                 seen.add(id(x))
                 stack.extend(x.values() if isinstance(x, dict) else x)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import importlib
 import itertools
+import os
 import pickle
 import stat
 import struct
@@ -26,6 +27,7 @@ from typing import Any
 
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dtypes import DTYPES
+from mpitailor.formats.io import FileIdentity
 from mpitailor.formats.torch import opaque, pickle_read, zip_read
 from mpitailor.formats.torch.tensorref import Storage, Tensor, view_problem
 
@@ -50,25 +52,33 @@ def trust(names: tuple[str, ...] | list[str]) -> None:
 
 
 def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
-         opaque_ok: bool = False) -> Any:
+         opaque_ok: bool = False, fd: int | None = None) -> Any:
     """Load a torch-serialised file safely; one-line CheckpointError on any failure.
 
-    Tensors come back as tensorref.Tensor, their bytes left in the file.
+    Tensors come back as tensorref.Tensor, their bytes left in the file; each storage
+    records the file's identity, so that a later read by its path refuses another file.
     opaque_ok: plain classes of the user's own modules (client state) become stand-ins
     (opaque.py) instead of a refusal; a call of one is still refused.
+    fd: the file, already open (a regular file) by a caller who reads it again through that
+    descriptor: what is loaded is what it reads, whatever `path` names by then.
     """
-    return load_with_globals(path, allow=allow, opaque_ok=opaque_ok)[0]
+    return load_with_globals(path, allow=allow, opaque_ok=opaque_ok, fd=fd)[0]
 
 
 def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
-                      opaque_ok: bool = False) -> tuple[Any, frozenset[str]]:
+                      opaque_ok: bool = False, fd: int | None = None
+                      ) -> tuple[Any, frozenset[str]]:
     """load(), and the full name of every global the file's pickle names."""
     path = Path(path)
     lists = (*allow, "client") if opaque_ok else allow
     allowed = frozenset(n for name in lists for n in pickle_read.ALLOWED[name]) | _trusted
-    require_regular(path)
+    if fd is None:
+        require_regular(path)
     try:
-        with open(path, "rb") as f:
+        # zipfile seeks: a descriptor of our own (a dup shares the caller's offset, which
+        # the caller never uses: its reads are preads)
+        with open(path, "rb") if fd is None else os.fdopen(os.dup(fd), "rb") as f:
+            identity = FileIdentity.of(f.fileno())
             records = zip_read.read_records(f)
             data = zip_read.read_pickle(f, records)
         archive = zip_read.archive_of(records)
@@ -81,7 +91,7 @@ def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed"
             if size != numel * DTYPES[dtype].itemsize:
                 raise pickle.UnpicklingError(f"record {name} holds {size} bytes, not "
                                              f"{numel} elements of {dtype}")
-            return Storage(dtype, numel, path=path, offset=offset)
+            return Storage(dtype, numel, path=path, offset=offset, identity=identity)
 
         # The cycle collector would walk every container made so far, again and again, as a
         # file of many is read (a third of the load's time at 10**6 of them); nothing made

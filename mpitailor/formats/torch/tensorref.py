@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mpitailor.display import bounded
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.io import read_into
+from mpitailor.formats.io import FileIdentity, open_same, read_into
 
 # numpy's name for the bits of each dtype; bf16 has no numpy type: its bits are uint16.
 _NUMPY = {"fp32": "<f4", "fp16": "<f2", "bf16": "<u2", "f64": "<f8", "i64": "<i8",
@@ -54,22 +54,27 @@ class Storage(_ReadOnly):
 
     A value, not a target: its fields are set once, here (a pickle's BUILD or any other
     setattr is refused), and every read is checked to lie inside it. The one change it
-    takes is `hold`: its own bytes, read from its own record, kept in memory."""
+    takes is `hold`: its own bytes, read from its own record, kept in memory.
+    `identity`: the file at `path` as it was when it was loaded and checked; a read that
+    opens `path` again refuses another file put there since (None: a storage made some
+    other way, whose file nothing checked)."""
 
-    __slots__ = ("dtype", "numel", "path", "offset", "data")
+    __slots__ = ("dtype", "numel", "path", "offset", "data", "identity")
 
     def __init__(self, dtype: str, numel: int, *, path: Path | None = None,
-                 offset: int | None = None, data: bytes | bytearray | memoryview | None = None):
+                 offset: int | None = None, data: bytes | bytearray | memoryview | None = None,
+                 identity: FileIdentity | None = None):
         if dtype not in DTYPES or type(numel) is not int or numel < 0:
             raise ValueError(f"a storage of {bounded(numel)} elements of {bounded(dtype)}")
         if data is not None and len(data) != numel * DTYPES[dtype].itemsize:
             raise ValueError(f"{len(data)} bytes for a storage of {numel} x {dtype}")
-        for name, value in zip(self.__slots__, (dtype, numel, path, offset, data)):
+        for name, value in zip(self.__slots__, (dtype, numel, path, offset, data, identity)):
             object.__setattr__(self, name, value)
 
     def __reduce__(self):
         # Other picklers (mpi4py sending states to another rank) carry it by its fields.
-        return _storage, (self.dtype, self.numel, self.path, self.offset, self.data)
+        return _storage, (self.dtype, self.numel, self.path, self.offset, self.data,
+                          self.identity)
 
     def hold(self, data: bytes) -> None:
         """Keep this file storage's own bytes in memory (they travel with it then)."""
@@ -101,7 +106,7 @@ class Storage(_ReadOnly):
             raise RuntimeError("internal error: a placeholder's bytes were read")
         out = bytearray(nbytes)
         own = fd is None
-        fd = os.open(self.path, os.O_RDONLY) if own else fd
+        fd = self.open() if own else fd
         try:
             read_into(fd, self.offset + start, out)
         finally:
@@ -109,9 +114,16 @@ class Storage(_ReadOnly):
                 os.close(fd)
         return out
 
+    def open(self) -> int:
+        """A read-only fd of this storage's file: the one it was loaded from, or a
+        CheckpointError naming it if its name now stands for another file."""
+        if self.identity is None:
+            return os.open(self.path, os.O_RDONLY)
+        return open_same(self.path, self.identity)
 
-def _storage(dtype, numel, path, offset, data) -> Storage:
-    return Storage(dtype, numel, path=path, offset=offset, data=data)
+
+def _storage(dtype, numel, path, offset, data, identity=None) -> Storage:
+    return Storage(dtype, numel, path=path, offset=offset, data=data, identity=identity)
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -13,13 +13,14 @@ safetensors weights (engine/hf_weights.py) and leaves `.bin` ones out, with a wa
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io import MAX_SIDE_FILE_BYTES, read_small
+from mpitailor.formats.io import MAX_SIDE_FILE_BYTES, open_regular, read_bounded
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.torch import load
 from mpitailor.formats.zero.files import LATEST, LATEST_UNIVERSAL, read_latest
@@ -134,10 +135,22 @@ def read_extras(base: CheckpointMeta) -> Extras:
         if ACCELERATE_FILE.fullmatch(p.name):  # copied where it lies (Extras.carried)
             carried.append(p.name)
             continue
-        if p.suffix in TORCH_SUFFIXES and not ACCELERATE_FILE.fullmatch(p.name):
-            load(p, allow=("numpy", "deepspeed"))  # refuses pickle payloads
-        # The save's own state (trainer state, rng, Accelerate's registered objects) is as
-        # large as the run made it; the model's side files are bounded (boundedio.py).
-        limit = MAX_SIDE_FILE_BYTES if MODEL_FILE.fullmatch(p.name) else sys.maxsize
-        out.append((p.name, read_small(p, limit, "a file of the base's save dir")))
+        out.append((p.name, _read_extra(p)))
     return Extras(tuple(out), tuple(left_out), tuple(carried), extras_dir(base))
+
+
+def _read_extra(p: Path) -> bytes:
+    """One extra's bytes, a torch file's safe-loaded first (a pickle payload is refused).
+    One descriptor for both: the bytes carried are the ones the load checked, whatever the
+    name stands for by the time they are read."""
+    what = "a file of the base's save dir"
+    # The save's own state (trainer state, rng, Accelerate's registered objects) is as
+    # large as the run made it; the model's side files are bounded (boundedio.py).
+    limit = MAX_SIDE_FILE_BYTES if MODEL_FILE.fullmatch(p.name) else sys.maxsize
+    fd = open_regular(p, what)
+    try:
+        if p.suffix in TORCH_SUFFIXES:  # (Accelerate's files never get here)
+            load(p, allow=("numpy", "deepspeed"), fd=fd)
+        return read_bounded(fd, p, limit, what)
+    finally:
+        os.close(fd)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io import crc32_of, open_regular, shown
+from mpitailor.formats.io import FileIdentity, crc32_of, open_regular, require_same, shown
 from mpitailor.formats.manifest import Manifest, brief
 from mpitailor.formats.safetensors_header import parse_header, tensor_records
 from mpitailor.formats.torch import load, materialize, require_regular
@@ -80,8 +80,10 @@ def check_partial_rank(meta: CheckpointMeta, rank: int, crc: bool,
         os.close(fd)
 
 
-def _check_sizes(meta: CheckpointMeta, rank: int, crc: bool) -> None:
-    files = meta.files
+def _check_sizes(meta: CheckpointMeta, rank: int, crc: bool) -> dict[str, FileIdentity]:
+    """The checks of check_partial_rank; with crc, {file name: its identity as CRC-checked}
+    (what a later open must find again)."""
+    files, checked = meta.files, {}
     manifest = files.tag_dir / PARTIAL_MANIFEST
     records = dict(meta.partial_records)
     for name in partial_files(rank).values():
@@ -94,21 +96,25 @@ def _check_sizes(meta: CheckpointMeta, rank: int, crc: bool) -> None:
         if size != want.get("bytes"):
             raise CheckpointError(f"{path}: {size} bytes, but the partial save wrote "
                                   f"{want.get('bytes')}; the file is truncated or damaged")
-        if crc and f"{_crc32(path):08x}" != want.get("crc32"):
+        if not crc:
+            continue
+        value, checked[name] = _crc32(path)
+        if f"{value:08x}" != want.get("crc32"):
             raise CheckpointError(f"{path}: fails the CRC-32 its partial save recorded; the "
                                   f"file is corrupt (re-copy it from the original save)")
+    return checked
 
 
-def _crc32(path) -> int:
+def _crc32(path) -> tuple[int, FileIdentity]:
     with open(path, "rb") as f:
-        return crc32_of(f)
+        return crc32_of(f), FileIdentity.of(f.fileno())
 
 
 def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
     """Rank `rank`'s part, checked whole against its manifest first (what is read must be
     what was written: a partial save records a CRC-32 for every file)."""
     files = meta.files
-    _check_sizes(meta, rank, crc=True)
+    checked = _check_sizes(meta, rank, crc=True)
     model = load(files.model_path(rank), opaque_ok=True)
     optim = materialize(load(files.optim_path(rank)))  # small: steps, groups
     if int(model.get("global_steps", -1)) != meta.global_steps:
@@ -117,6 +123,7 @@ def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
     path = files.layers_path(rank)
     fd = open_regular(path, "a partial save's layers file", follow=True)
     try:
+        require_same(fd, path, checked[path.name])  # the file whose CRC-32 was checked
         records = _safetensors_records(path, fd)
         check_records(meta, rank, records)
     except BaseException:

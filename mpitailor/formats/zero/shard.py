@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.dtypes import DTYPES
+from mpitailor.formats.io import open_regular
 from mpitailor.formats.torch import Tensor, load, rawio, record_crcs, verify_records
 from mpitailor.formats.zero.layout import ELEMENT, KINDS
 from mpitailor.formats.zero.meta import CheckpointMeta
@@ -63,11 +64,13 @@ def open_shard(meta: CheckpointMeta, rank: int) -> Shard:
     model = load(model_path, opaque_ok=True)
     if rank != 0 and not meta.files.flat:  # stage 1/2: one model-states file for all ranks
         _check_model_agrees(meta, model, model_path)
-    optim = load(optim_path)
-    if meta.layout.flat:
-        _check_flat_rank(meta, optim, rank, optim_path)
-    fd = os.open(optim_path, os.O_RDONLY)
+    # One descriptor for the load, the checks and the copy: what is copied is what was
+    # checked, whatever the name stands for later (reopen() checks it is still this file).
+    fd = open_regular(optim_path, "a ZeRO optim file", follow=True)
     try:
+        optim = load(optim_path, fd=fd)
+        if meta.layout.flat:
+            _check_flat_rank(meta, optim, rank, optim_path)
         offsets = _flat_offsets(meta, optim, rank, os.fstat(fd).st_size, optim_path)
         flats = frozenset(id(flat_tensor(optim, kind, g, meta.layout.flat))
                           for kind, g in offsets)
@@ -195,6 +198,12 @@ def _flat_offsets(meta: CheckpointMeta, optim: dict, rank: int, size: int, path)
                     raise CheckpointError(
                         f"{path}: sub-group {g} {kind} is {_torch_name(t.dtype)} x "
                         f"{t.numel()}, expected float32 x {n}; files from different runs?")
+                if not t.is_contiguous():  # read in place, one byte range: it must be one
+                    raise CheckpointError(
+                        f"{path}: sub-group {g} {kind} is a strided view (shape {t.shape}, "
+                        f"stride {t.stride}), not a contiguous flat buffer as DeepSpeed saves "
+                        f"it; save the file again with the buffer made contiguous "
+                        f"(tensor.contiguous())")
                 offsets[kind, g] = t.file_offset
                 if offsets[kind, g] + n * ELEMENT > size:
                     raise CheckpointError(f"{path}: sub-group {g} {kind} lies past the end of "

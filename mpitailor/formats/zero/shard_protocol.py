@@ -5,16 +5,19 @@ A shard is one rank's files of a checkpoint: its model states and optimizer stat
 held in memory without their flat buffers) and one data file, held open, that stores the
 flat buffers' bytes. The two kinds differ only in where those bytes lie (`byte_ranges`), in
 whether a buffer is a zip record of its own (`whole_record`) and in how their CRCs are checked
-(`verify`); reading, reopening and closing are written once, here.
+(`verify`); reading, reopening and closing are written once, here. A reopen is of the very
+file that was opened and checked (its identity, recorded then), never of whatever its name
+stands for by then.
 """
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
+from mpitailor.formats.io import FileIdentity, open_same
 from mpitailor.formats.torch import rawio
 from mpitailor.formats.zero.layout import ELEMENT
 from mpitailor.formats.zero.meta import CheckpointMeta
@@ -40,6 +43,11 @@ class Shard(ABC):
     model: dict
     optim: dict   # DeepSpeed's optimizer state; its flat buffers are not in memory
     fd: int       # the data file (`data_path`); -1 between close() and reopen()
+    # the data file as it was when opened and checked: what reopen() must find again
+    identity: FileIdentity = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.identity = FileIdentity.of(self.fd)
 
     @property
     @abstractmethod
@@ -98,9 +106,11 @@ class Shard(ABC):
 
     def reopen(self) -> None:
         """Open the file again after close() (the parsed metadata is kept): a rank that
-        works through many partitions parses each once and holds few descriptors."""
+        works through many partitions parses each once and holds few descriptors.
+        CheckpointError naming the file if its name now stands for another file (renamed
+        over it, rewritten): the checks were of the first one."""
         if self.fd < 0:
-            self.fd = os.open(self.data_path, os.O_RDONLY)
+            self.fd = open_same(self.data_path, self.identity)
 
     def close(self) -> None:
         if self.fd >= 0:
