@@ -265,3 +265,31 @@ def test_a_parameter_name_that_is_no_name_is_refused(ckpt_copy, tmp_path, name):
     r = run_cli(["export", str(save), "-o", str(tmp_path / "out"), "--format", "universal"], {})
     assert r.returncode == 2 and "not a parameter name" in r.stderr, r.stderr
     assert {p for p in tmp_path.rglob("*")} == before
+
+
+def test_frozen_names_and_param_groups_that_the_files_do_not_hold_are_refused(ckpt_copy):
+    """Helper attack 08: a frozen_param_shapes naming a trainable parameter, and param_groups
+    naming sub-group 10**20 (--world-size 3), ended recover with a bare `KeyError` or
+    `IndexError` line naming no file (exit 1). Now one line naming the file, where the save is
+    read (so recover skips the save, as a damaged one)."""
+    tag = ckpt_copy("w2_fp32_one") / "global_step10"
+    model = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    sd = torch.load(model, weights_only=False)
+    sd["frozen_param_shapes"] = {"model.norm.weight": (64,)}
+    torch.save(sd, model)
+    with pytest.raises(CheckpointError) as e:
+        read_meta(tag)
+    assert "both trainable" in one_line(e) and str(model) in one_line(e)
+    sd["frozen_param_shapes"] = {"model.extra.weight": (64,)}  # no fragment saved for it
+    torch.save(sd, model)
+    with pytest.raises(CheckpointError, match="no entry in frozen_param_fragments"):
+        read_meta(tag)
+    sd.pop("frozen_param_shapes")
+    torch.save(sd, model)
+    optim = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    osd = torch.load(optim, weights_only=False)
+    osd["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][0]["params"] = [10**20]
+    torch.save(osd, optim)
+    with pytest.raises(CheckpointError) as e:
+        read_meta(tag)
+    assert "param_groups name sub-groups" in one_line(e) and str(optim) in one_line(e)

@@ -86,16 +86,18 @@ def _read_meta(files, view, model: dict, optim: dict) -> CheckpointMeta:
                               f"param_shapes of {files.model_path(0)}; files from different runs?")
     if files.flat and not files.partial:
         _check_16bit_current(files, model, flat, layout)
+    frozen = _names_to(files.model_path(0), model, "frozen_param_shapes", tuple)
+    _check_frozen(files.model_path(0), model, frozen, layout)
+    groups = _param_groups(files.optim_path(0), inner, n_sub)
     lineage, patterns = zfiles.read_save_record(files.tag_dir, files.partial, view)
     manifest_of = _partial_manifest(files, view, model, shapes) if files.partial else None
     return CheckpointMeta(
         files=files, layout=layout, dtype=_model_dtype(model), zero_stage=stage,
         global_steps=int(model["global_steps"]),
         global_samples=int(model.get("global_samples", 0)),
-        param_groups=tuple(tuple(int(i) for i in g["params"]) for g in inner["param_groups"]),
+        param_groups=groups,
         subgroup_steps=_read_steps(files.optim_path(0), inner["state"], n_sub),
-        frozen_shapes=tuple((n, tuple(int(d) for d in s)) for n, s in _names_to(
-            files.model_path(0), model, "frozen_param_shapes", tuple)),
+        frozen_shapes=tuple((n, tuple(int(d) for d in s)) for n, s in frozen),
         shared_params=tuple(sorted(_names_to(files.model_path(0), model, "shared_params",
                                              str))),
         ds_version=str(model.get("ds_version", "")),
@@ -246,6 +248,34 @@ def _names_to(path: Path, model: dict, key: str, kind: type) -> list[tuple[str, 
         if kind is str:
             _check_name(path, key, value)
     return items
+
+
+def _check_frozen(path: Path, model: dict, frozen: list, layout) -> None:
+    """Frozen parameters as DeepSpeed saves them: none also trainable, each with its
+    fragment in the model states (what a merge copies)."""
+    trainable = {s.name for s in layout.slots}
+    fragments = model.get("frozen_param_fragments") or {}
+    for name, _ in frozen:
+        if name in trainable:
+            raise CheckpointError(f"{path}: {bounded(name)} is both trainable (param_shapes) "
+                                  f"and frozen (frozen_param_shapes); a damaged or crafted file")
+        if not isinstance(fragments, dict) or name not in fragments:
+            raise CheckpointError(f"{path}: frozen parameter {bounded(name)} has no entry in "
+                                  f"frozen_param_fragments; a damaged or crafted file")
+
+
+def _param_groups(path: Path, inner: dict, n_sub: int) -> tuple[tuple[int, ...], ...]:
+    """The optimizer's param groups as the ids of their sub-groups (flat buffers), each one
+    of the n_sub that param_shapes lays out."""
+    try:
+        groups = tuple(tuple(int(i) for i in g["params"]) for g in inner["param_groups"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: param_groups are malformed; a damaged or foreign "
+                              f"optimizer-states file") from None
+    if not all(0 <= i < n_sub for g in groups for i in g):
+        raise CheckpointError(f"{path}: param_groups name sub-groups past the {n_sub} "
+                              f"param_shapes lays out; a damaged or crafted file")
+    return groups
 
 
 def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
