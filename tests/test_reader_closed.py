@@ -15,7 +15,7 @@ import pickletools
 import resource
 import struct
 import zipfile
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -720,3 +720,16 @@ def test_a_negated_or_conjugated_view_is_refused(tmp_path, view):
         pkl = pickle_of(data).replace(b"X\x03\x00\x00\x00neg", b"X\x04\x00\x00\x00conj")
         with_pickle(data, pkl, path)
     refused(path, "negated or conjugated")
+
+
+def test_copied_keeps_counters_and_an_ordered_dicts_attributes():
+    """Attack 01: rawio.copied rebuilt dicts as type(obj)(pairs), so an optimizer state's
+    Counter({'x': 7}) came out of recover as Counter({('x', 7): 1}), exit 0; and an
+    OrderedDict lost its _metadata."""
+    from mpitailor.formats.torch.rawio import copied
+    od = OrderedDict(a=1)
+    od._metadata = {"": {"version": 2}}
+    got = copied({"c": Counter({"x": 7}), "od": od}, fd=-1)
+    assert got["c"] == {"x": 7} and type(got["c"]).__name__ == "Counter"
+    assert got["od"] == od and got["od"]._metadata == {"": {"version": 2}}
+    assert got["od"] is not od

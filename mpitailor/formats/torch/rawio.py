@@ -68,7 +68,14 @@ def copied(obj, fd: int, skip: frozenset[int] = frozenset(), _memo: dict | None 
             memo[id(obj)] = Tensor.of_bytes(obj.values(fd).tobytes(), obj.dtype, obj.shape)
         return memo[id(obj)]
     if isinstance(obj, dict):
-        return type(obj)((k, copied(v, fd, skip, memo)) for k, v in obj.items())
+        # item by item, not type(obj)(pairs): a Counter made from pairs counts the pairs;
+        # and with the attributes the file gave it (an OrderedDict's _metadata)
+        new = type(obj)()
+        for k, v in obj.items():
+            new[k] = copied(v, fd, skip, memo)
+        if getattr(obj, "__dict__", None):
+            new.__dict__.update(obj.__dict__)
+        return new
     if isinstance(obj, (list, tuple)):
         return type(obj)(copied(v, fd, skip, memo) for v in obj)
     return obj
