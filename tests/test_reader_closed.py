@@ -733,3 +733,32 @@ def test_copied_keeps_counters_and_an_ordered_dicts_attributes():
     assert got["c"] == {"x": 7} and type(got["c"]).__name__ == "Counter"
     assert got["od"] == od and got["od"]._metadata == {"": {"version": 2}}
     assert got["od"] is not od
+
+
+def test_verify_checks_the_record_that_holds_a_view_at_an_offset(tmp_path):
+    """Attack 15: --verify looked up a tensor's first byte among the records' starts, so a
+    genuine file whose tensor is a view at an offset of its storage was called damaged."""
+    import os
+
+    from mpitailor.formats.torch.verify import record_crcs, verify_records
+    path = tmp_path / "v.pt"
+    torch.save({"t": torch.arange(8.0)[2:]}, path)
+    t = load(path)["t"]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crcs = record_crcs(path, fd)
+        assert t.file_offset not in crcs  # inside its record, 8 bytes past its start
+        verify_records(path, fd, {t.file_offset}, crcs)
+        with pytest.raises(CheckpointError, match="no zip record holds"):
+            verify_records(path, fd, {os.fstat(fd).st_size + 10}, crcs)
+    finally:
+        os.close(fd)
+    raw = bytearray(path.read_bytes())
+    raw[t.file_offset] ^= 1
+    path.write_bytes(bytes(raw))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointError, match="fails its CRC-32"):
+            verify_records(path, fd, {t.file_offset}, record_crcs(path, fd))
+    finally:
+        os.close(fd)

@@ -7,6 +7,7 @@ dry-run shows) and refuses a record whose CRC does not match: flipped bits, a to
 """
 from __future__ import annotations
 
+import bisect
 import os
 from pathlib import Path
 
@@ -24,12 +25,18 @@ def record_crcs(path: Path, fd: int) -> dict[int, tuple[int, int]]:
 
 def verify_records(path: Path, fd: int, offsets: set[int],
                    crcs: dict[int, tuple[int, int]]) -> None:
-    """Raise CheckpointError unless every record starting at one of `offsets` matches its
-    CRC-32 in `crcs` (the file's record_crcs)."""
-    for off in sorted(offsets):
-        if off not in crcs:
-            raise CheckpointError(f"{path}: no zip record starts at byte {off}; the file "
-                                  f"is damaged")
+    """Raise CheckpointError unless every record holding one of `offsets` (the first byte of
+    a tensor read: a record's start, or inside it for a view at an offset of its storage)
+    matches its CRC-32 in `crcs` (the file's record_crcs). Each record is read once."""
+    starts = sorted(crcs)
+    held = set()
+    for off in offsets:
+        i = bisect.bisect_right(starts, off) - 1
+        if i < 0 or off >= starts[i] + max(crcs[starts[i]][1], 1):
+            raise CheckpointError(f"{path}: no zip record holds byte {off}; the file is "
+                                  f"damaged")
+        held.add(starts[i])
+    for off in sorted(held):
         want, size = crcs[off]
         crc, buf = 0, memoryview(bytearray(max(1, min(size, FILE_CHUNK))))
         try:
