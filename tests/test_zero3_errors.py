@@ -293,3 +293,20 @@ def test_frozen_names_and_param_groups_that_the_files_do_not_hold_are_refused(ck
     with pytest.raises(CheckpointError) as e:
         read_meta(tag)
     assert "param_groups name sub-groups" in one_line(e) and str(optim) in one_line(e)
+
+
+def test_a_strided_stage12_flat_group_is_refused_in_one_line(ckpt_copy):
+    """The stage 1/2 twin of helper attack 14 (read_meta samples the flat fp32 group to
+    compare with the 16-bit weights): a strided view torch reads fine gave a bare ValueError
+    naming no file."""
+    tag = ckpt_copy("s2_w2_bf16_per_layer") / "global_step10"
+
+    def strided(osd):
+        t = osd["single_partition_of_fp32_groups"][0]
+        big = torch.zeros(2 * t.numel())
+        big[::2] = t
+        osd["single_partition_of_fp32_groups"][0] = big[::2]
+    _rewrite_optim(tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", strided)
+    with pytest.raises(CheckpointError) as e:
+        read_meta(tag)
+    assert "is a strided view" in one_line(e) and "optim_states.pt" in one_line(e)

@@ -84,6 +84,13 @@ def _read_meta(files, view, model: dict, optim: dict) -> CheckpointMeta:
             t.numel() != n for t, n in zip(flat, sizes))):
         raise CheckpointError(f"{files.optim_path(0)}: fp32 flat groups do not match the "
                               f"param_shapes of {files.model_path(0)}; files from different runs?")
+    strided = next((g for g, t in enumerate(flat) if isinstance(t, Tensor)
+                    and not t.is_contiguous()), None)
+    if strided is not None:
+        raise CheckpointError(f"{files.optim_path(0)}: fp32 flat group {strided} is a strided "
+                              f"view, not a contiguous flat buffer as DeepSpeed saves it; save "
+                              f"the file again with the buffer made contiguous "
+                              f"(tensor.contiguous())")
     if files.flat and not files.partial:
         _check_16bit_current(files, model, flat, layout)
     frozen = _names_to(files.model_path(0), model, "frozen_param_shapes", tuple)
