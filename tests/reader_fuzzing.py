@@ -169,19 +169,25 @@ def _storage_names(recs) -> list[int]:
 
 
 def _mutate_zip(seed: Seed, seeds: list[Seed], rng: random.Random) -> Input:
-    """One change to the container: duplicated, dropped, renamed, resized, compressed or
-    mislabelled records, a cut or extended file."""
+    """One change to the container: duplicated (also under a name that differs in case only,
+    which torch's miniz finds ignoring case), dropped, renamed (also with a NUL, where
+    zipfile ends a name and torch does not), resized, compressed or mislabelled records, a
+    cut or extended file."""
     recs, pi = list(seed.records), seed.pickle_index
     pick = rng.choice([pi] * 2 + _storage_names(recs) or [pi])
     r = recs[pick]
-    what = rng.choice(("dup-first", "dup-last", "drop", "rename", "resize", "crc",
-                       "compress", "past-end", "cut", "tail", "reorder", "archive", "flip"))
+    what = rng.choice(("dup-first", "dup-last", "dup-case", "drop", "rename", "nul-name",
+                       "resize", "crc", "compress", "past-end", "cut", "tail", "reorder",
+                       "archive", "flip"))
     cut, tail = None, b""
-    if what in ("dup-first", "dup-last"):
+    if what in ("dup-first", "dup-last", "dup-case"):
         other = grammar.encode_ops(grammar.mutate_ops(list(seed.ops), rng)[0]) \
             if pick == pi else bytes(rng.getrandbits(8) for _ in range(len(r.data)))
-        dup = Rec(r.name, other)
-        recs.insert(pick if what == "dup-first" else pick + 1, dup)
+        archive, _, rest = r.name.partition("/")
+        name = f"{archive}/{rest.upper()}" if what == "dup-case" else r.name
+        recs.insert(pick if what == "dup-first" else pick + 1, Rec(name, other))
+    elif what == "nul-name":  # zipfile reads `name`, torch `name\0x`: another record for each
+        recs[pick] = replace(r, name=r.name + "\0" + rng.choice(("x", "", ".pkl")))
     elif what == "drop":
         del recs[pick]
     elif what == "rename":

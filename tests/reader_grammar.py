@@ -254,8 +254,10 @@ def _new_tensor(rng: random.Random):
 
 
 def _view(rng: random.Random, t):
-    """A view of t sharing its storage: sliced, strided, transposed, expanded (stride 0)."""
-    k = rng.randrange(7)
+    """A view of t sharing its storage: sliced, strided, transposed, expanded (stride 0), or
+    a negated view (torch saves its bytes before negation and a `neg` bit: the attack of
+    2026-11-28 that a copy of bytes got wrong)."""
+    k = rng.randrange(8)
     try:
         if k == 0 and t.dim() and t.shape[0] > 1:
             return t[1:]
@@ -269,6 +271,8 @@ def _view(rng: random.Random, t):
             return t.reshape(-1)[-1:]  # a one-element view at the storage's end
         if k == 5 and t.dim():
             return t.unsqueeze(0).expand(2, *t.shape)
+        if k == 6 and t.is_floating_point():
+            return t._neg_view()
         return t.reshape(-1)[rng.randrange(t.numel() + 1):]
     except RuntimeError:
         return t
