@@ -762,3 +762,62 @@ def test_verify_checks_the_record_that_holds_a_view_at_an_offset(tmp_path):
             verify_records(path, fd, {t.file_offset}, record_crcs(path, fd))
     finally:
         os.close(fd)
+
+
+# ---- the second attack of 2026-11-28 ------------------------------------------------------
+
+def _shifted(raw: bytes, prefix: bytes) -> bytes:
+    """The zip `raw` (no zip64 records) after `prefix`, every offset moved with it: a file
+    zipfile and miniz both read as that zip, which torch.load would read as a legacy pickle
+    (it looks at the first bytes)."""
+    end = raw.rindex(b"PK\x05\x06")
+    cd_size, cd_at = struct.unpack_from("<II", raw, end + 12)
+    cd, at = bytearray(raw[cd_at:cd_at + cd_size]), 0
+    while at < len(cd):
+        n, x, c = struct.unpack_from("<HHH", cd, at + 28)
+        struct.pack_into("<I", cd, at + 42, struct.unpack_from("<I", cd, at + 42)[0] + len(prefix))
+        at += 46 + n + x + c
+    tail = bytearray(raw[end:])
+    struct.pack_into("<I", tail, 16, cd_at + len(prefix))
+    return prefix + raw[:cd_at] + bytes(cd) + bytes(tail)
+
+
+def test_a_zip_that_does_not_begin_the_file_is_refused(tmp_path):
+    """Attack 6.05 (CRITICAL): a pickle in front of a genuine scheduler.pt, every offset
+    moved: zipfile and miniz read the zip, but torch.load looks at the first bytes, sees no
+    zip and unpickles the legacy format from byte 0 (weights_only=False ran the payload);
+    mpitailor carried the file as it was."""
+    raw = rezip(records(saved({"w": torch.ones(2)})), tmp_path / "z.pt").read_bytes()
+    path = tmp_path / "x.pt"
+    path.write_bytes(_shifted(raw, pickle.dumps({"a": 1}, protocol=2)))
+    assert zipfile.ZipFile(path).namelist()  # zipfile reads it
+    refused(path, "does not begin with a zip record")
+
+
+def test_a_zip64_end_record_not_where_its_locator_says_is_refused(tmp_path):
+    """Attack 6.01 (CRITICAL): zipfile takes the zip64 end record just before the locator,
+    miniz the one at the locator's offset: two central directories, one for each reader."""
+    path = tmp_path / "x.pt"
+    zip_write.write_torch_file(path, {"w": Tensor.of_bytes(bytes(8), "fp32", (2,))})
+    raw = bytearray(path.read_bytes())
+    loc = raw.rindex(b"PK\x06\x07")
+    struct.pack_into("<Q", raw, loc + 8, struct.unpack_from("<Q", raw, loc + 8)[0] - 8)
+    path.write_bytes(bytes(raw))
+    refused(path, "zip64 end record")
+
+
+def test_a_torchscript_archive_is_refused(tmp_path):
+    """Attack 6.07: a `constants.pkl` record makes torch.load hand the file to torch.jit.load
+    (weights_only=True refuses it); mpitailor read data.pkl and carried the file."""
+    recs = records(saved({"w": torch.ones(2)}))
+    refused(rezip({**recs, "archive/constants.pkl": pickle.dumps(())}, tmp_path / "x.pt"),
+            "TorchScript")
+
+
+def test_rebuild_from_type_hashes_no_type_it_was_not_given(tmp_path):
+    """Attack 6.04: `new_type not in _TENSOR_TYPES` hashed a tuple nested 200,000 deep
+    (a segfault) or shared 2**40 times (hours) before checking it was a type."""
+    for new_type in (_nested_tuple(200_000), _shared_tuple(40)):
+        pkl = (b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\n(ctorch._utils\n"
+               b"_rebuild_tensor_v2\n" + new_type + b")NtR.")
+        refused(_torch_file(pkl, tmp_path / "x.pt"), "_rebuild_from_type_v2")

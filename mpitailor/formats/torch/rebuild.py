@@ -70,7 +70,8 @@ class _RebuildFromType(opaque.Opaque):
         # torch calls func(*args) first: only its tensor rebuild may be named here (anything
         # else, written back, would be a call DeepSpeed's loader makes), of a tensor type.
         if func is not REBUILD_TENSOR or not isinstance(args, tuple) \
-                or new_type not in _TENSOR_TYPES or (state is not None and type(state) is not dict):
+                or not isinstance(new_type, type) or new_type not in _TENSOR_TYPES \
+                or (state is not None and type(state) is not dict):  # (a class hashes by id)
             raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a "
                                          "tensor")
         # torch sets each key as an attribute of the tensor: `data` would swap its bytes

@@ -38,6 +38,10 @@ import struct
 MAX32 = 0xFFFFFFFF  # at or above it a size or offset goes to a zip64 field
 LOCAL = struct.Struct("<IHHHHHIIIHH")  # local header: 30 bytes
 CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header: 46 bytes
+# zip64 end record (signature, size of the rest: 44, versions, disks, entries on this disk
+# and in all, directory size and offset): 56 bytes; its locator (disk, offset, disks): 20
+ZIP64_END = struct.Struct("<IQHHIIQQQQ")
+ZIP64_LOCATOR = struct.Struct("<IIQI")
 VERSION = re.compile(rb"\d{1,3}\n?")  # torch writes b"3\n"
 MAX_FORMAT_VERSION = 10  # the newest torch 2.13 reads
 DOS_DIRECTORY = 0x10  # the external attributes' directory bit

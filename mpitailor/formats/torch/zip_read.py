@@ -16,6 +16,8 @@ from mpitailor.formats.torch.zip_format import (
     TORCH_FLAGS,
     UTF8,
     VERSION,
+    ZIP64_END,
+    ZIP64_LOCATOR,
 )
 
 
@@ -42,11 +44,16 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
                 == len(z.infolist())):
             raise zipfile.BadZipFile("a zip of several disks, or an end record that miscounts "
                                      "its records")
+        _check_framing(f, end[zipfile._ECD_LOCATION], z.start_dir)  # type: ignore
         _check_central_directory(f, z.start_dir, end[zipfile._ECD_SIZE],  # type: ignore
                                  len(z.infolist()), size)
         for info in z.infolist():
             if info.filename in out:
                 raise zipfile.BadZipFile(f"two records named {info.filename}")
+            if info.filename.partition("/")[2] == "constants.pkl":
+                # torch.load hands a zip holding it to torch.jit.load (TorchScript)
+                raise zipfile.BadZipFile(f"record {info.filename!r:.80}: a TorchScript archive, "
+                                         f"not a checkpoint")
             other = folded.setdefault(info.filename.encode().lower(), info.filename)
             if other != info.filename:
                 raise zipfile.BadZipFile(f"records {other!r:.80} and {info.filename!r:.80}: "
@@ -77,6 +84,29 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
         if head < end:
             raise zipfile.BadZipFile(f"records {name} and {other} overlap")
     return out
+
+
+def _check_framing(f, end_at: int, start_dir: int) -> None:
+    """Where torch and zipfile would find the zip's parts, the same: the file begins with a
+    record (torch reads any other file as a legacy pickle, which weights_only=False runs
+    from byte 0), and a zip64 end record lies where its locator says (miniz follows the
+    locator; zipfile takes the record just before it, so a second directory would be torch's
+    alone), naming the central directory zipfile read."""
+    fd = f.fileno()
+    if os.pread(fd, 4, 0) != b"PK\x03\x04":
+        raise zipfile.BadZipFile("the file does not begin with a zip record (torch would read "
+                                 "it as a legacy pickle)")
+    loc_at = end_at - ZIP64_LOCATOR.size
+    locator = os.pread(fd, ZIP64_LOCATOR.size, loc_at) if loc_at >= 0 else b""
+    if locator[:4] != b"PK\x06\x07":
+        return  # no zip64 records: one end record, which both read
+    _, _, record_at, _ = ZIP64_LOCATOR.unpack(locator)
+    record = os.pread(fd, ZIP64_END.size, record_at) if record_at < loc_at else b""
+    if record_at != loc_at - ZIP64_END.size or len(record) != ZIP64_END.size \
+            or record[:4] != b"PK\x06\x06" or ZIP64_END.unpack(record)[1] != ZIP64_END.size - 12 \
+            or ZIP64_END.unpack(record)[9] != start_dir:
+        raise zipfile.BadZipFile("a zip64 end record that is not where its locator says, or "
+                                 "that names another central directory")
 
 
 def _check_central_directory(f, start: int, length: int, count: int, size: int) -> None:

@@ -26,6 +26,8 @@ from mpitailor.formats.torch.zip_format import (
     MAX32,
     SERIAL_ID,
     UTF8,
+    ZIP64_END,
+    ZIP64_LOCATOR,
 )
 
 # The records torch's C++ writer adds when it closes the file (torch 2.x): the version, and
@@ -176,9 +178,9 @@ class ZipLayout:
                                      len(name), len(extra), 0, 0, 0, 0,
                                      min(e.header_offset, MAX32)) + name + extra)
         n, end64 = len(self.entries), self.cd_offset + self.cd_size
-        out.append(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, n, n,
-                               self.cd_size, self.cd_offset))
-        out.append(struct.pack("<IIQI", 0x07064B50, 0, end64, 1))
+        out.append(ZIP64_END.pack(0x06064B50, ZIP64_END.size - 12, 0x031E, 45, 0, 0, n, n,
+                                  self.cd_size, self.cd_offset))
+        out.append(ZIP64_LOCATOR.pack(0x07064B50, 0, end64, 1))
         out.append(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
                                min(self.cd_size, MAX32), min(self.cd_offset, MAX32), 0))
         return b"".join(out)
