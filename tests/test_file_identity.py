@@ -143,6 +143,21 @@ def test_a_file_rewritten_in_place_is_refused_too(ckpt_copy):
         materialize(optim)
 
 
+def test_a_file_rewritten_in_place_with_its_mtime_set_back_is_refused(ckpt_copy):
+    """Second attack 6.02: the same inode and size, the mtime set back with utime after the
+    write: the ctime, which only the kernel sets, still says it changed."""
+    save = ckpt_copy("w2_fp32_one")
+    path = save / OPTIM0
+    optim = load(path)
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.write(b"\0" * 8)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(CheckpointError, match="written to since"):
+        materialize(optim)
+
+
 def test_extras_carry_the_bytes_their_load_checked(ckpt_copy, monkeypatch):
     """read_extras safe-loads a torch side file, then copies its bytes: a file renamed over
     it between the two used to be copied unchecked (a pickle payload included)."""
