@@ -310,3 +310,23 @@ def test_a_strided_stage12_flat_group_is_refused_in_one_line(ckpt_copy):
     with pytest.raises(CheckpointError) as e:
         read_meta(tag)
     assert "is a strided view" in one_line(e) and "optim_states.pt" in one_line(e)
+
+
+def test_a_short_frozen_fragment_is_refused_where_its_rank_is_opened(ckpt_copy, tmp_path):
+    """Second attack 6.03: rank 1's fragment of a frozen parameter cut to 10 elements: the
+    exports joined the ranks' fragments end to end, so later elements came from the wrong
+    place (another tensor's values in the HF and fp32 exports, exit 0) and a reshard ended in
+    a bare ValueError."""
+    save = ckpt_copy("w3_bf16_decay_tied_frozen")
+    tag = save / "global_step10"
+    path = tag / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    sd = torch.load(path, weights_only=False)
+    name = next(iter(sd["frozen_param_fragments"]))
+    sd["frozen_param_fragments"][name] = sd["frozen_param_fragments"][name][:10].clone()
+    torch.save(sd, path)
+    meta = read_meta(tag)  # rank 0's files are whole
+    with pytest.raises(CheckpointError) as e:
+        open_shard(meta, 1)
+    assert f"frozen parameter {name}'s fragment" in one_line(e) and str(path) in one_line(e)
+    r = run_cli(["export", str(save), "-o", str(tmp_path / "fp32"), "--format", "fp32"], {})
+    assert r.returncode == 2 and "fragment" in r.stderr and not (tmp_path / "fp32").exists()

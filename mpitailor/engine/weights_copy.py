@@ -95,9 +95,12 @@ def _reader(shards: Sequence[Shard], slot: Slot | None, name: str
 def _frozen_range(shards: Sequence[Shard], name: str, a: int, into) -> None:
     from mpitailor.formats.torch import cast
     b, pos = a + into.size, 0
-    for s in shards:  # the fragments in rank order, padded at the end
+    for s in shards:  # the fragments in rank order, padded at the end (open_shard checked)
         frag = s.model["frozen_param_fragments"][name]
         x, y = max(a, pos), min(b, pos + frag.numel())
         if x < y:
             cast(frag.raw(x - pos, y - x), frag.dtype, "fp32", out=into[x - a: y - a])
         pos += frag.numel()
+    if pos < b:
+        raise RuntimeError(f"internal error: frozen parameter {name}: elements {pos}-{b} "
+                           f"held by no fragment")

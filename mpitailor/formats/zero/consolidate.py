@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from mpitailor.errors import CheckpointError
 from mpitailor.formats.zero.layout import KINDS, Slot
 from mpitailor.formats.zero.meta import CheckpointMeta
 from mpitailor.formats.zero.shard import open_all_shards
@@ -36,8 +37,17 @@ def frozen_tensor(shards: Sequence[Shard], name: str, shape: tuple[int, ...]):
     shape (bf16 as uint16 bits, see tensorref.Tensor.raw)."""
     import numpy as np
     frags = [s.model["frozen_param_fragments"][name] for s in shards]
+    _one_dtype(frags, name)
     whole = np.concatenate([f.raw() for f in frags])[:math.prod(shape)]
     return frags[0].dtype, whole.reshape(shape)
+
+
+def _one_dtype(fragments, name: str) -> None:
+    """The ranks' fragments of one frozen parameter join as bits of one dtype."""
+    if len({f.dtype for f in fragments}) != 1:
+        raise CheckpointError(f"frozen parameter {name}: its fragments have different dtypes "
+                              f"({', '.join(sorted({f.dtype for f in fragments}))}) across "
+                              f"the ranks' model states; files from different runs?")
 
 
 def consolidate(meta: CheckpointMeta, kinds: Sequence[str] = KINDS) -> dict[str, dict]:
