@@ -330,3 +330,20 @@ def test_a_short_frozen_fragment_is_refused_where_its_rank_is_opened(ckpt_copy, 
     assert f"frozen parameter {name}'s fragment" in one_line(e) and str(path) in one_line(e)
     r = run_cli(["export", str(save), "-o", str(tmp_path / "fp32"), "--format", "fp32"], {})
     assert r.returncode == 2 and "fragment" in r.stderr and not (tmp_path / "fp32").exists()
+
+
+def test_module_keys_and_buffer_names_of_every_rank_are_bounded(ckpt_copy):
+    """Attack 6.06 and 6.11: the layer rules' regular expressions backtrack with the square
+    of a key's length, and a stage-3 merge classifies each rank's own module keys (those in
+    its buffer_names): a key 'norm' * 60,000 in rank 1's file cost a recover ~60 s. Every
+    rank's module keys and buffer names are bounded as parameter names."""
+    tag = ckpt_copy("w2_fp32_one") / "global_step10"
+    path = tag / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    sd = torch.load(path, weights_only=False)
+    sd["module"]["norm" * 1000 + "x"] = torch.zeros(1)
+    sd["buffer_names"] = [*sd.get("buffer_names", []), "norm" * 1000 + "x"]
+    torch.save(sd, path)
+    meta = read_meta(tag)  # rank 0's file is whole
+    with pytest.raises(CheckpointError) as e:
+        open_shard(meta, 1)
+    assert "not a parameter name" in one_line(e) and str(path) in one_line(e)

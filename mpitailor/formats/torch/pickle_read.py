@@ -71,15 +71,40 @@ def _small_key(key):
             stack.extend(x.keys())
             stack.extend(x.values())
         elif isinstance(x, opaque.Opaque):
-            if x._how == "newobj":  # a plain object: a dataclass's is unhashable in Python
+            if x._how == "newobj" or x.__dict__.get("_state") is not opaque.NOSTATE:
+                # a plain object (a dataclass's is unhashable in Python), or one with a
+                # state: stand-ins hash by name and arguments, so N of one hash and other
+                # states would cost N**2 comparisons as keys
                 raise pickle.UnpicklingError("an object as a dict key or set member")
             stack.extend((x._args, x.__dict__.get("_state")))
     return key
 
 
+MAX_SAME_HASH = 64  # keys of one dict (members of one set) with one hash: real ones have 1
+
+
+class _Keys:
+    """How many keys of one container share each hash. Ints hash modulo 2**61 - 1 and a
+    tuple's hash can be steered by its last int, so a file can give thousands of keys one
+    hash; the container then compares each new key with all of them (N**2/2 comparisons:
+    15 s for 284 KB). Counted as keys are added, refused past MAX_SAME_HASH."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+
+    def add(self, key):
+        h = hash(_small_key(key))
+        n = self.seen[h] = self.seen.get(h, 0) + 1
+        if n > MAX_SAME_HASH:
+            raise pickle.UnpicklingError(f"over {MAX_SAME_HASH} keys of one hash in one dict "
+                                         f"or set (crafted to collide)")
+        return key
+
+
 def _set(items=()):
-    """`builtins.set` as pickles call it, of members cheap to hash."""
-    return set(_small_key(x) for x in items)
+    """`builtins.set` as pickles call it, of members cheap to hash, few of any one hash."""
+    keys = _Keys()
+    return set(keys.add(x) for x in items)
 
 
 def _bytearray(data=b""):
@@ -190,6 +215,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.values_only: set[int] = set()  # ids of globals that are values (dtypes, ...)
         self.globals: set[str] = set()  # every global the file names
         self.made = 0  # objects pushed so far (MAX_MADE)
+        self.keys: dict[int, _Keys] = {}  # id of a dict items are set in -> its keys' hashes
 
     def find_class(self, module: str, name: str):
         if not (_MODULE.fullmatch(module) and _NAME.fullmatch(name)):
@@ -291,7 +317,8 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_setitem(self):
         value = self.stack.pop()
         key = self.stack.pop()
-        self._target(dict, "SETITEM")[_small_key(key)] = value
+        target = self._target(dict, "SETITEM")
+        target[self._key_of(target, key)] = value
     dispatch[pickle.SETITEM[0]] = load_setitem
 
     def load_setitems(self):
@@ -300,8 +327,15 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if len(items) % 2:
             raise pickle.UnpicklingError("SETITEMS of an odd number of items")
         for i in range(0, len(items), 2):
-            target[_small_key(items[i])] = items[i + 1]
+            target[self._key_of(target, items[i])] = items[i + 1]
     dispatch[pickle.SETITEMS[0]] = load_setitems
+
+    def _key_of(self, target: dict, key):
+        """key, cheap to hash (_small_key) and not one too many of its hash in target."""
+        keys = self.keys.get(id(target))
+        if keys is None:
+            keys = self.keys[id(target)] = _Keys()
+        return keys.add(key)
 
     def _target(self, kind: type, op: str):
         if not self.stack:

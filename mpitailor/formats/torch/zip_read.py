@@ -24,11 +24,12 @@ from mpitailor.formats.torch.zip_format import (
 def read_records(f) -> dict[str, tuple[int, int, int]]:
     """{full record name: (data offset, size, CRC-32)} of the torch zip open as binary file
     f; zipfile.BadZipFile for a file that is not one, whose records lie past its end, share
-    a name (torch reads the first, zipfile the last), have names that differ only in case
-    (torch's miniz finds a name ignoring case: it may read the other) or overlap (one
-    record's bytes would be another's)."""
+    a name (torch reads the first, zipfile the last), have a name in upper case (torch writes
+    lower case and its miniz finds a name ignoring case: `BYTEORDER` or a second `DATA.PKL`
+    would be torch's record, not mpitailor's) or overlap (one record's bytes would be
+    another's)."""
     size = os.fstat(f.fileno()).st_size
-    out, spans, folded = {}, [], {}
+    out, spans = {}, []
     try:
         z = zipfile.ZipFile(f)
     except NotImplementedError as e:  # a "version needed" zipfile does not know
@@ -50,15 +51,14 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
         for info in z.infolist():
             if info.filename in out:
                 raise zipfile.BadZipFile(f"two records named {info.filename}")
-            if info.filename.partition("/")[2] == "constants.pkl":
+            rest = info.filename.partition("/")[2]
+            if rest != rest.lower():
+                raise zipfile.BadZipFile(f"record {info.filename!r:.80}: a name torch does not "
+                                         f"write (upper case)")
+            if rest == "constants.pkl":
                 # torch.load hands a zip holding it to torch.jit.load (TorchScript)
                 raise zipfile.BadZipFile(f"record {info.filename!r:.80}: a TorchScript archive, "
                                          f"not a checkpoint")
-            other = folded.setdefault(info.filename.encode().lower(), info.filename)
-            if other != info.filename:
-                raise zipfile.BadZipFile(f"records {other!r:.80} and {info.filename!r:.80}: "
-                                         f"names that differ only in case (torch finds a "
-                                         f"record ignoring case)")
             if info.compress_type != zipfile.ZIP_STORED:
                 raise zipfile.BadZipFile(f"record {info.filename} is compressed")
             if info.compress_size != info.file_size:  # miniz refuses a stored record so

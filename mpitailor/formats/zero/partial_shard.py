@@ -23,6 +23,7 @@ from mpitailor.formats.torch import load, materialize, require_regular
 from mpitailor.formats.zero.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
 from mpitailor.formats.zero.layout import ELEMENT, KINDS, Slot
 from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero.names import check_model_names
 from mpitailor.formats.zero.shard_protocol import Shard
 
 
@@ -116,6 +117,7 @@ def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
     files = meta.files
     checked = _check_sizes(meta, rank, crc=True)
     model = load(files.model_path(rank), opaque_ok=True)
+    check_model_names(files.model_path(rank), model)
     optim = materialize(load(files.optim_path(rank)))  # small: steps, groups
     if int(model.get("global_steps", -1)) != meta.global_steps:
         raise CheckpointError(f"{files.model_path(rank)}: disagrees with rank 0 (global_steps); "

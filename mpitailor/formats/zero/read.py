@@ -17,6 +17,7 @@ from mpitailor.formats.zero import files as zfiles
 from mpitailor.formats.zero.files import CheckpointFiles
 from mpitailor.formats.zero.layout import compute_layout
 from mpitailor.formats.zero.meta import DEFAULT_SUB_GROUP_SIZE, CheckpointMeta
+from mpitailor.formats.zero.names import check_model_names, check_name
 from mpitailor.formats.zero.partial_shard import check_partial_claims
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def _read_meta(files, view, model: dict, optim: dict) -> CheckpointMeta:
             f"{files.tag_dir}: {files.world_size} rank files but dp_world_size={world} and "
             f"partition_count={osd.get('partition_count')}; files from different runs?")
     shapes = _checked_shapes(files.model_path(0), model["param_shapes"])
+    check_model_names(files.model_path(0), model)
     layout = compute_layout(shapes, world, flat=files.flat)
     inner = osd["base_optimizer_state"] if files.flat else osd["optimizer_state_dict"]
     n_sub = len(layout.subgroup_sizes)
@@ -251,9 +253,9 @@ def _names_to(path: Path, model: dict, key: str, kind: type) -> list[tuple[str, 
                               f"{'shapes' if kind is tuple else 'names'}; a damaged or foreign "
                               f"model-states file")
     for name, value in items:
-        _check_name(path, key, name)
+        check_name(path, key, name)
         if kind is str:
-            _check_name(path, key, value)
+            check_name(path, key, value)
     return items
 
 
@@ -295,7 +297,6 @@ def _require_keys(path: Path, obj, keys: tuple[str, ...]) -> None:
 
 
 MAX_ELEMENTS = 1 << 48  # far beyond any parameter: a larger one is a damaged or crafted file
-MAX_NAME = 1024  # characters in a parameter's name: real ones have < 200
 
 
 def _elements(dims) -> int | None:
@@ -315,17 +316,6 @@ def _elements(dims) -> int | None:
     return n
 
 
-def _check_name(path: Path, key: str, name: str) -> None:
-    """A parameter name as torch makes them (dot-joined module and parameter names, none
-    empty), which the exports use as file and folder names (the Universal layout's
-    zero/<name>/) and safetensors keys: no path separator, NUL or control character, no
-    empty part (a `..`), not safetensors' reserved `__metadata__`."""
-    if not (0 < len(name) <= MAX_NAME) or "" in name.split(".") or name == "__metadata__" \
-            or any(c in "/\\" or ord(c) < 32 for c in name):
-        raise CheckpointError(f"{path}: {key} names a parameter {bounded(name)}, which is not a "
-                              f"parameter name (a damaged or crafted file)")
-
-
 def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
     """param_shapes as DeepSpeed writes it (a list of name -> shape mappings), or a clear
     CheckpointError: a crafted or damaged file must not reach the partition arithmetic."""
@@ -340,7 +330,7 @@ def _checked_shapes(path: Path, raw) -> list[dict[str, tuple[int, ...]]]:
         for name, shape in shapes.items():
             if not isinstance(name, str) or name in seen:
                 raise CheckpointError(f"{bad} (parameter {bounded(name)} is not a unique name)")
-            _check_name(path, "param_shapes", name)
+            check_name(path, "param_shapes", name)
             seen.add(name)
             try:
                 dims = tuple(int(d) for d in shape)

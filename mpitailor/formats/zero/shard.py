@@ -21,6 +21,7 @@ from mpitailor.formats.io import open_regular
 from mpitailor.formats.torch import Tensor, load, rawio, record_crcs, verify_records
 from mpitailor.formats.zero.layout import ELEMENT, KINDS
 from mpitailor.formats.zero.meta import CheckpointMeta
+from mpitailor.formats.zero.names import check_model_names
 from mpitailor.formats.zero.partial_shard import open_partial_shard
 from mpitailor.formats.zero.read import flat_mappings_agree
 from mpitailor.formats.zero.shard_protocol import Shard
@@ -65,6 +66,7 @@ def open_shard(meta: CheckpointMeta, rank: int) -> Shard:
     model = load(model_path, opaque_ok=True)
     if rank != 0 and not meta.files.flat:  # stage 1/2: one model-states file for all ranks
         _check_model_agrees(meta, model, model_path)
+    check_model_names(model_path, model)
     _check_frozen_fragments(meta, model, model_path)
     # One descriptor for the load, the checks and the copy: what is copied is what was
     # checked, whatever the name stands for later (reopen() checks it is still this file).
