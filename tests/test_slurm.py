@@ -297,6 +297,11 @@ def test_the_docs_hf_trainer_script_requeued_mid_save_resumes(env, tmp_path):
         wait_for("the step-6 save", lambda: (gate / "reached").exists(), 240)
         requeue = run(["scontrol", "requeue", job], env, timeout=30)
         assert requeue.returncode == 0, requeue.stderr
+        # Only once the requeued run has started (so the first run's rank 0, held before
+        # publishing, is gone): a go-ahead sooner raced the requeue's SIGTERM, and in one CI
+        # run under load rank 0 published checkpoint-6 before the signal came.
+        wait_for("the requeued run", lambda: out.exists() and "restart 1" in out.read_text(),
+                 240, interval=0.5)
         (gate / "go").touch()  # the requeued run passes the point
         assert finished(job, env) == "COMPLETED"
         text = out.read_text()
