@@ -143,19 +143,16 @@ def test_a_file_rewritten_in_place_is_refused_too(ckpt_copy):
         materialize(optim)
 
 
-def test_a_file_rewritten_in_place_with_its_mtime_set_back_is_refused(ckpt_copy):
-    """Second attack 6.02: the same inode and size, the mtime set back with utime after the
-    write: the ctime, which only the kernel sets, still says it changed."""
+def test_a_hard_link_or_chmod_is_no_change(ckpt_copy, tmp_path):
+    """Third attack 7.05: with the ctime in the identity (77dd660), a hard link (a backup's
+    `cp -al`, the node-local gather's own links) or a chmod to the same mode made a file
+    read as 'changed'. Its bytes did not change: it is read."""
     save = ckpt_copy("w2_fp32_one")
     path = save / OPTIM0
     optim = load(path)
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.write(b"\0" * 8)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert path.stat().st_mtime_ns == st.st_mtime_ns
-    with pytest.raises(CheckpointError, match="written to since"):
-        materialize(optim)
+    os.link(path, tmp_path / "backup.pt")
+    os.chmod(path, path.stat().st_mode)
+    materialize(optim)
 
 
 def test_extras_carry_the_bytes_their_load_checked(ckpt_copy, monkeypatch):

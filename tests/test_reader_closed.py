@@ -693,7 +693,7 @@ def test_stand_ins_compared_by_their_states_are_walked_first(tmp_path):
         return (b"cnumpy\ndtype\nX\x02\x00\x00\x00f4\x89\x88\x87R"
                 + b"}X\x01\x00\x00\x00s" + shared + b"sb")
     pkl = b"\x80\x02}" + key(100_000) + b"K\x01s" + key(200_000) + b"K\x02s."
-    refused(_torch_file(pkl, tmp_path / "x.pt"), "dict key", allow=("numpy",), opaque_ok=True)
+    refused(_torch_file(pkl, tmp_path / "x.pt"), "objects", allow=("numpy",), opaque_ok=True)
 
 
 def test_a_shape_of_thousands_of_huge_dims_is_refused_at_once(tmp_path):
@@ -832,13 +832,35 @@ def test_a_marker_record_in_upper_case_alone_is_refused(tmp_path):
     refused(rezip(recs, tmp_path / "x.pt"), "upper case")
 
 
-def test_stand_ins_with_a_state_are_no_dict_keys(tmp_path):
-    """Attack 6.09: N numpy.dtype stand-ins with BUILD states of their own as dict keys:
-    stand-ins hash by name and arguments, so all N shared one hash and the dict compared
-    them N**2/2 times (34 s for 225 KB)."""
-    key = b"cnumpy\ndtype\nX\x02\x00\x00\x00f4\x89\x88\x87RK\x01b"
-    pkl = b"\x80\x02}(" + key + b"K\x01" + key + b"K\x02u."
-    refused(_torch_file(pkl, tmp_path / "x.pt"), "dict key", allow=("numpy",), opaque_ok=True)
+def test_stand_ins_of_one_hash_with_other_states_are_bounded_as_keys(tmp_path):
+    """Attack 6.09: N numpy.dtype stand-ins with BUILD states of their own as dict keys all
+    hashed alike (stand-ins hash by name and arguments) and the dict compared them N**2/2
+    times (34 s for 225 KB): at most 64 keys of one hash are taken."""
+    key = lambda i: b"cnumpy\ndtype\nX\x02\x00\x00\x00f4\x89\x88\x87RJ" + struct.pack("<i", i) + b"b"
+    pkl = b"\x80\x02}(" + b"".join(key(i) + b"K\x01" for i in range(100)) + b"u."
+    refused(_torch_file(pkl, tmp_path / "x.pt"), "of one hash", allow=("numpy",),
+            opaque_ok=True)
+
+
+def test_numpy_scalars_as_dict_keys_and_set_members_are_read(tmp_path):
+    """Third attack 7.01: refusing every stand-in with a state as a key (b3515e3) refused
+    genuine client states keyed by numpy scalars (their dtype pickles with a state)."""
+    path = tmp_path / "x.pt"
+    torch.save({"a": {np.int64(0): 1.5, np.float32(0.5): 2}, "b": set(np.unique([3, 1, 3])),
+                "c": {np.str_("k"): 1}}, path)
+    got = load(path, allow=("numpy",), opaque_ok=True)
+    assert len(got["a"]) == 2 and len(got["b"]) == 2 and len(got["c"]) == 1
+
+
+def test_a_zip64_locator_of_several_disks_is_refused(tmp_path):
+    """Third attack 7.03: the locator's disk count set to 0: zipfile reads the file, miniz
+    refuses it ('unsupported multidisk archive')."""
+    path = tmp_path / "x.pt"
+    zip_write.write_torch_file(path, {"w": Tensor.of_bytes(bytes(8), "fp32", (2,))})
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<I", raw, raw.rindex(b"PK\x06\x07") + 16, 0)
+    path.write_bytes(bytes(raw))
+    refused(path, "several disks")
 
 
 @pytest.mark.parametrize("member", ["dict", "set"])

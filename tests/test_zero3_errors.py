@@ -347,3 +347,36 @@ def test_module_keys_and_buffer_names_of_every_rank_are_bounded(ckpt_copy):
     with pytest.raises(CheckpointError) as e:
         open_shard(meta, 1)
     assert "not a parameter name" in one_line(e) and str(path) in one_line(e)
+
+
+def test_a_strided_frozen_fragment_is_read_and_a_partial_saves_are_checked(ckpt_copy, tmp_path):
+    """Third attack 7.04 and 7.07: DeepSpeed saves a frozen parameter as param.detach().cpu(),
+    so a column slice of a wider buffer keeps its strides: such a fragment of the right length
+    is read (3fdbe0e refused it), and exported to the same values. A partial save's fragments
+    go through the same check (only those it holds)."""
+    from mpitailor.formats.zero.consolidate import consolidate
+    from mpitailor.formats.zero.frozen import check_frozen_fragments
+    save = ckpt_copy("w3_bf16_decay_tied_frozen")
+    tag = save / "global_step10"
+    name, before = None, None
+    for r in range(3):
+        path = tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+        sd = torch.load(path, weights_only=False)
+        name = next(iter(sd["frozen_param_fragments"]))
+        frag = sd["frozen_param_fragments"][name]
+        wide = torch.zeros(frag.numel(), 2, dtype=frag.dtype)
+        wide[:, 1] = frag
+        sd["frozen_param_fragments"][name] = wide[:, 1]  # stride (2,)
+        torch.save(sd, path)
+    meta = read_meta(tag)
+    got = consolidate(meta, kinds=("fp32",))["fp32"][name]
+    want = torch.cat([torch.load(fixture_tag_dir("w3_bf16_decay_tied_frozen", 10)
+                                 / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+                                 weights_only=False)["frozen_param_fragments"][name]
+                      for r in range(3)]).float()[:got.size].reshape(got.shape)
+    assert (torch.from_numpy(got) == want).all()
+    from mpitailor.formats.torch import Tensor
+    model = {"frozen_param_fragments": {name: Tensor.of_bytes(bytes(20), "bf16", (10,))}}
+    check_frozen_fragments(meta, {"frozen_param_fragments": {}}, tag, only_present=True)
+    with pytest.raises(CheckpointError, match="fragment is not the"):
+        check_frozen_fragments(meta, model, tag, only_present=True)

@@ -99,7 +99,9 @@ def _frozen_range(shards: Sequence[Shard], name: str, a: int, into) -> None:
         frag = s.model["frozen_param_fragments"][name]
         x, y = max(a, pos), min(b, pos + frag.numel())
         if x < y:
-            cast(frag.raw(x - pos, y - x), frag.dtype, "fp32", out=into[x - a: y - a])
+            bits = frag.raw(x - pos, y - x) if frag.is_contiguous() \
+                else frag.values()[x - pos: y - pos]  # a slice of a wider buffer, saved so
+            cast(bits, frag.dtype, "fp32", out=into[x - a: y - a])
         pos += frag.numel()
     if pos < b:
         raise RuntimeError(f"internal error: frozen parameter {name}: elements {pos}-{b} "

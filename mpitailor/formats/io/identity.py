@@ -1,5 +1,5 @@
-"""What a file was when mpitailor checked it (device, inode, size, mtime, ctime), so that a
-later open of it by name can tell that the name now stands for other bytes.
+"""What a file was when mpitailor checked it (device, inode, size, mtime), so that a later open
+of it by name can tell that the name now stands for other bytes.
 
 A merge parses and checks a source file once (and, with --verify, its CRCs), then reads it
 again by name: the copy step closes its descriptors between partitions to hold few at a
@@ -19,21 +19,21 @@ from mpitailor.errors import CheckpointError
 
 @dataclass(frozen=True, slots=True)
 class FileIdentity:
-    """A file as fstat saw it: the same name with another inode, size, mtime or ctime is
-    another file (or this one written since). The ctime because the mtime can be set back
-    (utime) after a write, and setting it is itself a change of the ctime, which nothing
-    but the kernel sets."""
+    """A file as fstat saw it: the same name with another inode, size or mtime is another
+    file (or this one written since). Not the ctime: a hard link (a backup's `cp -al`, the
+    node-local gather's own links) or a chmod changes it and no byte. What this cannot see:
+    a writer who rewrites the file in place and sets its mtime back (utime); --verify checks
+    the bytes read against the records' CRC-32s."""
 
     device: int
     inode: int
     size: int
     mtime_ns: int
-    ctime_ns: int
 
     @classmethod
     def of(cls, fd: int) -> FileIdentity:
         st = os.fstat(fd)
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def change(self, now: FileIdentity) -> str | None:
         """What differs in `now`, in words; None if nothing does."""
@@ -41,7 +41,7 @@ class FileIdentity:
             return "another file has its name now"
         if self.size != now.size:
             return f"{self.size} bytes when checked, {now.size} now"
-        if (self.mtime_ns, self.ctime_ns) != (now.mtime_ns, now.ctime_ns):
+        if self.mtime_ns != now.mtime_ns:
             return "written to since it was checked"
         return None
 

@@ -71,10 +71,7 @@ def _small_key(key):
             stack.extend(x.keys())
             stack.extend(x.values())
         elif isinstance(x, opaque.Opaque):
-            if x._how == "newobj" or x.__dict__.get("_state") is not opaque.NOSTATE:
-                # a plain object (a dataclass's is unhashable in Python), or one with a
-                # state: stand-ins hash by name and arguments, so N of one hash and other
-                # states would cost N**2 comparisons as keys
+            if x._how == "newobj":  # a plain object: a dataclass's is unhashable in Python
                 raise pickle.UnpicklingError("an object as a dict key or set member")
             stack.extend((x._args, x.__dict__.get("_state")))
     return key

@@ -100,7 +100,9 @@ def _check_framing(f, end_at: int, start_dir: int) -> None:
     locator = os.pread(fd, ZIP64_LOCATOR.size, loc_at) if loc_at >= 0 else b""
     if locator[:4] != b"PK\x06\x07":
         return  # no zip64 records: one end record, which both read
-    _, _, record_at, _ = ZIP64_LOCATOR.unpack(locator)
+    _, disk, record_at, disks = ZIP64_LOCATOR.unpack(locator)
+    if (disk, disks) != (0, 1):  # miniz: "unsupported multidisk archive"; zipfile takes 0 too
+        raise zipfile.BadZipFile("a zip64 locator of several disks")
     record = os.pread(fd, ZIP64_END.size, record_at) if record_at < loc_at else b""
     if record_at != loc_at - ZIP64_END.size or len(record) != ZIP64_END.size \
             or record[:4] != b"PK\x06\x06" or ZIP64_END.unpack(record)[1] != ZIP64_END.size - 12 \

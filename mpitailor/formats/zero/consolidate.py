@@ -38,7 +38,7 @@ def frozen_tensor(shards: Sequence[Shard], name: str, shape: tuple[int, ...]):
     import numpy as np
     frags = [s.model["frozen_param_fragments"][name] for s in shards]
     _one_dtype(frags, name)
-    whole = np.concatenate([f.raw() for f in frags])[:math.prod(shape)]
+    whole = np.concatenate([f.values() for f in frags])[:math.prod(shape)]
     return frags[0].dtype, whole.reshape(shape)
 
 

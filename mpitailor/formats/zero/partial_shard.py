@@ -21,6 +21,7 @@ from mpitailor.formats.manifest import Manifest, brief
 from mpitailor.formats.safetensors_header import parse_header, tensor_records
 from mpitailor.formats.torch import load, materialize, require_regular
 from mpitailor.formats.zero.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
+from mpitailor.formats.zero.frozen import check_frozen_fragments
 from mpitailor.formats.zero.layout import ELEMENT, KINDS, Slot
 from mpitailor.formats.zero.meta import CheckpointMeta
 from mpitailor.formats.zero.names import check_model_names
@@ -118,6 +119,7 @@ def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:
     checked = _check_sizes(meta, rank, crc=True)
     model = load(files.model_path(rank), opaque_ok=True)
     check_model_names(files.model_path(rank), model)
+    check_frozen_fragments(meta, model, files.model_path(rank), only_present=True)
     optim = materialize(load(files.optim_path(rank)))  # small: steps, groups
     if int(model.get("global_steps", -1)) != meta.global_steps:
         raise CheckpointError(f"{files.model_path(rank)}: disagrees with rank 0 (global_steps); "

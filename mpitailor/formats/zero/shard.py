@@ -8,7 +8,6 @@ moments are then read slice by slice with `read_into`. The model-states file is 
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -19,6 +18,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.io import open_regular
 from mpitailor.formats.torch import Tensor, load, rawio, record_crcs, verify_records
+from mpitailor.formats.zero.frozen import check_frozen_fragments
 from mpitailor.formats.zero.layout import ELEMENT, KINDS
 from mpitailor.formats.zero.meta import CheckpointMeta
 from mpitailor.formats.zero.names import check_model_names
@@ -67,7 +67,7 @@ def open_shard(meta: CheckpointMeta, rank: int) -> Shard:
     if rank != 0 and not meta.files.flat:  # stage 1/2: one model-states file for all ranks
         _check_model_agrees(meta, model, model_path)
     check_model_names(model_path, model)
-    _check_frozen_fragments(meta, model, model_path)
+    check_frozen_fragments(meta, model, model_path)
     # One descriptor for the load, the checks and the copy: what is copied is what was
     # checked, whatever the name stands for later (reopen() checks it is still this file).
     fd = open_regular(optim_path, "a ZeRO optim file", follow=True)
@@ -92,24 +92,6 @@ def open_all_shards(meta: CheckpointMeta) -> Iterator[list[Shard]]:
     """Every rank's shard, in rank order; all closed on exit, also when one fails to open."""
     with ExitStack() as stack:
         yield [stack.enter_context(open_shard(meta, r)) for r in range(meta.world_size)]
-
-
-def _check_frozen_fragments(meta: CheckpointMeta, model: dict, path) -> None:
-    """Each frozen parameter's fragment in this rank's model states as DeepSpeed saves it: a
-    contiguous tensor of the parameter's floating dtype, of ceil(n / W) elements under
-    stage 3 (the rank's partition, padded), all n under stages 1 and 2. The exports join the
-    ranks' fragments end to end: a short one would shift every later element (second
-    attack 6.03: elements of another tensor came out of an export, exit 0)."""
-    fragments = model.get("frozen_param_fragments") or {}
-    for name, shape in meta.frozen_shapes:
-        n = math.prod(shape)
-        want = -(-n // meta.world_size) if meta.zero_stage == 3 else n
-        t = fragments.get(name) if isinstance(fragments, dict) else None
-        if not (isinstance(t, Tensor) and t.numel() == want and t.is_contiguous()
-                and t.is_floating_point()):
-            raise CheckpointError(f"{path}: frozen parameter {name}'s fragment is not the "
-                                  f"{want} contiguous floating-point elements DeepSpeed saves "
-                                  f"for it; a damaged or crafted file")
 
 
 def _check_model_agrees(meta: CheckpointMeta, model: dict, path) -> None:
