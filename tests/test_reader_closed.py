@@ -877,3 +877,13 @@ def test_keys_crafted_to_share_one_hash_are_refused(tmp_path, member):
     else:
         pkl = b"\x80\x02cbuiltins\nset\n](" + b"".join(keys) + b"e\x85R."
     refused(_torch_file(pkl, tmp_path / "x.pt"), "of one hash")
+
+
+def test_a_tensor_of_a_dtype_mpitailor_does_not_read_says_so(tmp_path):
+    """Third attack 7.02: a genuine complex64 tensor was refused with 'if you trust this file,
+    --safe-globals torch.ComplexFloatStorage allows it', and the flag then gave 'unreadable
+    or truncated'. No flag makes mpitailor read such a dtype: the line says what it reads."""
+    path = tmp_path / "c.pt"
+    torch.save({"c": torch.zeros(2, dtype=torch.complex64)}, path)
+    msg = refused(path, "a dtype mpitailor does not read", "ComplexFloatStorage")
+    assert "--safe-globals" not in msg

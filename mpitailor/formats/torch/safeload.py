@@ -20,6 +20,7 @@ import os
 import pickle
 import stat
 import struct
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -134,6 +135,9 @@ def _refusal(path: Path, e: pickle_read.Refused, opaque_ok: bool) -> str:
     else:
         what = (f"it pickles {e.name} outside mpitailor's allow-list (Namespace, numpy, "
                 f"your script's own classes)")
+    if re.fullmatch(r"torch\.\w+Storage", e.name):  # no flag makes mpitailor read it
+        return (f"{path}: holds a tensor of a dtype mpitailor does not read ({e.name}; it "
+                f"reads {', '.join(sorted(pickle_read.STORAGE_TYPES))})")
     # (never suggested for Python's own modules: that is how payloads run code)
     hint = f" (if you trust this file, --safe-globals {e.name} allows it)" \
         if e.name.split(".")[0] not in sys.stdlib_module_names else ""
