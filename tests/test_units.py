@@ -111,3 +111,16 @@ def test_a_layer_selector_may_be_an_unquoted_number(tmp_path):
                                  f"output: {tmp_path / 'o'}\n", origin="r.yml",
                                  base_dir=tmp_path) for k in ("'3'", "3"))
     assert bare.layer_rules == quoted.layer_rules == (('3', 'a'), ('rest', 'b'))
+
+
+def test_make_dirs_under_makes_folders_under_its_root_and_no_others(tmp_path):
+    """Its guard against names with '..' (da436b5) refused the root itself once (a CI run:
+    every node-local export called it with the staging dir as both)."""
+    from mpitailor.errors import MergeFailed
+    from mpitailor.publish.staging import make_dirs_under
+    make_dirs_under(tmp_path, tmp_path)
+    make_dirs_under(tmp_path, tmp_path / "zero" / "a.weight")
+    assert (tmp_path / "zero" / "a.weight").is_dir()
+    with pytest.raises(MergeFailed, match="not a folder under"):
+        make_dirs_under(tmp_path / "zero", tmp_path / "zero" / ".." / ".." / "x")
+    assert not (tmp_path.parent / "x").exists()

@@ -301,7 +301,8 @@ def make_dirs_under(root: Path, folder: Path) -> None:
     mkdir(parents=True), which would bring back a staging dir that a signal's clean-up
     has just removed (then left behind when the process ends). A folder that would not lie
     under root once `..` is resolved is refused: the names in it come from checkpoints."""
-    if Path(root) not in Path(os.path.normpath(folder)).parents:
+    resolved = Path(os.path.normpath(folder))
+    if resolved != Path(root) and Path(root) not in resolved.parents:
         raise MergeFailed(f"internal error: {folder} is not a folder under {root}")
     missing = []
     for p in (folder, *folder.parents):
