@@ -49,6 +49,21 @@ def launch(spec: TrainSpec, *, module: str = "dev.tinytrain.worker",
 
     Raises TrainFailed with the tail of the failing rank's log.
     """
+    for attempt in range(_PORT_TRIES):
+        try:
+            return _launch(spec, module, timeout, log_dir)
+        except TrainFailed as e:
+            # free_port's port is free when asked, not when rank 0 binds it: another test's
+            # process (pytest -n 2) took it once in CI. Nothing was trained yet: again.
+            if "EADDRINUSE" not in str(e) or attempt == _PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_TRIES = 3
+
+
+def _launch(spec: TrainSpec, module: str, timeout: float, log_dir: Path | None) -> dict:
     Path(spec.save_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mpitailor-train-") as tmp:
         spec_path = Path(tmp) / "spec.json"
