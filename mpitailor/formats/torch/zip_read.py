@@ -103,12 +103,16 @@ def _check_framing(f, end_at: int, start_dir: int) -> None:
     _, disk, record_at, disks = ZIP64_LOCATOR.unpack(locator)
     if (disk, disks) != (0, 1):  # miniz: "unsupported multidisk archive"; zipfile takes 0 too
         raise zipfile.BadZipFile("a zip64 locator of several disks")
-    record = os.pread(fd, ZIP64_END.size, record_at) if record_at < loc_at else b""
-    if record_at != loc_at - ZIP64_END.size or len(record) != ZIP64_END.size \
-            or record[:4] != b"PK\x06\x06" or ZIP64_END.unpack(record)[1] != ZIP64_END.size - 12 \
-            or ZIP64_END.unpack(record)[9] != start_dir:
-        raise zipfile.BadZipFile("a zip64 end record that is not where its locator says, or "
-                                 "that names another central directory")
+    bad = zipfile.BadZipFile("a zip64 end record that is not where its locator says, or that "
+                             "names another central directory")
+    if record_at != loc_at - ZIP64_END.size:
+        raise bad
+    record = os.pread(fd, ZIP64_END.size, record_at)
+    if len(record) != ZIP64_END.size:
+        raise bad
+    signature, rest, *_, cd_offset = ZIP64_END.unpack(record)
+    if signature != 0x06064B50 or rest != ZIP64_END.size - 12 or cd_offset != start_dir:
+        raise bad
 
 
 def _check_central_directory(f, start: int, length: int, count: int, size: int) -> None:
