@@ -105,3 +105,28 @@ def test_an_export_that_is_not_one_names_the_new_choices(capsys):
         build_parser().parse_args(["merge", "r.yml", "--export", "safetensor"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and re.search(r"choose from '?hf'?, '?universal'?", err), err
+
+
+def test_a_merge_and_its_weights_exports_are_one_program(ckpt, tmp_path):
+    """A merge whose base carries 16-bit weights (rebuilt) with `--export hf` in 100 KB
+    shards writes its partitions and every weights file in one copy program: the ranks'
+    --stats count every byte of every one of those files once (the rank that made it), and
+    each file is one unit of the program, laid out by one rank: the partitions, then the
+    weights files."""
+    import json
+    new, old = ckpt("hf_w3_bf16_weights_tied", 10), ckpt("hf_w3_bf16_weights_tied", 5)
+    out, stats = tmp_path / "merged", tmp_path / "stats.json"
+    r = run_cli([str(RECIPES / "parity.yml"), "--export", "hf", "--dtype", "fp32",
+                 "--max-shard-size", "100KB", "--stats", str(stats)],
+                recipe_env(new, old, out), ranks=3)
+    assert r.returncode == 0, r.stderr
+    rebuilt = sorted(out.glob("*.safetensors"))
+    exported = sorted(out.glob("hf/model-*.safetensors"))
+    assert rebuilt and len(exported) > 1
+    tag = next(out.glob("global_step*"))
+    program = [*tag.glob("*_states.pt"), *rebuilt, *exported]
+    ranks = json.loads(stats.read_text())["ranks"]
+    assert sum(s["bytes_written"] for s in ranks) == sum(f.stat().st_size for f in program)
+    partitions = 3  # units 0-2; the weights files after them
+    assert sorted(u for s in ranks for u in s["homes"]) == \
+        list(range(partitions + len(rebuilt) + len(exported)))

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers.utils.hub import convert_file_size_to_int
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.engine import storage
+from mpitailor.engine import copyio
 from mpitailor.engine.copyio import join_crcs
 from mpitailor.formats.manifest import MANIFEST
 from mpitailor.formats.zero.layout import ELEMENT
@@ -123,7 +123,7 @@ def test_max_shard_size_cuts_as_save_pretrained_and_loads(exports, ckpt, tmp_pat
     assert {p.name for p in sharded.glob("model*.safetensors")} == set(oracle.filename_to_tensors)
     # The reference: one file (the default size), in-process, cast and written 1000 elements
     # at a time, so every parameter is read in several chunks.
-    monkeypatch.setattr(storage, "COPY_CHUNK", 1000 * ELEMENT)
+    monkeypatch.setattr(copyio, "COPY_CHUNK", 1000 * ELEMENT)
     for k, v in recipe_env(new, old, tmp_path / "one").items():
         monkeypatch.setenv(k, v)
     run_merge(Comm(None), plan_merge(Comm(None), str(RECIPES / "parity.yml")),

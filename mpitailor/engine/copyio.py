@@ -1,22 +1,27 @@
 """The engine's one copy engine: byte ranges moved between files through a bounded buffer with
 the CRC-32 taken on the way, double-buffered with a writer thread; kernel copies where a record
 goes unchanged. Merges copy bytes as they are; the HF/fp32 exports read fp32 elements and write
-them cast to the output dtype (Copier.cast). All I/O goes through storage.py.
+them cast to the output dtype (Copier.cast). All I/O goes through formats/io/storage.py.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from mpitailor.engine import storage
-from mpitailor.engine.storage import (
+from mpitailor.formats.io import (
+    crc32,
+    crc32_combine,
     fsync_close,
     kernel_copy,
     pread_into,
     write_out,
 )
-from mpitailor.formats.io import crc32, crc32_combine
 from mpitailor.formats.zero import ELEMENT
+
+COPY_CHUNK = 512 << 10  # bytes per read/write, the copy engine's whole buffer: small enough
+# that what preadv brings in is still in the CPU's L2 cache when the CRC and pwrite read it
+# (8 MiB chunks made a 1-rank merge 1.5-3x slower on the development machine: three passes
+# through RAM). Read as copyio.COPY_CHUNK when a Copier is made, so a test can shrink it.
 
 
 def join_crcs(ranges: Iterable[tuple[int, int, int]], crc: int = 0, pos: int = 0
@@ -39,13 +44,13 @@ def sync_close(copier: Copier, outs: dict[str, int]) -> None:
 
 
 class Copier:
-    """Moves chunks of storage.COPY_CHUNK bytes, double-buffered: while a writer thread
+    """Moves chunks of COPY_CHUNK bytes, double-buffered: while a writer thread
     pwrites one chunk, this thread reads (and casts) the next and takes its CRC (preadv, the
     cast, the CRC and pwrite all release the GIL), so that one rank keeps two cores busy.
     Memory: two chunks, and two more for the casts once cast() is used."""
 
     def __init__(self) -> None:
-        self.chunk = storage.COPY_CHUNK
+        self.chunk = COPY_CHUNK
         self.raw = [bytearray(self.chunk) for _ in range(2)]
         self.bufs = [memoryview(b) for b in self.raw]
         self.pending: list[Future | None] = [None, None]
@@ -132,7 +137,7 @@ class Copier:
 
 def copy_unchanged(src: int, off: int, n: int, dst: int, dst_off: int, copier: Copier,
                    path: str) -> None:
-    """Copy n bytes inside the kernel (storage.kernel_copy); through the copier's buffers
+    """Copy n bytes inside the kernel (storage.kernel_copy, formats/io); through the copier's buffers
     where the file systems cannot."""
     done = kernel_copy(src, off, n, dst, dst_off, path)
     if done < n:

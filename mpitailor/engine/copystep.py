@@ -9,6 +9,7 @@ rank to join.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor import failpoints
@@ -17,10 +18,21 @@ from mpitailor.cluster.exchange import Exchanged, Request, exchange
 from mpitailor.cluster.nodes import Placement, shard_paths
 from mpitailor.engine.copyio import Copier, copy_unchanged, sync_close
 from mpitailor.engine.progress import Progress
-from mpitailor.engine.storage import CrcWriter, open_output, pread_exact
 from mpitailor.engine.weights_copy import Weights
-from mpitailor.formats.io import crc32_combine, crc32_zeros
-from mpitailor.formats.zero import ELEMENT, CheckpointMeta, Shard, open_shard, optim_file
+from mpitailor.formats.io import (
+    CrcWriter,
+    crc32_combine,
+    crc32_zeros,
+    open_output,
+    pread_exact,
+)
+from mpitailor.formats.zero import (
+    ELEMENT,
+    CheckpointMeta,
+    Shard,
+    open_shard,
+    optim_file,
+)
 from mpitailor.planning import program
 from mpitailor.planning.plan import MergePlan
 
@@ -64,27 +76,39 @@ class Shards:
     close = release
 
 
-def output_file(plan: MergePlan | None, b: program.Buffer) -> str:
-    """The output file of buffer b, relative to the output dir (a tag dir; for HF weights,
-    the dir they go to)."""
+@dataclass(frozen=True)
+class Program:
+    """What one run of the executor writes under `root`: its buffers, and what they are
+    made of: the merge plan's pieces (partitions, Universal files; their files under
+    root/TAG) and the casts of `weights` (HF weights files)."""
+
+    bufs: tuple[program.Buffer, ...]
+    plan: MergePlan | None
+    weights: Weights | None
+    root: Path
+
+
+def output_file(prog: Program, b: program.Buffer) -> str:
+    """The output file of buffer b, under the program's root."""
     if b.kind == program.WEIGHTS:
         return b.param
+    tag = prog.plan.base_meta.files.tag
     if program.is_partition(b):
-        return optim_file(b.unit, plan.base_meta.files.bf16_prefix)
-    return f"zero/{b.param}/{b.kind}.pt"
+        return f"{tag}/{optim_file(b.unit, prog.plan.base_meta.files.bf16_prefix)}"
+    return f"{tag}/zero/{b.param}/{b.kind}.pt"
 
 
 class Copy:
-    """This rank's byte ranges of the output buffers: planned (pieces clipped to its tasks,
-    each piece local or held on another node), then the remote pieces fetched over MPI,
-    then the local ones copied, every range's CRC-32 taken on the way. weights: what the
-    program's HF weights buffers are made of (a program of them only)."""
+    """This rank's byte ranges of the output buffers: planned (each buffer by its kind's
+    fill: pieces clipped to its tasks, each local or held on another node; the casts of an
+    HF weights file's tensors), then the remote pieces fetched over MPI, then the local
+    ones copied or cast, every range's CRC-32 taken on the way."""
 
-    def __init__(self, plan: MergePlan | None, bufs, tasks: list[program.Task],
-                 offsets: dict[int, int], tag_dir: Path, verify: bool,
-                 opened: Shards, weights: Weights | None = None) -> None:
-        self.plan, self.bufs, self.tasks, self.offsets = plan, bufs, tasks, offsets
-        self.tag_dir, self.opened, self.weights = tag_dir, opened, weights
+    def __init__(self, prog: Program, tasks: list[program.Task], offsets: dict[int, int],
+                 verify: bool, opened: Shards) -> None:
+        plan, bufs = prog.plan, prog.bufs
+        self.prog, self.tasks, self.offsets = prog, tasks, offsets
+        self.opened, self.weights = opened, prog.weights
         self.outs: dict[str, int] = {}
         self.copier = Copier()
         self.shards: dict[tuple[str, int], Shard] = {}   # the local ones these tasks read
@@ -93,16 +117,16 @@ class Copy:
         self.dests: dict[int, tuple[str, int]] = {}       # key -> (out file, offset)
         self.plans = []
         pieces_of: dict[int, dict] = {}
-        if weights is not None:
-            self.plans = [(t, bufs[t.buffer], weights.runs(bufs[t.buffer], t)) for t in tasks]
-            if tasks:
-                weights.open_all(opened.get)
-                if verify:
-                    weights.verify(opened.get, self.plans)
-            opened.release()
-            return
+        used: dict[tuple[str, int], set] = {}  # the source records read: --verify's
+        casts = False
         for t in tasks:
             b = bufs[t.buffer]
+            if b.kind == program.WEIGHTS:
+                runs = self.weights.runs(b, t)
+                self.weights.records_read(runs, used)
+                self.plans.append((t, b, runs))
+                casts = True
+                continue
             if b.unit not in pieces_of:
                 pieces_of[b.unit] = program.pieces(plan, b.unit) if program.is_partition(b) \
                     else {-1: program.param_pieces(plan, b.param)}
@@ -112,18 +136,22 @@ class Copy:
                 if opened.local(p.source, p.src_rank):
                     if (p.source, p.src_rank) not in self.shards:
                         self.shards[p.source, p.src_rank] = opened.get(p.source, p.src_rank)
+                    used.setdefault((p.source, p.src_rank), set()).add((b.kind, p.src_group))
                     continue
                 key = len(self.dests)
                 self.remote[len(self.plans), j] = key
-                self.dests[key] = (output_file(plan, b),
+                self.dests[key] = (output_file(prog, b),
                                    offsets[t.buffer] + p.dst_start * ELEMENT)
                 reader = opened.reader(p.source, p.src_rank, t.buffer)
                 self.wanted.setdefault(reader, []).append(Request(
                     key, (p.source, p.src_rank, b.kind, p.src_group, p.src_start, p.length),
                     p.length * ELEMENT))
             self.plans.append((t, b, ps))
+        if casts:  # every rank of every checkpoint, in order: a damaged one is met, and
+            self.weights.open_all(opened.get)  # named, by every rank that writes
         if verify:
-            _verify(self.shards, self.plans)
+            for key, kinds in used.items():
+                opened.get(*key).verify(kinds)
         failpoints.hit("read")
         opened.release()  # reopened partition by partition below: few descriptors at a time
 
@@ -155,7 +183,7 @@ class Copy:
 
     def _out(self, name: str) -> int:
         if name not in self.outs:
-            self.outs[name] = open_output(self.tag_dir / name)
+            self.outs[name] = open_output(self.prog.root / name)
         return self.outs[name]
 
     def run(self, moved: Exchanged, bar: Progress | None) -> tuple[dict, tuple[int, int]]:
@@ -171,10 +199,10 @@ class Copy:
                 sync_close(copier, outs)
                 self.opened.release()
                 unit = b.unit
-            out = self._out(output_file(self.plan, b))
+            out = self._out(output_file(self.prog, b))
             base = self.offsets[t.buffer]  # file offset of the buffer's byte 0
-            if self.weights is not None:  # cast: every piece read from its checkpoint
-                crc = self.weights.write(copier, self.opened.get, ps, out, base + t.lo)
+            if b.kind == program.WEIGHTS:  # cast: every piece read from its checkpoint
+                crc = self.weights.write(copier, self.opened.get, b, ps, out, base + t.lo)
                 crcs.setdefault(t.buffer, []).append((t.lo, t.hi, crc))
                 written += t.hi - t.lo
                 bar.update(t.hi - t.lo)
@@ -251,12 +279,3 @@ def _whole_record(b: program.Buffer, t: program.Task, ps,
         return None
     rec = shards[p.source, p.src_rank].whole_record(b.kind, p.src_group)
     return rec[0] if rec is not None and rec[1] == b.nbytes else None
-
-
-def _verify(shards: dict[tuple[str, int], Shard], plans) -> None:
-    used: dict[tuple[str, int], set] = {}
-    for _, b, ps in plans:
-        for p in ps:
-            used.setdefault((p.source, p.src_rank), set()).add((b.kind, p.src_group))
-    for key, kinds in used.items():
-        shards[key].verify(kinds)

@@ -105,20 +105,60 @@ def plan_sources(plan: MergePlan) -> dict[str, CheckpointMeta]:
     return {name: metas[src] for name, src in (*plan.param_source, *plan.frozen_source)}
 
 
+def rebuild_plan(meta: CheckpointMeta, base: BaseWeights) -> WeightsPlan:
+    """The base's 16-bit weights rebuilt from `meta`'s tensors, in the base's layout: one
+    model.safetensors, or the base's shard files holding the same tensors each, with an
+    index."""
+    tensors = _tensors(meta)
+    names = [n for n, _ in tensors]
+    if base.weight_map is None:
+        return plan_weights(tensors, base.dtype, [(SINGLE, names)], index=False)
+    return plan_weights(tensors, base.dtype, like_base(names, dict(base.weight_map)),
+                        index=True)
+
+
+def export_plan(meta: CheckpointMeta, dtype: str,
+                max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> WeightsPlan:
+    """`--export hf`'s files: `meta`'s tensors in `dtype`, in shards of at most
+    max_shard_size bytes as `save_pretrained` cuts them (one model.safetensors if they fit,
+    else an index too)."""
+    tensors = _tensors(meta)
+    sizes = [(n, math.prod(shape) * DTYPES[dtype].itemsize) for n, shape in tensors]
+    files = by_size(sizes, max_shard_size)
+    return plan_weights(tensors, dtype, files, index=len(files) > 1)
+
+
+def write_index(dest: Path, plan: WeightsPlan) -> dict:
+    """Rank 0 only, after the files: the plan's index, if it has one; {file: record}."""
+    return {} if plan.index is None else {INDEX: write_synced(dest / INDEX, plan.index)}
+
+
+def write_side_files(staged: CheckpointMeta, side_dir: Path | None, dest: Path, dtype: str,
+                     config: Path | None = None) -> dict:
+    """Rank 0 only: an HF export's config and tokenizer files from side_dir and `config`
+    (side_files) into dest (made), the config saying `dtype`; {file: record}."""
+    dest.mkdir(exist_ok=True)
+    records = {}
+    for name, src in side_files(side_dir, config).items():
+        if name == "config.json":  # the config says which dtype the weights are in
+            config_json = read_config(src, NO_CONFIG_HINT, follow=config is not None)
+            warn_if_another_model(src, config_json, _tensors(staged))
+            for key in ("torch_dtype", "dtype"):
+                if key in config_json or key == "dtype":
+                    config_json[key] = DTYPES[dtype].torch
+            records[name] = write_synced(dest / name, json.dumps(config_json, indent=2).encode())
+        else:  # a link of a user's dir comes resolved (given_dir_files): none followed
+            records[name] = write_synced(dest / name, read_small(
+                src, MAX_SIDE_FILE_BYTES, "a model's tokenizer file"))
+    return records
+
+
 def write_hf_weights(comm: Comm, meta: CheckpointMeta, dest: Path, base: BaseWeights,
                      sources: dict[str, CheckpointMeta] | None = None) -> dict:
     """Collective: rebuild the base's 16-bit weights from `meta` (the merged checkpoint, or
-    the plan's base with `sources`: plan_sources) into dest, in the base's layout: one
-    model.safetensors, or the base's shard files holding the same tensors each, with an
-    index. Returns {file: manifest record}."""
-    def plan() -> WeightsPlan:
-        tensors = _tensors(meta)
-        names = [n for n, _ in tensors]
-        if base.weight_map is None:
-            return plan_weights(tensors, base.dtype, [(SINGLE, names)], index=False)
-        return plan_weights(tensors, base.dtype, like_base(names, dict(base.weight_map)),
-                            index=True)
-    return write_planned(comm, meta, dest, comm.root_step(plan), sources)
+    the plan's base with `sources`: plan_sources) into dest (rebuild_plan). Returns {file:
+    manifest record}."""
+    return write_planned(comm, meta, dest, comm.root_step(rebuild_plan, meta, base), sources)
 
 
 def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPlan,
@@ -131,8 +171,7 @@ def write_planned(comm: Comm, meta: CheckpointMeta, dest: Path, plan: WeightsPla
     verify: first check every source record read against its CRC (reads them whole), as
     merge --verify does."""
     records = write_weights(comm, Weights.of(plan, meta, sources), dest, verify)
-    if plan.index is not None:
-        records.update(comm.root_step(lambda: {INDEX: write_synced(dest / INDEX, plan.index)}))
+    records.update(comm.root_step(write_index, dest, plan))
     return records
 
 
@@ -140,32 +179,9 @@ def export_hf(comm: Comm, staged: CheckpointMeta, side_dir: Path | None, dest: P
               dtype: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
               sources: dict[str, CheckpointMeta] | None = None, config: Path | None = None,
               verify: bool = False) -> dict:
-    """Collective: `--export hf`: consolidated weights in `dtype` into dest, in
-    shards of at most max_shard_size bytes as `save_pretrained` cuts them (one
-    model.safetensors if they fit, else an index too), plus config and tokenizer files from
-    side_dir and `config` (side_files). sources, verify: as write_planned's."""
-    def prepare() -> dict:
-        dest.mkdir(exist_ok=True)
-        records = {}
-        for name, src in side_files(side_dir, config).items():
-            if name == "config.json":  # the config says which dtype the weights are in
-                config_json = read_config(src, NO_CONFIG_HINT, follow=config is not None)
-                warn_if_another_model(src, config_json, _tensors(staged))
-                for key in ("torch_dtype", "dtype"):
-                    if key in config_json or key == "dtype":
-                        config_json[key] = DTYPES[dtype].torch
-                records[name] = write_synced(dest / name,
-                                             json.dumps(config_json, indent=2).encode())
-            else:  # a link of a user's dir comes resolved (given_dir_files): none followed
-                records[name] = write_synced(dest / name, read_small(
-                    src, MAX_SIDE_FILE_BYTES, "a model's tokenizer file"))
-        return records
-
-    def plan() -> WeightsPlan:
-        tensors = _tensors(staged)
-        sizes = [(n, math.prod(shape) * DTYPES[dtype].itemsize) for n, shape in tensors]
-        files = by_size(sizes, max_shard_size)
-        return plan_weights(tensors, dtype, files, index=len(files) > 1)
-    records = comm.root_step(prepare)
-    records.update(write_planned(comm, staged, dest, comm.root_step(plan), sources, verify))
+    """Collective: `--export hf`: consolidated weights in `dtype` into dest (export_plan),
+    plus config and tokenizer files (write_side_files). sources, verify: as write_planned's."""
+    records = comm.root_step(write_side_files, staged, side_dir, dest, dtype, config)
+    plan = comm.root_step(export_plan, staged, dtype, max_shard_size)
+    records.update(write_planned(comm, staged, dest, plan, sources, verify))
     return records

@@ -21,9 +21,16 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.exchange import Request, exchange
 from mpitailor.cluster.nodes import Nodes, Placement
-from mpitailor.engine.storage import CrcWriter, close_all, create_sized, fsync_close
 from mpitailor.errors import CheckpointError, MergeFailed
-from mpitailor.formats.io import copy_synced, crc32, open_regular
+from mpitailor.formats.io import (
+    CrcWriter,
+    close_all,
+    copy_synced,
+    crc32,
+    create_sized,
+    fsync_close,
+    open_regular,
+)
 from mpitailor.formats.zero import CheckpointMeta, partial_files
 from mpitailor.publish.staging import make_dirs_under
 

@@ -15,12 +15,17 @@ from mpitailor.engine.execute import write_partitions
 from mpitailor.engine.hf_weights import (
     base_weights,
     export_hf,
+    export_plan,
     has_config,
     plan_sources,
+    rebuild_plan,
     write_hf_weights,
+    write_index,
+    write_side_files,
 )
 from mpitailor.engine.replicate import carry_files, replicate
 from mpitailor.engine.universal import export_universal
+from mpitailor.engine.weights_copy import Weights
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.io import write_synced
 from mpitailor.formats.manifest import Manifest, MergeFields
@@ -34,6 +39,7 @@ from mpitailor.formats.zero import (
     read_meta,
     resolve,
 )
+from mpitailor.planning import program
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.plan import MergePlan, make_plan
 from mpitailor.planning.recipe import Recipe, load_recipe
@@ -134,24 +140,29 @@ def _write_merge(comm: Comm, planned: Planned, opts: MergeOptions) -> MergeResul
     # rank when every node keeps its own copy of the output, else rank 0.
     leaders = place.nodes.leaders() if out_nodes is not None else [0]
     tag = plan.base_meta.files.tag
+    # What lies beside the base's tag dir is read where it is: under node-local storage,
+    # on the node of the base's rank 0 (the one with `latest`, scripts, HF files).
+    beside = place.reader([plan.base_meta.files.model_path(0)]) if place.node_local else 0
+    rebuild = comm.step_on(beside, base_weights, plan.base_meta)
     with staged(comm, plan.output, leaders, tag) as staging:
         root = staging.dir
-        records, mine = write_partitions(comm, plan, root / tag, verify, progress, universal,
-                                         place, out_nodes)
+        # the sources are read where every rank sees them; node-local ones are not
+        exports = _Exports(plan, root, rebuild, export_dtype, universal, max_shard_size,
+                           from_sources=not place.node_local)
+        # weights read from the sources into an output every rank sees: in the merge's
+        # own copy program (one pass, each source shard read once)
+        weights, files = exports.planned(comm) if out_nodes is None else (None, {})
+        records, mine = write_partitions(comm, plan, root, verify, progress, universal,
+                                         place, out_nodes, weights)
         # each rank's node by name: a benchmark or a user sums bytes per node from it
         stats = [{**st, "node": place.nodes.names[place.nodes.of_rank[r]]}
                  for r, st in enumerate(comm.allgather(mine))]
         by_rank = comm.allgather(records)
-        files = {f"{tag}/{name}": rec for part in by_rank for name, rec in part.items()}
-        # What lies beside the base's tag dir is read where it is: under node-local storage,
-        # on the node of the base's rank 0 (the one with `latest`, scripts, HF files).
-        beside = place.reader([plan.base_meta.files.model_path(0)]) if place.node_local else 0
-        rebuild = comm.step_on(beside, base_weights, plan.base_meta)
-        # the sources are read where every rank sees them; node-local ones are not
-        exports = _Exports(plan, root, rebuild, export_dtype, universal, max_shard_size,
-                           from_sources=not place.node_local)
+        files.update({name: rec for part in by_rank for name, rec in part.items()})
+        if weights is not None:
+            files.update(exports.indexes(comm, weights))
         if exports.wanted and out_nodes is None:
-            files.update(exports.write(comm))
+            files.update(exports.write(comm, weights_written=weights is not None))
         elif exports.wanted:
             moved = _export_on_first_node(comm, place, exports, by_rank, files)
             stats = [{**st, **{k: st[k] + m[k] for k in m}} for st, m in zip(stats, moved)]
@@ -193,17 +204,40 @@ class _Exports:
         staged rank-0 files, the weights do unless read from the sources."""
         return self.universal or not self.from_sources
 
-    def write(self, comm: Comm) -> dict:
+    def planned(self, comm: Comm) -> tuple[Weights | None, dict]:
+        """Collective, before the merge's copy program: the weights files it writes when
+        they are read from the sources (rank 0 plans them), `--export hf`'s side files
+        written; (the weights or None, {file: record} of the side files)."""
+        if not self.from_sources:
+            return None, {}
+        meta, plans, files = self.plan.base_meta, [], {}
+        if self.rebuild is not None:  # the base carried 16-bit weights: rebuild them
+            plans.append(("", comm.root_step(rebuild_plan, meta, self.rebuild)))
+        if self.export_dtype is not None:
+            side = comm.root_step(write_side_files, meta, extras_dir(meta), self.root / "hf",
+                                  self.export_dtype)
+            files.update({f"hf/{name}": rec for name, rec in side.items()})
+            plans.append(("hf", comm.root_step(export_plan, meta, self.export_dtype,
+                                               self.max_shard_size)))
+        return (Weights.of_merge(plans, self.plan) if plans else None), files
+
+    def indexes(self, comm: Comm, weights: Weights) -> dict:
+        """Collective, after the program: the index of each weights plan that has one."""
+        return {program.weights_name(folder, name): rec for folder, wp in weights.plans
+                for name, rec in comm.root_step(write_index, self.root / folder, wp).items()}
+
+    def write(self, comm: Comm, weights_written: bool = False) -> dict:
         """Collective over the ranks that see the whole staged checkpoint (and, with
-        from_sources, the sources): {file: record}."""
+        from_sources, the sources): {file: record}. weights_written: the merge's program
+        wrote the weights (planned): only the Universal export is left."""
         files = {}
         root, tag = self.root, self.plan.base_meta.files.tag
         staged = comm.root_step(read_meta, root / tag) if self.reads_staged else None
         meta, sources = (self.plan.base_meta, plan_sources(self.plan)) if self.from_sources \
             else (staged, None)
-        if self.rebuild is not None:  # the base carried 16-bit weights: rebuild them
+        if self.rebuild is not None and not weights_written:
             files.update(write_hf_weights(comm, meta, root, self.rebuild, sources))
-        if self.export_dtype is not None:
+        if self.export_dtype is not None and not weights_written:
             exported = export_hf(comm, meta, extras_dir(self.plan.base_meta), root / "hf",
                                  self.export_dtype, self.max_shard_size, sources)
             files.update({f"hf/{name}": rec for name, rec in exported.items()})
@@ -222,8 +256,7 @@ def _export_on_first_node(comm: Comm, place: Placement, exports: _Exports,
     other node. Adds the exports to `files`; returns every rank's bytes moved over MPI."""
     nodes, tag, root = place.nodes, exports.plan.base_meta.files.tag, exports.root
     node = nodes.of_rank[comm.rank]
-    writer_node = {f"{tag}/{name}": nodes.of_rank[r] for r, part in enumerate(by_rank)
-                   for name in part}
+    writer_node = {name: nodes.of_rank[r] for r, part in enumerate(by_rank) for name in part}
     gathered = {f: rec for f, rec in files.items()
                 if exports.reads_staged and writer_node.get(f, 0) != 0}
     moved = [replicate(comm, nodes, root, gathered, writer_node, {f: [0] for f in gathered})]
@@ -284,8 +317,8 @@ def _finish_on_nodes(comm: Comm, plan: MergePlan, place: Placement, staging: Sta
     tag = base.files.tag
     nodes = place.nodes
     # Each node holds its partitions; every other file (metadata, exports) is on every node.
-    node_files = {name: sorted(f"{tag}/{f}" for r in nodes.ranks(i) for f in by_rank[r]
-                               if not f.startswith("zero/"))
+    node_files = {name: sorted(f for r in nodes.ranks(i) for f in by_rank[r]
+                               if not f.startswith(f"{tag}/zero/"))
                   for i, name in enumerate(nodes.names)}
 
     def manifest() -> Manifest:

@@ -26,13 +26,12 @@ judge by whether a save builds on it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io import LOCAL, loads
+from mpitailor.formats.io import LOCAL, fsync_dir, loads
 from mpitailor.formats.zero import Lineage
 from mpitailor.jobs.readable import cannot_read
 from mpitailor.planning.chain import Pruned
@@ -158,9 +157,5 @@ def _folder(folder: Path) -> Path:
         folder.mkdir()
     except FileExistsError:
         return folder
-    fd = os.open(folder.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(folder.parent)
     return folder

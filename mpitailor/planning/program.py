@@ -41,10 +41,10 @@ class Buffer:
     data of an HF weights file (kind WEIGHTS: fp32 elements cast to its dtype)."""
 
     unit: int       # the files one home rank lays out: partition p, Universal file i at
-    kind: str       # W2 + i (W2 the output world size), HF weights file i
+    kind: str       # W2 + i (W2 the output world size), HF weights files after them
     subgroup: int   # the partition's sub-group; -1 for a Universal parameter or HF file
     nbytes: int
-    param: str = ""  # the Universal parameter; an HF weights file's name
+    param: str = ""  # the Universal parameter; an HF weights file's path under the output
 
 
 WEIGHTS = "weights"  # the kind of an HF weights file's buffer
@@ -73,10 +73,17 @@ def buffers(plan: MergePlan, universal: bool = False) -> tuple[Buffer, ...]:
     return tuple(out)
 
 
-def weights_buffers(weights: WeightsPlan) -> tuple[Buffer, ...]:
-    """The data of every file of an HF weights plan (after its header), file i unit i."""
-    return tuple(Buffer(i, WEIGHTS, -1, f.size - len(f.prefix), f.name)
+def weights_buffers(weights: WeightsPlan, first_unit: int = 0,
+                    folder: str = "") -> tuple[Buffer, ...]:
+    """The data of every file of an HF weights plan (after its header), file i unit
+    first_unit + i, named by its path under the output dir (its plan's folder there)."""
+    return tuple(Buffer(first_unit + i, WEIGHTS, -1, f.size - len(f.prefix),
+                        weights_name(folder, f.name))
                  for i, f in enumerate(weights.files))
+
+
+def weights_name(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
 
 
 def is_partition(b: Buffer) -> bool:

@@ -27,7 +27,7 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
 from mpitailor.errors import MergeFailed, UserError
-from mpitailor.formats.io import created, write_synced
+from mpitailor.formats.io import created, fsync_dir, write_synced
 from mpitailor.formats.manifest import Manifest
 from mpitailor.publish import interrupt, leftovers
 from mpitailor.publish.leftovers import DISCARD, LOCK, OLD, STAGING, path_of
@@ -311,17 +311,6 @@ def make_dirs_under(root: Path, folder: Path) -> None:
         missing.append(p)
     for p in reversed(missing):
         p.mkdir(exist_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some file systems refuse fsync on directories
-        if e.errno not in (errno.EINVAL, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:

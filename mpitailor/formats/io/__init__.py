@@ -1,5 +1,6 @@
-"""The package's file I/O below the checkpoint formats: bounded reads, byte ranges, whole
-files with their manifest record, CRC-32, the file system a job sees.
+"""The package's file I/O below the checkpoint formats, its one I/O seam: bounded reads, byte
+ranges of files held open (storage.py), whole files with their manifest record (fileio.py),
+CRC-32, the file system a job sees.
 
 The face (lazyface.py): what the rest of the package imports from here, by name."""
 from __future__ import annotations
@@ -15,7 +16,12 @@ EXPORTS = {
     "read_small": "boundedio", "shown": "boundedio", "too_large": "boundedio",
     "crc32": "crc", "crc32_combine": "crc", "crc32_zeros": "crc",
     "FILE_CHUNK": "fileio", "copy_synced": "fileio", "crc32_of": "fileio", "created": "fileio",
-    "read_exact": "fileio", "read_into": "fileio", "write_synced": "fileio",
+    "fsync_dir": "fileio", "read_exact": "fileio", "read_into": "fileio",
+    "read_upto": "fileio", "write_synced": "fileio",
+    "CrcWriter": "storage", "close_all": "storage", "create_sized": "storage",
+    "fsync_close": "storage", "kernel_copy": "storage", "open_output": "storage",
+    "pread_exact": "storage", "pread_into": "storage", "pwrite_all": "storage",
+    "pwrite_synced": "storage", "write_out": "storage",
     "FileIdentity": "identity", "open_same": "identity", "require_same": "identity",
     "Entry": "fsview", "LINK": "fsview", "LOCAL": "fsview", "UnionView": "fsview",
     "listing": "fsview",

@@ -1,15 +1,17 @@
 """Whole-file I/O: a new file written and fsynced with its manifest record, a file copied so,
-a whole file's CRC-32, one buffer size for every whole-file read, and the one loop that
-fills a buffer from a byte range of a file (read_into; read_exact gives the bytes).
+a whole file's CRC-32, a directory fsynced, one buffer size for every whole-file read, and
+the one loop that fills a buffer from a byte range of a file (read_into and read_exact: all
+of it or an error; read_upto: what there is).
 
-The engine's storage seam (engine/storage.py) moves byte ranges between files it holds open;
-this is its counterpart for files read or written whole, kept in the format layer so that the
-writers of formats/ (hf/stwrite.py, torch/zip_write.py) and everything above them share it. A file is
+storage.py beside it moves byte ranges between files held open; this is its counterpart for
+files read or written whole, shared by the readers and writers of formats/ and everything
+above them. A file is
 created here, never overwritten ("x"), and trusted only once fsynced; what is published is
 then renamed into place by publish/staging.py, which fsyncs the directory. Torch-free.
 """
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,16 +24,32 @@ from mpitailor.formats.io.filerecord import FileRecord
 FILE_CHUNK = 4 << 20  # bytes a whole-file read or copy holds at a time
 
 
-def read_into(fd: int, offset: int, out) -> None:
-    """Fill the writable buffer `out` (a numpy array, a bytearray) with the bytes at
-    `offset` of file `fd`; EOFError if the file ends first."""
-    view = memoryview(out).cast("B")
+def _fill(fd: int, offset: int, view: memoryview) -> int:
+    """Read the bytes at `offset` of file `fd` into view until it is full or the file ends
+    (a pread may return fewer bytes than asked anywhere); how many came."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            raise EOFError(f"file ends {len(view) - done} bytes early")
+            break
         done += n
+    return done
+
+
+def read_into(fd: int, offset: int, out) -> None:
+    """Fill the writable buffer `out` (a numpy array, a bytearray) with the bytes at
+    `offset` of file `fd`; EOFError if the file ends first."""
+    view = memoryview(out).cast("B")
+    done = _fill(fd, offset, view)
+    if done < len(view):
+        raise EOFError(f"file ends {len(view) - done} bytes early")
+
+
+def read_upto(fd: int, n: int, offset: int) -> bytes:
+    """The bytes at `offset` of file `fd`: n of them, fewer where the file ends first (the
+    caller checks what came)."""
+    out = bytearray(n)
+    return bytes(out[:_fill(fd, offset, memoryview(out))])
 
 
 def read_exact(fd: int, n: int, offset: int) -> bytes:
@@ -60,6 +78,18 @@ def write_synced(path: Path | str, *chunks) -> dict:
             rec.update(chunk)
             f.write(chunk)
     return rec.record()
+
+
+def fsync_dir(path: Path | str) -> None:
+    """fsync a directory: the names created, renamed or removed in it are then durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 def copy_synced(src: BinaryIO, dst: Path | str) -> dict:

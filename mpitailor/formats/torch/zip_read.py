@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import zipfile
 
-from mpitailor.formats.io import crc32
+from mpitailor.formats.io import crc32, read_upto
 from mpitailor.formats.torch.zip_format import (
     CENTRAL,
     DOS_DIRECTORY,
@@ -70,7 +70,7 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
                 raise zipfile.BadZipFile(f"record {info.filename!r:.60}: flags "
                                          f"{info.flag_bits:#x} (encrypted, or its name not "
                                          f"UTF-8)")
-            head = os.pread(f.fileno(), LOCAL.size, info.header_offset)
+            head = read_upto(f.fileno(), LOCAL.size, info.header_offset)
             if len(head) < LOCAL.size or head[:4] != b"PK\x03\x04":
                 raise zipfile.BadZipFile(f"record {info.filename}: no local header")
             name_len, extra_len = LOCAL.unpack(head)[-2:]
@@ -93,11 +93,11 @@ def _check_framing(f, end_at: int, start_dir: int) -> None:
     locator; zipfile takes the record just before it, so a second directory would be torch's
     alone), naming the central directory zipfile read."""
     fd = f.fileno()
-    if os.pread(fd, 4, 0) != b"PK\x03\x04":
+    if read_upto(fd, 4, 0) != b"PK\x03\x04":
         raise zipfile.BadZipFile("the file does not begin with a zip record (torch would read "
                                  "it as a legacy pickle)")
     loc_at = end_at - ZIP64_LOCATOR.size
-    locator = os.pread(fd, ZIP64_LOCATOR.size, loc_at) if loc_at >= 0 else b""
+    locator = read_upto(fd, ZIP64_LOCATOR.size, loc_at) if loc_at >= 0 else b""
     if locator[:4] != b"PK\x06\x07":
         return  # no zip64 records: one end record, which both read
     _, disk, record_at, disks = ZIP64_LOCATOR.unpack(locator)
@@ -107,7 +107,7 @@ def _check_framing(f, end_at: int, start_dir: int) -> None:
                              "names another central directory")
     if record_at != loc_at - ZIP64_END.size:
         raise bad
-    record = os.pread(fd, ZIP64_END.size, record_at)
+    record = read_upto(fd, ZIP64_END.size, record_at)
     if len(record) != ZIP64_END.size:
         raise bad
     signature, rest, *_, cd_offset = ZIP64_END.unpack(record)
@@ -121,7 +121,7 @@ def _check_central_directory(f, start: int, length: int, count: int, size: int) 
     comment runs past the directory's end, or that names another disk; miniz refuses both."""
     if start + length > size:
         raise zipfile.BadZipFile("the central directory runs past the end of the file")
-    data = os.pread(f.fileno(), length, start)
+    data = read_upto(f.fileno(), length, start)
     at = 0
     for _ in range(count):
         if at + CENTRAL.size > len(data) or data[at:at + 4] != b"PK\x01\x02":
@@ -215,7 +215,7 @@ def _record(f, records: dict[str, tuple[int, int, int]], name: str, most: int
     offset, size, crc = records[name]
     if size > most:
         raise zipfile.BadZipFile(f"a {name.partition('/')[2]} of {size} bytes")
-    data = os.pread(f.fileno(), size, offset)
+    data = read_upto(f.fileno(), size, offset)
     if len(data) != size or crc32(data) != crc:
         raise zipfile.BadZipFile(f"{name.partition('/')[2]} fails its CRC-32 check")
     return data

@@ -1,8 +1,9 @@
-"""The engine's one storage seam: every read, write, kernel copy and fsync of the executor and
-the exports goes through these few calls, with one chunk size (COPY_CHUNK).
+"""Byte ranges of files held open: every read, write, kernel copy and fsync of the executor,
+the exports and the replication of outputs between nodes goes through these few calls (whole
+files go through fileio.py beside it; together, the package's one I/O seam).
 
-Kept apart from the copy engine (copyio.Copier) so that the rules of the file system live in
-one place: a pread or pwrite may move fewer bytes than asked (loop), a short read means a
+Kept apart from the copy engine (engine/copyio.py) so that the rules of the file system live
+in one place: a pread or pwrite may move fewer bytes than asked (loop), a short read means a
 truncated source (say so, with its path), copy_file_range is missing across file systems
 (tell the caller to copy by hand), writeback is started as bytes are written (writeback.py),
 and an output is durable only after its fsync.
@@ -14,14 +15,11 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from mpitailor.engine import writeback
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io import crc32, read_exact
+from mpitailor.formats.io import writeback
+from mpitailor.formats.io.crc import crc32
+from mpitailor.formats.io.fileio import read_exact
 
-COPY_CHUNK = 512 << 10  # bytes per read/write, the copy engine's whole buffer: small enough
-# that what preadv brings in is still in the CPU's L2 cache when the CRC and pwrite read it
-# (8 MiB chunks made a 1-rank merge 1.5-3x slower on the development machine: three passes
-# through RAM). Read as storage.COPY_CHUNK when a Copier is made, so a test can shrink it.
 KERNEL_CHUNK = 64 << 20  # bytes per copy_file_range call: large, yet writeback starts early
 _NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
