@@ -8,7 +8,7 @@ import sys
 
 from mpitailor.cli.commands import cmd_export, cmd_merge, cmd_recover
 from mpitailor.cli.tools import (cmd_clean, cmd_diff, cmd_inspect, cmd_paths, cmd_prune,
-                                 cmd_slurm_prologue, cmd_stats_plot)
+                                 cmd_slurm_prologue, cmd_stats_plot, cmd_verify)
 from mpitailor.errors import UserError
 
 
@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     common(d)
     d.set_defaults(func=cmd_diff, uses_mpi=True)
 
+    v = sub.add_parser("verify", help="read back every file mpitailor recorded and check its "
+                                      "size and CRC-32 (exit 0: as recorded, 1: differs; "
+                                      "MPI-parallel)")
+    v.add_argument("path", help="a merge, recover or export output, a partial save, or a dir "
+                                "that holds some (a save dir)")
+    common(v)
+    v.set_defaults(func=cmd_verify, uses_mpi=True)
+
     i = sub.add_parser("inspect", help="describe a ZeRO checkpoint (stages 1-3) layer by layer")
     i.add_argument("checkpoint", help="tag dir, save dir with `latest`, or HF checkpoint-N/")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -228,7 +236,7 @@ def check_path_lengths(args: argparse.Namespace) -> None:
 
 
 SUBCOMMANDS = ("merge", "recover", "export", "diff", "inspect", "stats", "paths",
-               "slurm-prologue", "clean", "prune")
+               "slurm-prologue", "clean", "prune", "verify")
 
 
 def with_subcommand(argv: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
-"""The commands that read, clean or prune: inspect, diff, stats plot, clean, prune, paths,
-slurm-prologue. Options in from argparse, one report out (rank 0). Jobs are imported when
+"""The commands that read, clean or prune: inspect, diff, verify, stats plot, clean, prune,
+paths, slurm-prologue. Options in from argparse, one report out (rank 0). Jobs are imported when
 a command runs, so that `--help` and argument errors cost no more than the parser."""
 from __future__ import annotations
 
@@ -32,6 +32,27 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.comm.rank == 0:
         print(json.dumps(rep, indent=2) if args.json else format_diff(rep), flush=True)
     return 0 if rep["identical"] else 1
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mpitailor.display import shown
+    from mpitailor.jobs.verify import run_verify
+    rep = run_verify(args.comm, Path(args.path).resolve())
+    if args.comm.rank == 0:
+        for line in rep.differ:
+            print(f"mpitailor: differs: {line}")
+        for line in rep.not_verified:
+            print(f"mpitailor: not verified: {line}")
+        gb = rep.bytes / 1e9
+        verdict = f"{len(rep.differ)} difference(s) (listed above)" if rep.differ \
+            else "every file as recorded"
+        print(f"mpitailor: verified {rep.files} file(s), {gb:.3f} GB, of "
+              f"{len(rep.outputs)} output(s) under {shown(args.path)} with "
+              f"{args.comm.size} rank(s) in {rep.seconds:.2f} s "
+              f"({gb / max(rep.seconds, 1e-9):.2f} GB/s): {verdict}", flush=True)
+    return 1 if rep.differ else 0
 
 
 def cmd_stats_plot(args: argparse.Namespace) -> int:

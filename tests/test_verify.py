@@ -1,0 +1,217 @@
+"""`mpitailor verify PATH`: every file an output recorded read back against its record (size,
+CRC-32), at any number of ranks; what differs named, one line each, exit 1; what no record
+covers named as not verified; crafted manifests never make it read outside the output."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import tree_digest
+from merging import RECIPES, recipe_env, run_cli
+
+from mpitailor.jobs.verify import _inside, _split
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    """A parity merge of a real run with its HF export (partitions, model states, latest,
+    extras, hf/): the output every test below damages a copy of."""
+    from ckpt_fixtures import tag_dir
+    out = tmp_path_factory.mktemp("verify") / "merged"
+    r = run_cli([str(RECIPES / "parity.yml"), "--export", "hf", "--no-progress"],
+                recipe_env(tag_dir("w2_fp32_one", 10), tag_dir("w2_fp32_one", 5), out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture
+def copy(merged, tmp_path):
+    dst = tmp_path / "merged"
+    shutil.copytree(merged, dst, symlinks=True)
+    return dst
+
+
+def verify(path: Path, ranks: int = 1):
+    return run_cli(["verify", str(path)], {}, ranks=ranks)
+
+
+def differs(r) -> list[str]:
+    return sorted(line.removeprefix("mpitailor: differs: ")
+                  for line in r.stdout.splitlines() if line.startswith("mpitailor: differs: "))
+
+
+def optim_file(out: Path) -> Path:
+    return next(out.glob("global_step*/*optim_states.pt"))
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_merge_as_published_verifies_clean_and_is_not_modified(merged, ranks):
+    before = tree_digest(merged)
+    r = verify(merged, ranks)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = json.loads((merged / "mpitailor_manifest.json").read_text())["files"]
+    assert f"verified {len(files)} file(s)" in r.stdout and "every file as recorded" in r.stdout
+    assert tree_digest(merged) == before
+
+
+DAMAGE = {
+    # name -> (what it does to the output, the words the line must hold)
+    "one bit flipped": (lambda f: _flip(f, f.stat().st_size // 2), "CRC-32"),
+    "last byte flipped": (lambda f: _flip(f, f.stat().st_size - 1), "CRC-32"),
+    "truncated": (lambda f: os.truncate(f, f.stat().st_size - 7), "recorded"),
+    "grown": (lambda f: f.open("ab").write(b"\0"), "recorded"),
+    "missing": (lambda f: f.unlink(), "missing"),
+    "a link to the same bytes": (lambda f: _relink(f), "symbolic link"),
+    "a fifo": (lambda f: (f.unlink(), os.mkfifo(f)), "not a regular file"),
+    "a directory": (lambda f: (f.unlink(), f.mkdir()), "not a regular file"),
+}
+
+
+def _flip(f: Path, at: int) -> None:
+    data = bytearray(f.read_bytes())
+    data[at] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+def _relink(f: Path) -> None:
+    keep = f.with_name(f.name + ".real")
+    f.rename(keep)
+    f.symlink_to(keep.name)
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damage_to_any_recorded_file_is_named_at_every_rank_count(copy, case):
+    """A damaged optimizer file (and, for the link, the file it points to, which the record
+    does not name) is said in one line naming it, exit 1; the same lines at 1, 2 and 3
+    ranks (a fifo never blocks a reader)."""
+    damage, words = DAMAGE[case]
+    target = optim_file(copy)
+    damage(target)
+    seen = []
+    for ranks in (1, 2, 3):
+        r = verify(copy, ranks)
+        assert r.returncode == 1, r.stdout + r.stderr
+        lines = differs(r)
+        assert any(str(target) in line and words in line for line in lines), lines
+        seen.append(lines)
+    assert seen[0] == seen[1] == seen[2]
+
+
+def test_a_file_the_record_does_not_name_differs(copy):
+    (copy / "global_step10" / "zero_pp_rank_9_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    r = verify(copy)
+    assert r.returncode == 1
+    assert differs(r) == [f"{copy}/global_step10/zero_pp_rank_9_mp_rank_00_optim_states.pt: "
+                          f"in the output but not in its mpitailor_manifest.json"]
+
+
+@pytest.mark.parametrize("name", ["../outside", "/etc/hostname", "global_step10/../../outside",
+                                  "a//b", "./latest", "", "a\\b", "x\0y", "lnk/secret"])
+def test_a_crafted_record_never_reads_outside_the_output(copy, tmp_path, name):
+    """A manifest naming a file outside the output (or through a link in it) is a difference
+    in one line; the file outside is never read (its record would match if it were)."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"secret")
+    (copy / "lnk").symlink_to(tmp_path)
+    (tmp_path / "secret").write_bytes(b"secret")
+    path = copy / "mpitailor_manifest.json"
+    doc = json.loads(path.read_text())
+    doc["files"][name] = {"bytes": 6, "crc32": "4c14ccb8"}  # crc32(b"secret")
+    doc["files"]["lnk"] = {"bytes": 0, "crc32": "00000000"}
+    path.write_text(json.dumps(doc))
+    r = verify(copy)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = differs(r)
+    assert any("not a plain path inside the output" in line for line in lines), lines
+    assert not any("secret" in line and "CRC" in line for line in lines)
+
+
+def test_records_of_the_wrong_shape_are_differences(copy):
+    path = copy / "mpitailor_manifest.json"
+    doc = json.loads(path.read_text())
+    name = next(iter(doc["files"]))
+    doc["files"][name] = {"bytes": -1, "crc32": "zz"}
+    path.write_text(json.dumps(doc))
+    r = verify(copy, 2)
+    assert r.returncode == 1
+    assert any(name in line and "is not {bytes, crc32}" in line for line in differs(r))
+
+
+def test_a_save_dir_verifies_its_partial_saves_and_names_the_full_ones(ckpt_copy):
+    """A layer-wise run's save dir: every partial save checked (its manifest records its
+    files), the full save named as not verified; a bit flipped in a partial save's slice
+    file is found."""
+    run = ckpt_copy("w2_parity")
+    r = verify(run, 2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"not verified: {run}/global_step2: a full save" in r.stdout
+    assert "of 3 output(s)" in r.stdout
+    target = run / "global_step6" / "rank_1_layers.safetensors"
+    _flip(target, target.stat().st_size - 3)
+    r = verify(run, 2)
+    assert r.returncode == 1
+    assert differs(r) == [f"{target}: CRC-32" + differs(r)[0].split("CRC-32", 1)[1]]
+
+
+def test_a_staging_dir_is_named_not_verified(copy, tmp_path):
+    (tmp_path / ".merged.mpitailor-staging").mkdir()
+    r = verify(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "staging dir" in r.stdout and "of 1 output(s)" in r.stdout
+
+
+@pytest.mark.parametrize("what", ["not a dir", "no outputs"])
+def test_nothing_to_verify_is_one_line_exit_2(tmp_path, what):
+    path = tmp_path / "f"
+    if what == "not a dir":
+        path.write_text("x")
+    else:
+        path.mkdir()
+    for ranks in (1, 2):
+        r = verify(path, ranks)
+        assert r.returncode == 2
+        errors = [line for line in r.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and str(path) in errors[0], r.stderr
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_work_split_reads_every_recorded_byte_once(seed):
+    rng = random.Random(seed)
+    sizes = [rng.choice([0, 1, 7, 4096, rng.randint(0, 10**7)]) for _ in range(rng.randint(1, 30))]
+    for ranks in (1, 2, 3, rng.randint(4, 70)):
+        work = _split(sizes, ranks)
+        seen: dict[int, list[tuple[int, int]]] = {}
+        for tasks in work:
+            for i, lo, hi in tasks:
+                seen.setdefault(i, []).append((lo, hi))
+        for i, n in enumerate(sizes):
+            spans = sorted(seen[i])  # every file, even of 0 bytes, is opened by some rank
+            assert spans[0][0] == 0 and spans[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        loads = [sum(hi - lo for _, lo, hi in tasks) for tasks in work]
+        assert max(loads) - min(loads) <= 1
+
+
+NAME_PARTS = ["a", "b", "..", ".", "", "/", "\\", "\0", "lnk", "ok.pt", "~", " "]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_recorded_name_leads_outside_the_output(tmp_path, seed):
+    """Property: for any name a manifest may hold, _inside gives None or a path that lies
+    inside the output once resolved (no `..`, no absolute path, no link on the way)."""
+    out = tmp_path / "out"
+    (out / "a").mkdir(parents=True)
+    (out / "lnk").symlink_to(tmp_path)
+    rng = random.Random(seed)
+    for _ in range(300):
+        name = "".join(rng.choice(NAME_PARTS) + rng.choice(["/", ""])
+                       for _ in range(rng.randint(1, 6)))
+        where = _inside(out, name)
+        if where is not None:  # its last part is opened with O_NOFOLLOW: its folder counts
+            folder = Path(os.path.realpath(where.parent))
+            assert folder.is_relative_to(os.path.realpath(out)), name
+            assert where.name not in ("", ".", ".."), name
