@@ -17,16 +17,43 @@ DeepSpeed's files, Accelerate's in its empty checkpoint dir, HF's before the opt
 trainer state; detail: the checkpoint-N or tag name), "reclaim" (a stale lock taken by
 `clean` or a run, its leftovers not yet removed; detail: the output's name). RANK is the MPI rank, or the training rank (RANK) in a training process.
 Unset, it costs one environment lookup per point.
+
+Crash points (issue 44): every step of the I/O seam (formats/io: a file created, written,
+copied, fsynced; a directory fsynced; publish/staging.py: a rename, a removal) calls
+`io_step`. MPITAILOR_CRASH_AT="N[:RANK]" kills the process by SIGKILL just before its N-th
+step (RANK as above, default 0); MPITAILOR_CRASH_LOG=FILE appends "RANK N WHAT" per step, so
+that a clean run enumerates them (bench/crash_points.py). Unset, two environment lookups
+per step.
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import signal
 import time
 from pathlib import Path
 
 ENV = "MPITAILOR_FAILPOINT"
+CRASH_AT = "MPITAILOR_CRASH_AT"
+CRASH_LOG = "MPITAILOR_CRASH_LOG"
+_steps = itertools.count(1)  # next() is atomic: the copy engine's writer thread steps too
+
+
+def io_step(what: str) -> None:
+    """One step of the I/O seam, about to be taken: counted; the process killed before it
+    when it is the chosen one."""
+    at, log = os.environ.get(CRASH_AT), os.environ.get(CRASH_LOG)
+    if not at and not log:
+        return
+    n = next(_steps)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{_rank()} {n} {what}\n")
+    if at:
+        step, _, rank = at.partition(":")
+        if int(step) == n and int(rank or 0) == _rank():
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def hit(point: str, detail: str | None = None) -> None:

@@ -128,8 +128,13 @@ def read_record(save_dir: Path, view=LOCAL) -> frozenset[str]:
 
 
 def write_record(save_dir: Path, ids: set[str] | frozenset[str]) -> Path:
-    """Record the ids prune keeps tombstones for (durably, as write_tombstone)."""
+    """Record the ids prune keeps tombstones for (durably, as write_tombstone). The
+    tombstones' dir is made first (durably too): a record listing ids is never there without
+    it, which read_tombstones takes for a lost dir (a prune killed between the two made
+    recovery refuse the save dir: bench/crash_points.py found it)."""
     final = save_dir / RECORD
+    if ids:
+        _folder(save_dir / PRUNED_DIR)
     _folder(final.parent)
     record = {"format": RECORD_FORMAT, "tombstones": sorted(ids)}
     write_replacing(final, json.dumps(record, indent=0).encode())

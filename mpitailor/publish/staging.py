@@ -91,6 +91,7 @@ class Staging:
         done += leftovers.reclaim(self.output.parent, skip=self.output.name)
         if done:
             log.warning("reclaimed what interrupted runs left: %s", "; ".join(done))
+        failpoints.io_step("mkdir")
         self.dir.mkdir()
         if tag is not None:
             (self.dir / tag).mkdir()
@@ -126,6 +127,7 @@ class Staging:
                     raise MergeFailed(f"{self.output}: appeared while merging (written by "
                                       f"something other than mpitailor?); nothing published")
                 else:
+                    failpoints.io_step("rename")
                     os.rename(self.dir, self.output)
                 self._published = True
         if not go:
@@ -198,14 +200,18 @@ def _replace(staged: Path, output: Path) -> None:
     removed only once the new one is in place (put back if the rename fails)."""
     old = path_of(output, OLD)
     if os.path.lexists(output):
+        failpoints.io_step("remove")
         shutil.rmtree(old, ignore_errors=True)
+        failpoints.io_step("rename")
         os.rename(output, old)
     try:
+        failpoints.io_step("rename")
         os.rename(staged, output)
     except OSError:
         if os.path.lexists(old):
             os.rename(old, output)
         raise
+    failpoints.io_step("remove")
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -288,6 +294,7 @@ def write_replacing(path: Path, data: bytes) -> None:
     try:
         with created(tmp) as f:
             f.write(data)
+        failpoints.io_step("rename")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

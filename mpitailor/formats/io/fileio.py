@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from mpitailor.failpoints import io_step
 from mpitailor.formats.io.crc import crc32
 from mpitailor.formats.io.filerecord import FileRecord
 
@@ -63,9 +64,12 @@ def read_exact(fd: int, n: int, offset: int) -> bytes:
 def created(path: Path | str, buffering: int = -1) -> Iterator[BinaryIO]:
     """A new file (never an existing one) open for writing, flushed and fsynced when the
     block ends without an error."""
+    io_step("create")
     with open(path, "xb", buffering=buffering) as f:
         yield f
+        io_step("write")  # (buffered: the bytes reach the kernel here)
         f.flush()
+        io_step("fsync")
         os.fsync(f.fileno())
 
 
@@ -82,6 +86,7 @@ def write_synced(path: Path | str, *chunks) -> dict:
 
 def fsync_dir(path: Path | str) -> None:
     """fsync a directory: the names created, renamed or removed in it are then durable."""
+    io_step("fsync-dir")
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
