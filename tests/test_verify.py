@@ -215,3 +215,88 @@ def test_no_recorded_name_leads_outside_the_output(tmp_path, seed):
             folder = Path(os.path.realpath(where.parent))
             assert folder.is_relative_to(os.path.realpath(out)), name
             assert where.name not in ("", ".", ".."), name
+
+
+# -- what an attack on it found (a helper's hour, issue 44): each now one line, never a
+# traceback, never a silent pass --------------------------------------------------------
+
+
+def test_a_partial_save_without_its_manifest_is_named_not_verified(ckpt_copy):
+    run = ckpt_copy("w2_parity")
+    (run / "global_step4" / "mpitailor_partial.json").unlink()
+    r = verify(run, 2)
+    assert f"not verified: {run}/global_step4: no mpitailor record of its files" in r.stdout
+    assert "beside the outputs (DONE, latest, stats.h5" in r.stdout
+    assert "not verified (no record covers them)" in r.stdout
+
+
+def test_a_damaged_manifest_is_a_difference_and_the_other_outputs_are_still_checked(
+        merged, tmp_path):
+    for name in ("good", "bad"):
+        shutil.copytree(merged, tmp_path / name)
+    (tmp_path / "bad" / "mpitailor_manifest.json").write_text("{not json")
+    r = verify(tmp_path, 2)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert len(differs(r)) == 1 and "bad/mpitailor_manifest.json" in differs(r)[0]
+    assert "of 2 output(s)" in r.stdout
+
+
+CRAFTED = {
+    "a part over 255 bytes": lambda d: d["files"].update({"x" * 300 + "/y": _rec()}),
+    "a lone surrogate": lambda d: d["files"].update({"lat\ud800est": d["files"].pop("latest")}),
+    "a size past 2**63": lambda d: d["files"]["latest"].update(bytes=10**400),
+    "a crc with 0x": lambda d: d["files"]["latest"].update(crc32="0x" + d["files"]["latest"]["crc32"]),
+    "node_local naming no node": lambda d: d.update(node_local={"node": "z", "files_of_node": {}}),
+    "node_local of ints": lambda d: d.update(node_local={"node": [1], "files_of_node": {"a": 3}}),
+}
+
+
+def _rec():
+    return {"bytes": 1, "crc32": "00000000"}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_crafted_manifest_fields_are_differences_in_one_line(copy, case):
+    path = copy / "mpitailor_manifest.json"
+    doc = json.loads(path.read_text())
+    CRAFTED[case](doc)
+    path.write_text(json.dumps(doc))
+    for ranks in (1, 3):
+        r = verify(copy, ranks)
+        assert r.returncode == 1 and not r.stderr.strip(), r.stdout + r.stderr
+        assert differs(r) and all(len(line) < 400 for line in differs(r)), differs(r)
+
+
+def test_a_tree_of_a_thousand_folders_is_walked_without_recursion(copy):
+    folder = copy
+    for _ in range(1000):
+        folder = folder / "d"
+        folder.mkdir()
+    (folder / "extra").write_bytes(b"x")
+    r = verify(copy)
+    assert r.returncode == 1 and not r.stderr.strip(), r.stderr[-500:]
+    assert any(line.endswith("/d/extra: in the output but not in its mpitailor_manifest.json")
+               for line in differs(r))
+
+
+def test_a_link_to_a_folder_in_the_output_is_an_unrecorded_entry(copy, tmp_path):
+    (copy / "elsewhere").symlink_to(tmp_path)
+    r = verify(copy)
+    assert r.returncode == 1
+    assert differs(r) == [f"{copy}/elsewhere: in the output but not in its "
+                          f"mpitailor_manifest.json"]
+
+
+def test_ranks_that_see_other_files_than_rank_0_refuse(merged):
+    """Node-local disks: rank 0's survey (inode, size, times of PATH and each record) must be
+    what every rank sees, else one line and exit 2, never a verdict of mixed copies."""
+    from mpitailor.errors import UserError
+    from mpitailor.jobs.verify import _ident, _same_view
+
+    class Rank1:
+        rank = 1
+    seen = {str(merged): _ident(merged)}
+    _same_view(Rank1(), merged, seen)  # the same view: nothing said
+    seen[str(merged / "mpitailor_manifest.json")] = (1, 2, 3, 4)
+    with pytest.raises(UserError, match="rank 1 sees other files there than rank 0"):
+        _same_view(Rank1(), merged, seen)

@@ -38,7 +38,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mpitailor.display import shown
+    from mpitailor.errors import UserError
     from mpitailor.jobs.verify import run_verify
+    if not args.path:
+        raise UserError("verify: give a PATH (an output, a partial save or a dir of them)")
     rep = run_verify(args.comm, Path(args.path).resolve())
     if args.comm.rank == 0:
         for line in rep.differ:
@@ -48,6 +51,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         gb = rep.bytes / 1e9
         verdict = f"{len(rep.differ)} difference(s) (listed above)" if rep.differ \
             else "every file as recorded"
+        if rep.not_verified:
+            verdict += f"; {len(rep.not_verified)} not verified (no record covers them)"
         print(f"mpitailor: verified {rep.files} file(s), {gb:.3f} GB, of "
               f"{len(rep.outputs)} output(s) under {shown(args.path)} with "
               f"{args.comm.size} rank(s) in {rep.seconds:.2f} s "

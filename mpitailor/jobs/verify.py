@@ -20,6 +20,7 @@ opened without following a link and read only if it is a regular file.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -28,12 +29,13 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
 from mpitailor.engine.copyio import join_crcs
-from mpitailor.errors import UserError
+from mpitailor.errors import MpitailorError, UserError
 from mpitailor.formats.io import FILE_CHUNK, crc32
-from mpitailor.formats.manifest import MANIFEST, PARTIAL_MANIFEST, read_manifest
+from mpitailor.formats.manifest import ABSENT, MANIFEST, PARTIAL_MANIFEST, read_manifest
 
 _RECORDS = (MANIFEST, PARTIAL_MANIFEST)
 _DEPTH = 2  # levels below PATH searched for outputs (save dir -> checkpoint-N -> tag dir)
+_CRC = re.compile(r"[0-9a-f]{8}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,8 @@ class VerifyResult:
 def run_verify(comm: Comm, path: Path) -> VerifyResult:
     """Collective: verify every recorded file under `path` (see the module's doc)."""
     t0 = time.perf_counter()
-    result, files = comm.root_step(_survey, path)
+    result, files, seen = comm.root_step(_survey, path)
+    comm.step(_same_view, comm, path, seen)
     work = _split([f.size for f in files], comm.size)
     mine = comm.step(_crc_ranges, files, work[comm.rank])
     if comm.rank == 0:
@@ -72,12 +75,14 @@ def run_verify(comm: Comm, path: Path) -> VerifyResult:
     return result
 
 
-def _survey(path: Path) -> tuple[VerifyResult, list[Recorded]]:
+def _survey(path: Path) -> tuple[VerifyResult, list[Recorded], dict[str, tuple]]:
     """Rank 0: the outputs under path and every file they record; what differs already
-    (unsafe names, files not recorded) and what no record covers."""
+    (unreadable records, unsafe names, files not recorded) and what no record covers; and
+    what rank 0 saw of path and the records (_same_view)."""
     if not path.is_dir():
-        raise UserError(f"{shown(path)}: not a directory; give an output of mpitailor (a "
-                        f"merge, an export, a partial save) or a dir that holds some")
+        what = "not a directory" if os.path.lexists(path) else "no such directory"
+        raise UserError(f"{shown(path)}: {what}; give an output of mpitailor (a merge, an "
+                        f"export, a partial save) or a dir that holds some")
     result, files = VerifyResult(), []
     found = _outputs(path, _DEPTH, result)
     if not found:
@@ -85,17 +90,23 @@ def _survey(path: Path) -> tuple[VerifyResult, list[Recorded]]:
                         f"down (none holds {MANIFEST} or {PARTIAL_MANIFEST}); nothing to verify")
     for out, record in found:
         result.outputs.append(str(out))
-        manifest = read_manifest(out / record)
-        skip = _other_nodes(manifest)
+        try:
+            manifest = read_manifest(out / record)
+        except MpitailorError as e:  # (it names the file)
+            result.differ.append(str(e))
+            continue
+        here, elsewhere, bad = _nodes(manifest)
+        if bad:
+            result.differ.append(f"{shown(out / record)}: {bad}")
         recorded = set()
         for name, rec in sorted(manifest.files.items()):
             where = _inside(out, name)
             if where is None:
-                result.differ.append(f"{shown(out / record)}: records {name!r:.80}, which is "
-                                     f"not a plain path inside the output")
+                result.differ.append(f"{shown(out / record)}: records {_brief(name)}, which "
+                                     f"is not a plain path inside the output")
                 continue
-            if name in skip:
-                continue
+            if name in elsewhere and name not in here and not os.path.lexists(where):
+                continue  # another node's file (node-local output)
             recorded.add(name)
             size, crc = _record(rec)
             if size is None:
@@ -103,22 +114,53 @@ def _survey(path: Path) -> tuple[VerifyResult, list[Recorded]]:
                                      f"{{bytes, crc32}}")
                 continue
             files.append(Recorded(str(where), size, crc, str(out), tuple(name.split("/"))))
-        for extra in _unrecorded(out, recorded | {record}, set(skip)):
-            result.differ.append(f"{shown(out / extra)}: in the output but not in its {record}")
-    return result, files
+        for extra, why in _unrecorded(out, recorded | {record}):
+            result.differ.append(f"{shown(out / extra)}: {why or f'in the output but not in its {record}'}")
+    return result, files, {str(p): _ident(p) for p in [path, *(o / r for o, r in found)]}
+
+
+def _ident(path: Path) -> tuple | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _same_view(comm: Comm, path: Path, seen: dict[str, tuple]) -> None:
+    """Every rank must see what rank 0 surveyed (inode, size, times of path and of each
+    record: on separate disks they differ even where the bytes agree). A node-local
+    composite's copies are each checked by the ranks of their own node."""
+    if all(_ident(Path(p)) == ident for p, ident in seen.items()):
+        return
+    raise UserError(f"{shown(path)}: rank {comm.rank} sees other files there than rank 0 "
+                    f"(node-local disks); verify each node's copy with the ranks of that node "
+                    f"(srun -N 1 -w NODE ...)")
+
+
+def _brief(name: object) -> str:
+    return shown(name[:120]) if isinstance(name, str) else type(name).__name__
 
 
 def _outputs(folder: Path, depth: int, result: VerifyResult) -> list[tuple[Path, str]]:
     """(dir, its record's name) of every output at or below folder, `depth` levels down;
-    a dir an output's record covers is not searched further."""
+    a dir an output's record covers is not searched further. What is searched and holds
+    no output is named as not verified (a record that is there but not a regular file is an
+    output: reading it says what is wrong)."""
     for record in _RECORDS:
-        if (folder / record).is_file():
+        if os.path.lexists(folder / record):
             return [(folder, record)]
     if depth == 0:
         return []
-    found = []
-    for child in sorted(folder.iterdir()):
+    found, loose = [], []
+    try:
+        children = sorted(folder.iterdir())
+    except OSError as e:
+        result.differ.append(f"{shown(folder)}: cannot be listed ({e.strerror})")
+        return []
+    for child in children:
         if child.is_symlink() or not child.is_dir():
+            loose.append(child.name + ("@" if child.is_symlink() else ""))
             continue
         if child.name.startswith(".") and "mpitailor" in child.name:
             result.not_verified.append(f"{shown(child)}: a staging dir (a run in progress, "
@@ -126,69 +168,94 @@ def _outputs(folder: Path, depth: int, result: VerifyResult) -> list[tuple[Path,
             continue
         inner = _outputs(child, depth - 1, result)
         found += inner
-        if not inner and _is_full_save(child):
-            result.not_verified.append(f"{shown(child)}: a full save, whose files DeepSpeed "
-                                       f"wrote and nothing recorded")
+        if not inner and not any(n.startswith(f"{shown(child)}/")
+                                 for n in result.not_verified):
+            why = "a full save, whose files DeepSpeed wrote and nothing recorded" \
+                if any(child.glob("*optim_states.pt")) else "no mpitailor record of its files"
+            result.not_verified.append(f"{shown(child)}: {why}")
+    if loose and found and folder not in {o for o, _ in found}:
+        result.not_verified.append(f"{shown(folder)}: {len(loose)} entr"
+                                   f"{'y' if len(loose) == 1 else 'ies'} beside the outputs "
+                                   f"({', '.join(shown(n) for n in loose[:5])}"
+                                   f"{', ...' if len(loose) > 5 else ''}): no record covers them")
     return found
 
 
-def _is_full_save(folder: Path) -> bool:
-    """A tag dir of DeepSpeed's (stage 3's per-rank or stage 1/2's optimizer files)."""
-    return any(folder.glob("*optim_states.pt"))
-
-
-def _other_nodes(manifest) -> set[str]:
-    """A node-local composite's manifest: the files other nodes hold (not here)."""
+def _nodes(manifest) -> tuple[set[str], set[str], str | None]:
+    """A node-local composite's manifest: (the files of the node it is, the files of the
+    other nodes, what is malformed in its node_local record or None)."""
     node_local = manifest.get("node_local")
-    if not isinstance(node_local, dict):
-        return set()
-    node, by_node = node_local.get("node"), node_local.get("files_of_node")
-    if not isinstance(by_node, dict):
-        return set()
-    mine = set(by_node.get(node) or ())
-    return {f for n, names in by_node.items() if n != node and isinstance(names, list)
-            for f in names if isinstance(f, str) and f not in mine}
+    if node_local is ABSENT or node_local is None:  # (a manifest of shared storage)
+        return set(), set(), None
+    node = node_local.get("node") if isinstance(node_local, dict) else None
+    by_node = node_local.get("files_of_node") if isinstance(node_local, dict) else None
+    if not (isinstance(node, str) and isinstance(by_node, dict) and node in by_node
+            and all(isinstance(v, list) and all(isinstance(f, str) for f in v)
+                    for v in by_node.values())):
+        return set(), set(), ("its node_local record is not {node, files_of_node} naming "
+                              "this node's files; every file it records is checked here")
+    here = set(by_node[node])
+    return here, {f for n, v in by_node.items() if n != node for f in v}, None
 
 
 def _inside(out: Path, name: object) -> Path | None:
     """out/name if name is a plain relative path inside out, as mpitailor writes them
-    (parts joined by single `/`, none empty, `.` or `..`) with no link among its folders,
-    else None. Its last part is opened without following a link (_crc_ranges)."""
+    (parts joined by single `/`, none empty, `.` or `..`, each a file name the system can
+    hold) with no link among its folders, else None. Its last part is opened without
+    following a link (_crc_ranges)."""
     if not isinstance(name, str) or "\\" in name or "\0" in name:
         return None
-    parts = name.split("/")
-    if any(p in ("", ".", "..") for p in parts):
+    try:
+        parts = [os.fsencode(p) for p in name.split("/")]
+    except UnicodeEncodeError:
         return None
-    where = out.joinpath(*parts)
+    if any(p in (b"", b".", b"..") or len(p) > 255 for p in parts) or len(name) > 4000:
+        return None
     folder = out
-    for p in parts[:-1]:
-        folder = folder / p
-        if folder.is_symlink():
-            return None
-    return where
+    try:
+        for p in name.split("/")[:-1]:
+            folder = folder / p
+            if folder.is_symlink():
+                return None
+    except OSError:
+        return None
+    return out.joinpath(*name.split("/"))
 
 
 def _record(rec: object) -> tuple[int | None, int]:
+    """(bytes, CRC-32) of a record as mpitailor writes it: a size below 2**63 and eight
+    lower-case hex digits; (None, 0) for anything else."""
     try:
-        size, crc = rec["bytes"], int(rec["crc32"], 16)
-        if type(size) is not int or size < 0 or not 0 <= crc < 1 << 32:
+        size, crc = rec["bytes"], rec["crc32"]
+        if type(size) is not int or not 0 <= size < 1 << 63 or type(crc) is not str \
+                or not _CRC.fullmatch(crc):
             raise ValueError
-        return size, crc
+        return size, int(crc, 16)
     except (TypeError, KeyError, ValueError):
         return None, 0
 
 
-def _unrecorded(out: Path, recorded: set[str], elsewhere: set[str]) -> list[str]:
-    """Files under out that its record does not name (nor places on another node)."""
-    extra = []
-    for dirpath, dirs, names in os.walk(out):
-        rel = Path(dirpath).relative_to(out)
-        dirs.sort()
-        for n in sorted(names):
-            name = str(rel / n) if str(rel) != "." else n
-            if name not in recorded and name not in elsewhere:
-                extra.append(name)
-    return extra
+def _unrecorded(out: Path, recorded: set[str]) -> list[tuple[str, str | None]]:
+    """Entries under out that its record does not name, with why when it is more than that
+    (a folder that cannot be listed); a link is an entry (never followed). Walked with a
+    stack: any depth."""
+    extra: list[tuple[str, str | None]] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            with os.scandir(out / rel if rel else out) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            extra.append((rel, f"a folder that cannot be listed ({e.strerror})"))
+            continue
+        for e in entries:
+            name = f"{rel}/{e.name}" if rel else e.name
+            if e.is_dir(follow_symlinks=False):
+                stack.append(name)
+            elif name not in recorded:
+                extra.append((name, None))
+    return sorted(extra)
 
 
 def _split(sizes: list[int], ranks: int) -> list[list[tuple[int, int, int]]]:
@@ -283,12 +350,12 @@ def _judge(files: list[Recorded], parts, result: VerifyResult) -> None:
             wrong.setdefault(i, why)
     for i, f in enumerate(files):
         result.files += 1
-        result.bytes += f.size
         if i in wrong:
             result.differ.append(f"{shown(f.path)}: {wrong[i]}")
             continue
         crc, end = join_crcs(ranges.get(i, []))
         if end != f.size:
             raise RuntimeError(f"internal error: {f.path}: bytes from {end} on read by no rank")
+        result.bytes += f.size  # read: as many as recorded
         if crc != f.crc:
             result.differ.append(f"{shown(f.path)}: CRC-32 {crc:08x}, {f.crc:08x} recorded")
