@@ -225,8 +225,9 @@ def test_a_partial_save_without_its_manifest_is_named_not_verified(ckpt_copy):
     run = ckpt_copy("w2_parity")
     (run / "global_step4" / "mpitailor_partial.json").unlink()
     r = verify(run, 2)
-    assert f"not verified: {run}/global_step4: no mpitailor record of its files" in r.stdout
-    assert "beside the outputs (DONE, latest, stats.h5" in r.stdout
+    assert f"not verified: {run}/global_step4: 10 entries no record covers (" in r.stdout
+    assert f"not verified: {run}: 5 entries no record covers (DONE, latest, stats.h5" \
+        in r.stdout
     assert "not verified (no record covers them)" in r.stdout
 
 
@@ -268,15 +269,32 @@ def test_crafted_manifest_fields_are_differences_in_one_line(copy, case):
 
 
 def test_a_tree_of_a_thousand_folders_is_walked_without_recursion(copy):
+    """A recorded file 1000 folders down (checked), an unrecorded one beside it (named), an
+    empty folder no recorded name passes through (named, not walked)."""
+    import zlib
     folder = copy
     for _ in range(1000):
         folder = folder / "d"
         folder.mkdir()
+    (folder / "rec").write_bytes(b"deep")
     (folder / "extra").write_bytes(b"x")
-    r = verify(copy)
-    assert r.returncode == 1 and not r.stderr.strip(), r.stderr[-500:]
-    assert any(line.endswith("/d/extra: in the output but not in its mpitailor_manifest.json")
-               for line in differs(r))
+    (copy / "empty" / "inside").mkdir(parents=True)
+    path = copy / "mpitailor_manifest.json"
+    doc = json.loads(path.read_text())
+    doc["files"]["d/" * 1000 + "rec"] = {"bytes": 4, "crc32": f"{zlib.crc32(b'deep'):08x}"}
+    path.write_text(json.dumps(doc))
+    try:
+        r = verify(copy)
+        assert r.returncode == 1 and not r.stderr.strip(), r.stderr[-500:]
+        assert differs(r) == sorted([f"{copy}/empty: a folder that holds no recorded file",
+                                     f"{folder}/extra: in the output but not in its "
+                                     f"mpitailor_manifest.json"])
+    finally:  # bottom up: pytest's clean-up (a recursive rmtree) would hit the limit
+        for f in folder.iterdir():
+            f.unlink()
+        while folder != copy:
+            folder.rmdir()
+            folder = folder.parent
 
 
 def test_a_link_to_a_folder_in_the_output_is_an_unrecorded_entry(copy, tmp_path):
@@ -300,3 +318,34 @@ def test_ranks_that_see_other_files_than_rank_0_refuse(merged):
     seen[str(merged / "mpitailor_manifest.json")] = (1, 2, 3, 4)
     with pytest.raises(UserError, match="rank 1 sees other files there than rank 0"):
         _same_view(Rank1(), merged, seen)
+
+
+def test_records_and_leftovers_of_a_save_dir_are_told_apart(ckpt_copy, merged):
+    """In a save dir: the in-job resume's composites (.mpitailor-resume/) are outputs and
+    verified; prune's tombstones are named for what they are; a staging dir as one; an HF
+    checkpoint's own files and a dir past the depth are named, never passed silently."""
+    run = ckpt_copy("w2_parity")
+    resume = run / ".mpitailor-resume" / "recovered-global_step8-w2"
+    shutil.copytree(merged, resume)
+    _flip(optim_file(resume), 100)
+    (run / ".mpitailor-pruned").mkdir()
+    (run / ".global_step9.mpitailor-staging").mkdir()
+    (run / "checkpoint-9" / "a" / "b").mkdir(parents=True)
+    (run / "checkpoint-9" / "trainer_state.json").write_text("{}")
+    r = verify(run, 2)
+    assert r.returncode == 1
+    assert [line.split(":")[0] for line in differs(r)] == [str(optim_file(resume))]
+    out = r.stdout
+    assert f"{run}/.mpitailor-pruned: the tombstones of pruned saves" in out
+    assert f"{run}/.global_step9.mpitailor-staging: a staging dir" in out
+    assert f"{run}/checkpoint-9: 1 entry no record covers (trainer_state.json)" in out
+    assert f"{run}/checkpoint-9/a/b: not searched (deeper than 2 levels" in out
+
+
+def test_a_manifest_that_records_no_file_differs(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mpitailor_manifest.json").write_text(
+        json.dumps({"format_version": "1.1", "kind": "merge", "files": {}}))
+    r = verify(out)
+    assert r.returncode == 1 and "records no file" in r.stdout

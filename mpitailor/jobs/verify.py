@@ -32,6 +32,8 @@ from mpitailor.engine.copyio import join_crcs
 from mpitailor.errors import MpitailorError, UserError
 from mpitailor.formats.io import FILE_CHUNK, crc32
 from mpitailor.formats.manifest import ABSENT, MANIFEST, PARTIAL_MANIFEST, read_manifest
+from mpitailor.planning.retention import PRUNED_DIR
+from mpitailor.publish.leftovers import SUFFIXES
 
 _RECORDS = (MANIFEST, PARTIAL_MANIFEST)
 _DEPTH = 2  # levels below PATH searched for outputs (save dir -> checkpoint-N -> tag dir)
@@ -95,6 +97,9 @@ def _survey(path: Path) -> tuple[VerifyResult, list[Recorded], dict[str, tuple]]
         except MpitailorError as e:  # (it names the file)
             result.differ.append(str(e))
             continue
+        if not manifest.files:
+            result.differ.append(f"{shown(out / record)}: records no file (every output "
+                                 f"mpitailor publishes has some)")
         here, elsewhere, bad = _nodes(manifest)
         if bad:
             result.differ.append(f"{shown(out / record)}: {bad}")
@@ -116,22 +121,24 @@ def _survey(path: Path) -> tuple[VerifyResult, list[Recorded], dict[str, tuple]]
             files.append(Recorded(str(where), size, crc, str(out), tuple(name.split("/"))))
         for extra, why in _unrecorded(out, recorded | {record}):
             result.differ.append(f"{shown(out / extra)}: {why or f'in the output but not in its {record}'}")
-    return result, files, {str(p): _ident(p) for p in [path, *(o / r for o, r in found)]}
+    seen = {str(o / r): _ident(o / r) for o, r in found}
+    seen[str(path)] = _ident(path)[:1]  # its inode (a save dir's times change as it is saved to)
+    return result, files, seen
 
 
-def _ident(path: Path) -> tuple | None:
+def _ident(path: Path) -> tuple:
     try:
         st = os.lstat(path)
     except OSError:
-        return None
+        return (None,)
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _same_view(comm: Comm, path: Path, seen: dict[str, tuple]) -> None:
-    """Every rank must see what rank 0 surveyed (inode, size, times of path and of each
+    """Every rank must see what rank 0 surveyed (path's inode; inode, size and times of each
     record: on separate disks they differ even where the bytes agree). A node-local
     composite's copies are each checked by the ranks of their own node."""
-    if all(_ident(Path(p)) == ident for p, ident in seen.items()):
+    if all(_ident(Path(p))[:len(ident)] == tuple(ident) for p, ident in seen.items()):
         return
     raise UserError(f"{shown(path)}: rank {comm.rank} sees other files there than rank 0 "
                     f"(node-local disks); verify each node's copy with the ranks of that node "
@@ -144,40 +151,44 @@ def _brief(name: object) -> str:
 
 def _outputs(folder: Path, depth: int, result: VerifyResult) -> list[tuple[Path, str]]:
     """(dir, its record's name) of every output at or below folder, `depth` levels down;
-    a dir an output's record covers is not searched further. What is searched and holds
-    no output is named as not verified (a record that is there but not a regular file is an
-    output: reading it says what is wrong)."""
+    a dir an output's record covers is not searched further (a record that is there but not
+    a regular file makes an output: reading it says what is wrong). Every searched dir that
+    no record covers is named as not verified: a full save as one, the entries of any other
+    (the files beside outputs, an HF checkpoint's trainer files), a dir past the depth."""
     for record in _RECORDS:
         if os.path.lexists(folder / record):
             return [(folder, record)]
-    if depth == 0:
-        return []
-    found, loose = [], []
     try:
         children = sorted(folder.iterdir())
     except OSError as e:
         result.differ.append(f"{shown(folder)}: cannot be listed ({e.strerror})")
         return []
+    if any(folder.glob("*optim_states.pt")):
+        result.not_verified.append(f"{shown(folder)}: a full save, whose files DeepSpeed "
+                                   f"wrote and nothing recorded")
+        return []
+    found, loose = [], []
     for child in children:
         if child.is_symlink() or not child.is_dir():
             loose.append(child.name + ("@" if child.is_symlink() else ""))
-            continue
-        if child.name.startswith(".") and "mpitailor" in child.name:
+        elif child.name.endswith(SUFFIXES):
             result.not_verified.append(f"{shown(child)}: a staging dir (a run in progress, "
                                        f"or left by a killed one: `mpitailor clean`)")
-            continue
-        inner = _outputs(child, depth - 1, result)
-        found += inner
-        if not inner and not any(n.startswith(f"{shown(child)}/")
-                                 for n in result.not_verified):
-            why = "a full save, whose files DeepSpeed wrote and nothing recorded" \
-                if any(child.glob("*optim_states.pt")) else "no mpitailor record of its files"
-            result.not_verified.append(f"{shown(child)}: {why}")
-    if loose and found and folder not in {o for o, _ in found}:
+        elif child.name == PRUNED_DIR:
+            result.not_verified.append(f"{shown(child)}: the tombstones of pruned saves "
+                                       f"(prune's own records; recovery reads them)")
+        elif depth == 0:
+            result.not_verified.append(f"{shown(child)}: not searched (deeper than "
+                                       f"{_DEPTH} levels below the path given)")
+        else:
+            found += _outputs(child, depth - 1, result)
+    if loose:
         result.not_verified.append(f"{shown(folder)}: {len(loose)} entr"
-                                   f"{'y' if len(loose) == 1 else 'ies'} beside the outputs "
+                                   f"{'y' if len(loose) == 1 else 'ies'} no record covers "
                                    f"({', '.join(shown(n) for n in loose[:5])}"
-                                   f"{', ...' if len(loose) > 5 else ''}): no record covers them")
+                                   f"{', ...' if len(loose) > 5 else ''})")
+    elif not found and not children:
+        result.not_verified.append(f"{shown(folder)}: empty")
     return found
 
 
@@ -240,6 +251,7 @@ def _unrecorded(out: Path, recorded: set[str]) -> list[tuple[str, str | None]]:
     (a folder that cannot be listed); a link is an entry (never followed). Walked with a
     stack: any depth."""
     extra: list[tuple[str, str | None]] = []
+    folders = {"/".join(n.split("/")[:i]) for n in recorded for i in range(1, n.count("/") + 1)}
     stack = [""]
     while stack:
         rel = stack.pop()
@@ -252,7 +264,10 @@ def _unrecorded(out: Path, recorded: set[str]) -> list[tuple[str, str | None]]:
         for e in entries:
             name = f"{rel}/{e.name}" if rel else e.name
             if e.is_dir(follow_symlinks=False):
-                stack.append(name)
+                if name in folders:
+                    stack.append(name)
+                else:  # (its contents, if any, are not walked: one line for all of it)
+                    extra.append((name, "a folder that holds no recorded file"))
             elif name not in recorded:
                 extra.append((name, None))
     return sorted(extra)
