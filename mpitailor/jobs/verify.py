@@ -321,7 +321,11 @@ def _crc_ranges(files: list[Recorded], tasks) -> tuple[dict, dict]:
                 continue
             crc, pos = 0, lo
             view = memoryview(buf)
+            _advise(fd, lo, hi - lo, os.POSIX_FADV_SEQUENTIAL)
             while pos < hi:
+                # the next chunk asked of the disk now: read while this one is checksummed
+                _advise(fd, pos + len(buf), min(len(buf), hi - pos - len(buf)),
+                        os.POSIX_FADV_WILLNEED)
                 n = os.preadv(fd, [view[:min(hi - pos, len(buf))]], pos)
                 if n <= 0:
                     break
@@ -336,6 +340,14 @@ def _crc_ranges(files: list[Recorded], tasks) -> tuple[dict, dict]:
         finally:
             os.close(fd)
     return crcs, wrong
+
+
+def _advise(fd: int, offset: int, n: int, advice: int) -> None:
+    if n > 0:
+        try:
+            os.posix_fadvise(fd, offset, n, advice)
+        except OSError:
+            pass  # only a hint
 
 
 def _open_under(root: str, parts: tuple[str, ...]) -> int:
