@@ -17,7 +17,9 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -289,8 +291,12 @@ def check_writable_file(path: Path, what: str) -> None:
 
 
 def write_replacing(path: Path, data: bytes) -> None:
-    """Write a whole file or nothing: a temporary file beside it, fsynced, renamed over it."""
-    tmp = path.parent / f".mpitailor-{os.getpid()}.tmp"  # short: any name of path fits
+    """Write a whole file or nothing: a temporary file beside it, fsynced, renamed over it.
+    What a killed write of this host left beside it (its process gone) is removed first:
+    nothing else would ever remove it (bench/crash_points.py found them)."""
+    host = socket.gethostname()
+    _sweep_temporaries(path.parent, host)
+    tmp = path.parent / f".mpitailor-{host}-{os.getpid()}.tmp"  # short: any name of path fits
     try:
         with created(tmp) as f:
             f.write(data)
@@ -301,6 +307,35 @@ def write_replacing(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+_TEMPORARY = re.compile(r"\.mpitailor-(.+)-(\d+)\.tmp")
+
+
+def _sweep_temporaries(folder: Path, host: str) -> None:
+    """Remove folder's temporary files of write_replacing made on this host by processes
+    that are gone (another host's may be in flight: a shared file system)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = _TEMPORARY.fullmatch(name)
+        if m is None or m.group(1) != host or _alive(int(m.group(2))):
+            continue
+        failpoints.io_step("remove")
+        with contextlib.suppress(OSError):
+            os.unlink(folder / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or a number no process has: leave it
+    return True
 
 
 def make_dirs_under(root: Path, folder: Path) -> None:
