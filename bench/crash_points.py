@@ -1,8 +1,8 @@
 """The crash-point study (issue 44, part 3): a job killed (SIGKILL) before every step of the
 I/O seam in turn, and what it left judged.
 
-    python -m bench.crash_points [--jobs merge,export,recover,prune] [--stride 1]
-        [--json bench/out/crash_points.json]
+    python -m bench.crash_points [--jobs merge,export,recover,prune,save,save1]
+        [--stride 1] [--json bench/out/crash_points.json]
 
 Every file creation, write, kernel copy, fsync, directory fsync, rename and removal of the
 package goes through formats/io or calls failpoints.io_step beside it (publish/staging.py,
@@ -15,6 +15,10 @@ MPITAILOR_CRASH_AT=N is killed just before the N-th. After each kill:
   bytes, or `verify` of it is not clean, or a staging dir or lock of the killed run is still
   there after it (the rerun reclaims what the killed run left). An output published whole
   before the kill (the last steps: the parent's fsync) is the job done: no rerun.
+- save / save1: a layer-wise training run (2 ranks: a full save at step 2, partial saves at
+  4, 6, 8) with rank 0 / rank 1 killed before the N-th step of its own saves' I/O; then
+  `recover` of its save dir must give exactly what it gives for the clean run's saves up to
+  one of them (its manifest aside), verified clean: never a failure, never a mix.
 Processes are killed, not machines: what an fsync has not yet made durable is not dropped
 here (ALICE's torn and dropped writes are a step further; docs/durability.md says what the
 fsyncs promise). Per job: {"points": N, "crashed": N, "visible_incomplete": 0, "lost": 0}.
@@ -37,6 +41,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))  # dev/ (the tiny trainer) is the repo's, not installed
 
 import ckpt_fixtures  # noqa: E402 - tests/ is put on the path just above
 
@@ -98,10 +103,11 @@ def digest(root: Path) -> str:
 
 
 def leftovers(folder: Path) -> list[str]:
-    """What a killed run may leave in folder: staging dirs, locks, dirs being removed, a
-    single file's temporary copy (publish/leftovers.py's SUFFIXES, staging.write_replacing)."""
-    return sorted(p.name for p in folder.iterdir()
-                  if p.name.endswith(SUFFIXES) or re.fullmatch(r"\.mpitailor-\d+\.tmp", p.name))
+    """What a killed run may leave in folder: staging dirs, locks, dirs being removed
+    (publish/leftovers.py's SUFFIXES); anywhere below it, a single file's temporary copy
+    (staging.write_replacing)."""
+    return sorted([p.name for p in folder.iterdir() if p.name.endswith(SUFFIXES)] +
+                  [str(p.relative_to(folder)) for p in folder.rglob(".mpitailor-*.tmp")])
 
 
 class Study:
@@ -186,7 +192,84 @@ class Study:
         return got
 
 
+# -- a layer-wise training run killed while it saves --------------------------------------
+
+SAVE_RUN = dict(world_size=2, grouping="per_layer", steps=8, save_at=(2, 4, 6, 8),
+                policy={"name": "parity"})
+
+
+def train(save_dir: Path, env: dict) -> bool:
+    """The run (a full save at step 2, partial ones at 4, 6, 8); False if a rank died."""
+    from dev.tinytrain import TrainSpec, launch
+    from dev.tinytrain.launch import TrainFailed
+    try:
+        launch(TrainSpec(save_dir=str(save_dir), **SAVE_RUN, extra={"env": env}), timeout=600)
+        return True
+    except TrainFailed:
+        return False
+
+
+def recovered(save_dir: Path, out: Path) -> tuple[int, str | None]:
+    """recover's exit code and the checkpoint it wrote (its manifest aside: it names the
+    saves by path and id)."""
+    shutil.rmtree(out, ignore_errors=True)
+    r = run(["recover", str(save_dir), "-o", str(out), "--no-progress", "-q"], {})
+    if r.returncode != 0:
+        return r.returncode, None
+    if run(["verify", str(out)], {}).returncode != 0:
+        return 1, "verify differs"
+    (out / "mpitailor_manifest.json").unlink()
+    got = digest(out)
+    shutil.rmtree(out)
+    return 0, got
+
+
+def save_study(work: Path, stride: int = 1, offset: int = 1, rank: int = 0) -> dict:
+    """Kill training rank `rank` before every stride-th step of the I/O seam of its saves;
+    then `recover` must give what it gives for the clean run's saves up to one of them
+    (never a failure, never a mix of two)."""
+    clean, out = work / "clean", work / "recovered"
+    log = work / "steps.log"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    if not train(clean, {"MPITAILOR_CRASH_LOG": str(log)}):
+        raise SystemExit("save: the clean run failed")
+    what = [line.split()[2] for line in log.read_text().splitlines()
+            if line.split()[0] == str(rank)]
+    refs = {}  # digest -> the newest save it comes from
+    tags = sorted((p for p in clean.glob("global_step*")), key=lambda p: int(p.name[11:]))
+    for j in range(len(tags), 0, -1):
+        rc, got = recovered(clean, out)
+        if rc != 0 or got is None or got == "verify differs":
+            raise SystemExit(f"save: recover of the clean saves up to {tags[j - 1].name} "
+                             f"failed (rc {rc})")
+        refs[got] = tags[j - 1].name
+        shutil.rmtree(tags[j - 1])
+    points = []
+    for n in range(offset, len(what) + 1, stride):
+        saves = work / "run"
+        shutil.rmtree(saves, ignore_errors=True)
+        died = not train(saves, {"MPITAILOR_CRASH_AT": f"{n}:{rank}"})
+        rc, got = recovered(saves, out)
+        p = {"step": n, "what": what[n - 1], "killed": died, "recover_rc": rc,
+             "recovered": refs.get(got)}
+        # every kill comes after DeepSpeed's first full save is complete (its files are not
+        # the seam's): there is always something to recover
+        p["lost"] = rc != 0 or got not in refs
+        points.append(p)
+    crashed = [p for p in points if p["killed"]]
+    return {"job": f"save (rank {rank} killed)", "steps": len(what), "points": len(points), "crashed": len(crashed),
+            "visible_incomplete": 0, "lost": sum(p["lost"] for p in crashed),
+            "kinds": sorted({p["what"] for p in crashed}),
+            "recovered_to": {t: sum(p["recovered"] == t for p in crashed)
+                             for t in sorted(set(refs.values()))},
+            "nothing_to_recover": sum(p["recover_rc"] == 3 for p in crashed),
+            "bad": [p for p in crashed if p["lost"]]}
+
+
 def study(name: str, work: Path, stride: int = 1, offset: int = 1) -> dict:
+    if name.startswith("save"):  # save: rank 0 killed; save1: rank 1
+        return save_study(work / name, stride, offset, int(name[4:] or 0))
     s = Study(jobs()[name], work / name)
     count, want, what = s.steps()
     points = [s.point(n, want) for n in range(offset, count + 1, stride)]
@@ -202,7 +285,7 @@ def study(name: str, work: Path, stride: int = 1, offset: int = 1) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--jobs", default="merge,export,recover,prune")
+    ap.add_argument("--jobs", default="merge,export,recover,prune,save,save1")
     ap.add_argument("--stride", type=int, default=1, help="every STRIDE-th step only")
     ap.add_argument("--json", default=str(REPO / "bench" / "out" / "crash_points.json"))
     a = ap.parse_args()
@@ -212,7 +295,7 @@ def main() -> int:
             t = time.time()
             rows.append({**study(name, Path(tmp), a.stride), "seconds": round(time.time() - t)})
             r = rows[-1]
-            print(f"{name:<8} steps {r['steps']:>4}  crashed {r['crashed']:>4}  visible "
+            print(f"{r['job']:<22} steps {r['steps']:>4}  crashed {r['crashed']:>4}  visible "
                   f"incomplete {r['visible_incomplete']}  lost {r['lost']}  "
                   f"({r['seconds']} s; {', '.join(r['kinds'])})", flush=True)
     total = {"points": sum(r["crashed"] for r in rows),
