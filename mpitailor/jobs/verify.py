@@ -30,7 +30,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
 from mpitailor.engine.copyio import join_crcs
 from mpitailor.errors import MpitailorError, UserError
-from mpitailor.formats.io import FILE_CHUNK, crc32
+from mpitailor.formats.io import crc32_range, open_under
 from mpitailor.formats.manifest import ABSENT, MANIFEST, PARTIAL_MANIFEST, read_manifest
 from mpitailor.planning.retention import PRUNED_DIR
 from mpitailor.publish.leftovers import SUFFIXES
@@ -67,11 +67,9 @@ def run_verify(comm: Comm, path: Path) -> VerifyResult:
     result, files, seen = comm.root_step(_survey, path)
     comm.step(_same_view, comm, path, seen)
     work = _split([f.size for f in files], comm.size)
-    mine = comm.step(_crc_ranges, files, work[comm.rank])
+    parts = comm.gather(comm.step(_crc_ranges, files, work[comm.rank]))
     if comm.rank == 0:
-        _judge(files, comm.gather(mine), result)
-    else:
-        comm.gather(mine)
+        _judge(files, parts, result)
     result = comm.bcast(result if comm.rank == 0 else None)
     result.seconds = time.perf_counter() - t0
     return result
@@ -299,11 +297,10 @@ def _crc_ranges(files: list[Recorded], tasks) -> tuple[dict, dict]:
     is wrong with it}); a file that cannot be read as recorded is said, not raised."""
     crcs: dict[int, list[tuple[int, int, int]]] = {}
     wrong: dict[int, str] = {}
-    buf = bytearray(FILE_CHUNK)
     for i, lo, hi in tasks:
         f = files[i]
         try:
-            fd = _open_under(f.root, f.parts)
+            fd = open_under(f.root, f.parts)
         except FileNotFoundError:
             wrong[i] = "missing"
             continue
@@ -319,20 +316,9 @@ def _crc_ranges(files: list[Recorded], tasks) -> tuple[dict, dict]:
             if st.st_size != f.size:
                 wrong[i] = f"{st.st_size} bytes, {f.size} recorded"
                 continue
-            crc, pos = 0, lo
-            view = memoryview(buf)
-            _advise(fd, lo, hi - lo, os.POSIX_FADV_SEQUENTIAL)
-            while pos < hi:
-                # the next chunk asked of the disk now: read while this one is checksummed
-                _advise(fd, pos + len(buf), min(len(buf), hi - pos - len(buf)),
-                        os.POSIX_FADV_WILLNEED)
-                n = os.preadv(fd, [view[:min(hi - pos, len(buf))]], pos)
-                if n <= 0:
-                    break
-                crc = crc32(view[:n], crc)
-                pos += n
-            if pos < hi:
-                wrong[i] = f"ends at byte {pos}, {f.size} recorded"
+            crc, got = crc32_range(fd, lo, hi - lo)
+            if got < hi - lo:
+                wrong[i] = f"ends at byte {lo + got}, {f.size} recorded"
                 continue
             crcs.setdefault(i, []).append((lo, hi - lo, crc))
         except OSError as e:
@@ -340,30 +326,6 @@ def _crc_ranges(files: list[Recorded], tasks) -> tuple[dict, dict]:
         finally:
             os.close(fd)
     return crcs, wrong
-
-
-def _advise(fd: int, offset: int, n: int, advice: int) -> None:
-    if n > 0:
-        try:
-            os.posix_fadvise(fd, offset, n, advice)
-        except OSError:
-            pass  # only a hint
-
-
-def _open_under(root: str, parts: tuple[str, ...]) -> int:
-    """The file root/parts..., each part opened from the one before without following a
-    link (a folder swapped for a link after the survey is not followed either); OSError
-    (ELOOP, ENOTDIR, ENOENT) as os.open raises it."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    fd = os.open(root, flags | os.O_DIRECTORY)
-    try:
-        for p in parts[:-1]:
-            inner = os.open(p, flags | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        return os.open(parts[-1], flags, dir_fd=fd)
-    finally:
-        os.close(fd)
 
 
 def _judge(files: list[Recorded], parts, result: VerifyResult) -> None:

@@ -109,6 +109,49 @@ def copy_synced(src: BinaryIO, dst: Path | str) -> dict:
     return rec.record()
 
 
+def crc32_range(fd: int, offset: int, n: int) -> tuple[int, int]:
+    """(CRC-32, bytes read) of the n bytes at `offset` of file `fd`, FILE_CHUNK bytes at a
+    time, fewer read where the file ends first. The disk is asked for each next chunk while
+    the one before is checksummed (a cold read at the disk's speed, not half of it)."""
+    crc, pos, end = 0, offset, offset + n
+    view = memoryview(bytearray(max(1, min(n, FILE_CHUNK))))
+    _advise(fd, offset, n, os.POSIX_FADV_SEQUENTIAL)
+    while pos < end:
+        _advise(fd, pos + len(view), min(len(view), end - pos - len(view)),
+                os.POSIX_FADV_WILLNEED)
+        got = os.preadv(fd, [view[:min(end - pos, len(view))]], pos)
+        if got <= 0:
+            break
+        crc = crc32(view[:got], crc)
+        pos += got
+    return crc, pos - offset
+
+
+def _advise(fd: int, offset: int, n: int, advice: int) -> None:
+    if n > 0:
+        try:
+            os.posix_fadvise(fd, offset, n, advice)
+        except OSError:
+            pass  # only a hint
+
+
+def open_under(root: Path | str, parts: tuple[str, ...]) -> int:
+    """The file root/parts... open for reading, each part opened from the one before without
+    following a link (a folder swapped for a link after it was looked at is not followed
+    either), non-blocking (a fifo never blocks); OSError (ELOOP, ENOTDIR, ENOENT) as os.open
+    raises it."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(root, flags | os.O_DIRECTORY)
+    try:
+        for p in parts[:-1]:
+            inner = os.open(p, flags | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        return os.open(parts[-1], flags, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 def crc32_of(f: BinaryIO) -> int:
     """CRC-32 of the rest of the open binary file f, read FILE_CHUNK bytes at a time into
     one buffer."""

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.io import FILE_CHUNK, crc32, read_into
+from mpitailor.formats.io import crc32_range
 from mpitailor.formats.torch import zip_read
 
 
@@ -38,13 +38,8 @@ def verify_records(path: Path, fd: int, offsets: set[int],
         held.add(starts[i])
     for off in sorted(held):
         want, size = crcs[off]
-        crc, buf = 0, memoryview(bytearray(max(1, min(size, FILE_CHUNK))))
-        try:
-            for done in range(0, size, len(buf)):
-                chunk = buf[:min(len(buf), size - done)]
-                read_into(fd, off + done, chunk)
-                crc = crc32(chunk, crc)
-        except EOFError:
+        crc, got = crc32_range(fd, off, size)
+        if got < size:
             crc = None  # the record runs past the end of the file
         if crc != want:
             raise CheckpointError(f"{path}: the record at byte {off} fails its CRC-32 check; "
