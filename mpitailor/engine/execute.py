@@ -263,7 +263,7 @@ def _lay_out(prog: Program, mine: list[int], shards: Shards,
         first.setdefault(b.unit, i)
     plan, bufs, root = prog.plan, prog.bufs, prog.root
     if prog.weights is not None:
-        files = prog.weights.files()
+        files = prog.weights.files
         fds = {}
         try:
             for u in mine:

@@ -60,20 +60,18 @@ class Weights:
             out += program.weights_buffers(plan, first_unit + len(out), folder)
         return tuple(out)
 
+    @cached_property
     def files(self) -> dict[str, tuple[WeightsPlan, OutFile]]:
-        """Every file by its path under the output dir (its buffers' `param`)."""
+        """Every file, with its plan, by its path under the output dir (its buffer's
+        `param`)."""
         return {program.weights_name(folder, f.name): (plan, f)
                 for folder, plan in self.plans for f in plan.files}
 
     def runs(self, b: program.Buffer, t: program.Task) -> list[tuple[FileTensor, int, int]]:
         """Task t's elements of file b, by tensor: [(tensor, first, end element)]."""
-        plan, f = self._files[b.param]
+        plan, f = self.files[b.param]
         size = plan.itemsize
         return runs(f, size, t.lo // size, t.hi // size)
-
-    @cached_property
-    def _files(self) -> dict[str, tuple[WeightsPlan, OutFile]]:
-        return self.files()
 
     def open_all(self, get: Callable[[str, int], Shard]) -> None:
         """Open every rank of every checkpoint (in order: a damaged one is met, and named,
@@ -102,7 +100,7 @@ class Weights:
               out: int, at: int) -> int:
         """The ranges `ps` of one task of file b, cast, into output fd `out` from byte `at`
         on; the CRC-32 of the bytes written."""
-        plan, _ = self._files[b.param]
+        plan, _ = self.files[b.param]
         crc = 0
         for piece, lo, hi in ps:
             key = self.source_of[piece.name]
