@@ -26,7 +26,10 @@ The JSON's summary gives per case `blocked_vs_full_fsync` and `overhead_vs_full_
 Writes bench/out/save_bench.json (`--device cuda`: save_bench_cuda.json).
 
 `--isolated`: each save timed alone on a still engine, as versions before 4 measured it
-(bench/out/save_bench_isolated.json). `--stats` measures instead what `stats=` costs:
+(bench/out/save_bench_isolated.json), with one case more: `full+record`, a full save as
+mpitailor's checkpointers make it (DeepSpeed's save, then each file read back for its CRC-32
+and fsynced by the rank that wrote it, the records gathered: training/recorded_save.py),
+against `full+fsync` (the same files fsynced, nothing read back). `--stats` measures instead what `stats=` costs:
 LayerwiseCheckpointer's partial saves (parity, adaptive; synchronous and asynchronous) with
 and without a stats log, side by side on the same engine: seconds training is blocked per
 save and the ratio against the same case without stats. Writes bench/out/save_bench_stats.json.
@@ -85,7 +88,8 @@ def main() -> None:
         loop_table(args, rows, result.get("about", {}))
         return
     summary = {}
-    for case in ("full", "full+fsync", "parity", "filter", "parity-async", "filter-async"):
+    for case in ("full", "full+fsync", "full+record", "parity", "filter", "parity-async",
+                 "filter-async"):
         mine = [r for r in rows if r["case"] == case]
         summary[case] = {"bytes_per_save": statistics.mean(r["bytes"] for r in mine),
                          "seconds_per_save": statistics.mean(r["seconds"] for r in mine),

@@ -26,6 +26,7 @@ from dev.tinytrain.model import task_batch
 from dev.tinytrain.worker import build_engine, shutdown, train
 from mpitailor.training.partial_save import all_slices_elements, save_layers, take
 from mpitailor.training.policies import Filter, Parity
+from mpitailor.training.recorded_save import gathered_records, recording
 from mpitailor.training.stats import model_layer_keys
 from mpitailor.training.writer import BackgroundWriter
 
@@ -220,7 +221,8 @@ def main(spec_path: str, result_path: str) -> None:
     policies = {"parity": Parity(), "filter": Filter(always=(0, 1, -2, -1), every=4)}
     cycle = {"parity": [1, 2], "filter": [1, 2, 3, 4]}  # the partial saves of one cycle
     writer = BackgroundWriter(reserve=all_slices_elements(engine))  # as the checkpointer does
-    cases = ("full", "full+fsync", "parity", "filter", "parity-async", "filter-async")
+    cases = ("full", "full+fsync", "full+record", "parity", "filter", "parity-async",
+             "filter-async")
     rows = []
     save_dir = Path(spec.save_dir)
     for rep in range(reps):
@@ -230,7 +232,11 @@ def main(spec_path: str, result_path: str) -> None:
                 tag = f"{case}-{rep}-{idx}"
                 dist.barrier()
                 t = time.perf_counter()
-                if case.startswith("full"):
+                if case == "full+record":  # as the checkpointers make a full save
+                    with recording(engine) as written:
+                        engine.save_checkpoint(str(save_dir), tag=tag)
+                    gathered_records(engine, written, save_dir / tag)
+                elif case.startswith("full"):
                     engine.save_checkpoint(str(save_dir), tag=tag)
                     if case == "full+fsync":  # durable, as save_layers always is
                         fsync_tree_files(save_dir / tag)

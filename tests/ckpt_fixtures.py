@@ -19,7 +19,8 @@ from pathlib import Path
 
 from dev.tinytrain import TrainSpec, launch
 
-FIXTURE_VERSION = 4  # 2: saves record their lineage; 3: resume guards, HF per-layer groups
+FIXTURE_VERSION = 5  # 2: saves record their lineage; 3: resume guards, HF per-layer groups;
+# 5: full saves record their files
 CACHE = Path(os.environ.get("MPITAILOR_FIXTURES",
                             Path(__file__).resolve().parents[1] / ".cache" / "fixtures"))
 FROZEN = ("model.layers.1.mlp.up_proj.weight",)

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -141,20 +142,93 @@ def test_records_of_the_wrong_shape_are_differences(copy):
     assert any(name in line and "is not {bytes, crc32}" in line for line in differs(r))
 
 
-def test_a_save_dir_verifies_its_partial_saves_and_names_the_full_ones(ckpt_copy):
-    """A layer-wise run's save dir: every partial save checked (its manifest records its
-    files), the full save named as not verified; a bit flipped in a partial save's slice
-    file is found."""
+def test_a_save_dir_verifies_its_partial_and_full_saves(ckpt_copy):
+    """A layer-wise run's save dir: every save checked (a partial save's manifest and a full
+    save's record list their files); a bit flipped in a partial save's slice file is found."""
     run = ckpt_copy("w2_parity")
     r = verify(run, 2)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"not verified: {run}/global_step2: a full save" in r.stdout
-    assert "of 3 output(s)" in r.stdout
+    assert "of 4 output(s)" in r.stdout and "global_step2: a full save" not in r.stdout
     target = run / "global_step6" / "rank_1_layers.safetensors"
     _flip(target, target.stat().st_size - 3)
     r = verify(run, 2)
     assert r.returncode == 1
     assert differs(r) == [f"{target}: CRC-32" + differs(r)[0].split("CRC-32", 1)[1]]
+
+
+# -- full saves through the checkpointers: DeepSpeed's files recorded in mpitailor_save.json
+
+
+@pytest.mark.parametrize("name,step", [("w2_parity", 2), ("s1_w2_parity", 2),
+                                       ("s2_w3_bf16_parity", 2), ("hf_w2_parity", 2)])
+def test_a_full_save_records_every_file_deepspeed_wrote_as_it_is_on_disk(name, step):
+    from ckpt_fixtures import HF_MODULE, VARIANTS, tag_dir
+    tag = tag_dir(name, step)
+    if VARIANTS[name][1] == HF_MODULE:
+        tag = tag / f"global_step{step}"
+    record = json.loads((tag / "mpitailor_save.json").read_text())
+    on_disk = {p.name for p in tag.iterdir()} - {"mpitailor_save.json"}
+    assert set(record["files"]) == on_disk and any("optim_states" in n for n in on_disk)
+    for n, rec in record["files"].items():
+        data = (tag / n).read_bytes()
+        assert rec == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, n
+
+
+def test_verify_checks_a_full_save_against_its_record(ckpt_copy):
+    run = ckpt_copy("w2_parity")
+    full = run / "global_step2"
+    r = verify(full, 2)
+    assert r.returncode == 0 and "verified 4 file(s)" in r.stdout, r.stdout + r.stderr
+    optim = full / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _flip(optim, optim.stat().st_size // 2)
+    (full / "stray.pt").write_bytes(b"x")
+    model = full / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    model.write_bytes(model.read_bytes()[:-1])
+    r = verify(run, 3)
+    assert r.returncode == 1
+    assert [d.split(": ", 1)[0] for d in differs(r)] == sorted(map(str, (full / "stray.pt",
+                                                                         optim, model)))
+    assert any("bytes," in d and "recorded" in d for d in differs(r))
+
+
+def test_a_full_save_whose_record_lists_no_files_is_named_not_verified(ckpt_copy):
+    run = ckpt_copy("w2_parity")
+    record = run / "global_step2" / "mpitailor_save.json"
+    doc = json.loads(record.read_text())
+    del doc["files"]
+    record.write_text(json.dumps(doc))
+    r = verify(run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"not verified: {run}/global_step2: a full save, its mpitailor_save.json records " \
+           f"no files" in r.stdout
+    record.write_text(json.dumps({**doc, "files": ["x"]}))
+    r = verify(run)
+    assert r.returncode == 1 and "unreadable save record (files is not a mapping)" in r.stdout
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_recover_verify_checks_a_full_save_whole_against_its_record(ckpt_copy, tmp_path,
+                                                                     recorded):
+    """With a record, recover --verify checks the full save's files whole: a byte anywhere
+    in them. Without one (DeepSpeed's own save) it checks the zip records the composite
+    reads, and this byte lies in a sub-group's buffer that a later partial save holds."""
+    run = ckpt_copy("w2_parity")
+    for later in ("global_step6", "global_step8"):  # so that the full save is a source
+        shutil.rmtree(run / later)
+    full = run / "global_step2"
+    if not recorded:
+        record = full / "mpitailor_save.json"
+        doc = json.loads(record.read_text())
+        del doc["files"]
+        record.write_text(json.dumps(doc))
+    optim = full / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _flip(optim, optim.stat().st_size // 2)
+    r = run_cli(["recover", str(run), "-o", str(tmp_path / "out"), "--verify", "-q"], {})
+    if not recorded:
+        assert r.returncode == 0, r.stderr
+        return
+    assert r.returncode != 0 and not (tmp_path / "out").exists()
+    assert f"{optim}: fails the CRC-32 its full save recorded" in r.stderr, r.stderr
 
 
 def test_a_staging_dir_is_named_not_verified(copy, tmp_path):

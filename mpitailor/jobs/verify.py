@@ -4,14 +4,16 @@ contiguous range per rank, balanced by bytes, each rank takes the CRC-32 of its 
 rank 0 joins them per file (as the executor joins its outputs' CRCs).
 
 What PATH can be: an output with a manifest (a merge, a recover, an export:
-mpitailor_manifest.json), a partial save (a tag dir with mpitailor_partial.json), or a dir
-holding such outputs one or two levels down (a save dir: global_stepN/, checkpoint-N/ and
-the tag dir inside it; a dir of composites). An output's manifest records every file it
-published: a file it records that is missing, not a regular file, of another size or
-another CRC-32 differs, and so does a file in the output that it does not record. A
+mpitailor_manifest.json), a partial save (a tag dir with mpitailor_partial.json), a full save
+made through mpitailor's checkpointers (a tag dir whose mpitailor_save.json records
+DeepSpeed's files), or a dir holding such outputs one or two levels down (a save dir:
+global_stepN/, checkpoint-N/ and the tag dir inside it; a dir of composites). A record names
+every file of its output: a file it records that is missing, not a regular file, of another
+size or another CRC-32 differs, and so does a file in the output that it does not record. A
 node-local composite is checked for the files of the node whose manifest it is. What no
-mpitailor record covers (a full save by DeepSpeed or the HF Trainer, a staging dir of a run
-in progress or killed) is named as not verified, never passed as clean.
+mpitailor record covers (a full save by DeepSpeed or the HF Trainer themselves, or one whose
+record predates its files' records; a staging dir of a run in progress or killed) is named
+as not verified, never passed as clean.
 
 The manifests are files anyone could have written: a recorded name must be a plain relative
 path inside the output (no `..`, no absolute path, no link on the way), and a file is
@@ -32,10 +34,11 @@ from mpitailor.engine.copyio import join_crcs
 from mpitailor.errors import MpitailorError, UserError
 from mpitailor.formats.io import crc32_range, open_under
 from mpitailor.formats.manifest import ABSENT, MANIFEST, PARTIAL_MANIFEST, read_manifest
+from mpitailor.formats.zero import SAVE_RECORD, read_file_records
 from mpitailor.planning.retention import PRUNED_DIR
 from mpitailor.publish.leftovers import SUFFIXES
 
-_RECORDS = (MANIFEST, PARTIAL_MANIFEST)
+_RECORDS = (MANIFEST, PARTIAL_MANIFEST)  # and a full save's SAVE_RECORD, when it has files
 _DEPTH = 2  # levels below PATH searched for outputs (save dir -> checkpoint-N -> tag dir)
 _CRC = re.compile(r"[0-9a-f]{8}")
 
@@ -87,22 +90,22 @@ def _survey(path: Path) -> tuple[VerifyResult, list[Recorded], dict[str, tuple]]
     found = _outputs(path, _DEPTH, result)
     if not found:
         raise UserError(f"{shown(path)}: no mpitailor output here or up to {_DEPTH} levels "
-                        f"down (none holds {MANIFEST} or {PARTIAL_MANIFEST}); nothing to verify")
+                        f"down (none holds {MANIFEST}, {PARTIAL_MANIFEST} or a {SAVE_RECORD} "
+                        f"that records files); nothing to verify")
     for out, record in found:
         result.outputs.append(str(out))
         try:
-            manifest = read_manifest(out / record)
+            recorded_files, (here, elsewhere, bad) = _read_record(out, record)
         except MpitailorError as e:  # (it names the file)
             result.differ.append(str(e))
             continue
-        if not manifest.files:
+        if not recorded_files:
             result.differ.append(f"{shown(out / record)}: records no file (every output "
                                  f"mpitailor publishes has some)")
-        here, elsewhere, bad = _nodes(manifest)
         if bad:
             result.differ.append(f"{shown(out / record)}: {bad}")
         recorded = set()
-        for name, rec in sorted(manifest.files.items()):
+        for name, rec in sorted(recorded_files.items()):
             where = _inside(out, name)
             if where is None:
                 result.differ.append(f"{shown(out / record)}: records {_brief(name)}, which "
@@ -122,6 +125,24 @@ def _survey(path: Path) -> tuple[VerifyResult, list[Recorded], dict[str, tuple]]
     seen = {str(o / r): _ident(o / r) for o, r in found}
     seen[str(path)] = _ident(path)[:1]  # its inode (a save dir's times change as it is saved to)
     return result, files, seen
+
+
+def _read_record(out: Path, record: str) -> tuple[dict, tuple[set[str], set[str], str | None]]:
+    """The files an output's record names, and its nodes (_nodes); MpitailorError (naming
+    the record) if it cannot be read."""
+    if record == SAVE_RECORD:
+        return read_file_records(out) or {}, (set(), set(), None)
+    manifest = read_manifest(out / record)
+    return dict(manifest.files), _nodes(manifest)
+
+
+def _records_files(folder: Path) -> bool:
+    """Does folder's SAVE_RECORD make it an output: it records files, or cannot be read
+    (reading it again says what is wrong)? False for a record of no files (an older one)."""
+    try:
+        return read_file_records(folder) is not None
+    except MpitailorError:
+        return True
 
 
 def _ident(path: Path) -> tuple:
@@ -156,14 +177,18 @@ def _outputs(folder: Path, depth: int, result: VerifyResult) -> list[tuple[Path,
     for record in _RECORDS:
         if os.path.lexists(folder / record):
             return [(folder, record)]
+    if os.path.lexists(folder / SAVE_RECORD) and _records_files(folder):
+        return [(folder, SAVE_RECORD)]
     try:
         children = sorted(folder.iterdir())
     except OSError as e:
         result.differ.append(f"{shown(folder)}: cannot be listed ({e.strerror})")
         return []
     if any(folder.glob("*optim_states.pt")):
-        result.not_verified.append(f"{shown(folder)}: a full save, whose files DeepSpeed "
-                                   f"wrote and nothing recorded")
+        why = f"its {SAVE_RECORD} records no files (written before a full save's files were " \
+              f"recorded)" if os.path.lexists(folder / SAVE_RECORD) else \
+              "whose files DeepSpeed wrote and nothing recorded"
+        result.not_verified.append(f"{shown(folder)}: a full save, {why}")
         return []
     found, loose = [], []
     for child in children:

@@ -51,6 +51,7 @@ from mpitailor.training.distcomm import training_comm
 from mpitailor.training.overlap import StepGuard
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
 from mpitailor.training.policies import Decision, Policy
+from mpitailor.training.recorded_save import gathered_records, recording
 from mpitailor.training.snapshot import PartialSaveFailed, host_bytes_limit, write
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
 from mpitailor.training.writer import BackgroundWriter
@@ -135,17 +136,18 @@ class LayerwiseCheckpointer:
 
     def record(self, decision: Decision, lineage: Lineage | None = None,
                tag_dir: str | os.PathLike | None = None, blocked: float = math.nan,
-               waited: float = 0.0) -> None:
+               waited: float = 0.0, files: dict[str, dict] | None = None) -> None:
         """After the part of a save that blocks training. A full or synchronous save is
         published by now: the policy's state (save count, staleness), the lineage, the
         update statistics' saved copy and the log's `saved` follow it at once. An
         asynchronous one is in the writer's hands: they follow when `wait` finds it
         published, and never when it failed. For a full save, rank 0 also writes its lineage
-        record into the tag dir (DeepSpeed's files are complete).
+        record into the tag dir (DeepSpeed's files are complete), with `files`: the records
+        of DeepSpeed's files in it (recorded_save.py; None: not recorded).
         blocked: seconds training stood still for it; waited: of those, for the save before."""
         step = self.engine.global_steps
         if lineage is not None and decision.full and self.engine.global_rank == 0:
-            write_save_record(Path(tag_dir), lineage, step, self.classify.patterns)
+            write_save_record(Path(tag_dir), lineage, step, self.classify.patterns, files)
         self.timings.append({"step": step, "full": decision.full,
                              "blocked": blocked, "waited": waited, "background": math.nan,
                              "host_bytes": self.writer.host.nbytes if self.writer else 0})
@@ -217,12 +219,15 @@ class LayerwiseCheckpointer:
         lineage = self.next_lineage(decision)
         if prepare is not None:
             prepare()
+        files = None
         if decision.full:
-            full()
+            with recording(self.engine) as written:
+                full()
+            files = gathered_records(self.engine, written, tag_dir)
         else:
             partial(decision.layers, lineage)
         self.record(decision, lineage, tag_dir, blocked=time.perf_counter() - t0,
-                    waited=waited)
+                    waited=waited, files=files)
         return decision
 
     def save_partial(self, tag: str, layers, lineage: Lineage | None,
@@ -383,8 +388,9 @@ def refuse_no_layers(engine, keys: list[str]) -> None:
 
 
 def write_save_record(tag_dir: Path, lineage: Lineage, global_steps: int,
-                      layer_patterns: dict[str, str]) -> None:
-    """Rank 0: the lineage of a full save, beside DeepSpeed's files (which ignore it), and
-    the layer patterns the run saves with."""
+                      layer_patterns: dict[str, str], files: dict[str, dict] | None) -> None:
+    """Rank 0: the lineage of a full save, beside DeepSpeed's files (which ignore it), the
+    layer patterns the run saves with, and the records of DeepSpeed's files (None: not
+    recorded)."""
     publish_file(tag_dir / SAVE_RECORD,
-                 SaveRecord(lineage, global_steps, layer_patterns).to_json())
+                 SaveRecord(lineage, global_steps, layer_patterns, files).to_json())

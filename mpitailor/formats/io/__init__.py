@@ -9,7 +9,7 @@ from mpitailor.formats.lazyface import face
 
 EXPORTS = {
     "MAX_CONFIG_BYTES": "boundedio", "MAX_INDEX_BYTES": "boundedio",
-    "MAX_MANIFEST_BYTES": "boundedio", "MAX_RECORD_BYTES": "boundedio",
+    "MAX_MANIFEST_BYTES": "boundedio",
     "MAX_SAFETENSORS_HEADER": "boundedio", "MAX_SIDE_FILE_BYTES": "boundedio",
     "TooLarge": "boundedio", "kind_of": "boundedio", "loads": "boundedio",
     "open_regular": "boundedio", "read_bounded": "boundedio", "read_json": "boundedio",
@@ -18,7 +18,7 @@ EXPORTS = {
     "FILE_CHUNK": "fileio", "copy_synced": "fileio", "crc32_of": "fileio",
     "crc32_range": "fileio", "open_under": "fileio", "created": "fileio",
     "fsync_dir": "fileio", "read_exact": "fileio", "read_into": "fileio",
-    "read_upto": "fileio", "write_synced": "fileio",
+    "read_upto": "fileio", "synced_record": "fileio", "write_synced": "fileio",
     "CrcWriter": "storage", "close_all": "storage", "create_sized": "storage",
     "fsync_close": "storage", "kernel_copy": "storage", "open_output": "storage",
     "pread_exact": "storage", "pread_into": "storage", "pwrite_all": "storage",

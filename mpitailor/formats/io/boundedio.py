@@ -22,11 +22,9 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.io.fileio import FILE_CHUNK
 
 # Limits, each far above what a real file of its kind holds, and far below what would hurt.
-# A manifest (partial save, merge, export): a record (~100 bytes) per file of the output
-# and the names of its layers; a 1024-rank partial save of a 70B model is under 1 MiB.
+# A manifest (partial save, merge, export) or a full save's record: a record (~100 bytes)
+# per file and the names of its layers; a 1024-rank partial save of a 70B model is under 1 MiB.
 MAX_MANIFEST_BYTES = 64 << 20
-# mpitailor's save record beside a full save: three ids and the layer patterns.
-MAX_RECORD_BYTES = 1 << 20
 # An HF config.json: a few KB; classification heads with ~20k labels reach ~1 MiB.
 MAX_CONFIG_BYTES = 16 << 20
 # An HF side file copied into an export (tokenizer.json, tokenizer.model, vocab, merges):

@@ -109,6 +109,21 @@ def copy_synced(src: BinaryIO, dst: Path | str) -> dict:
     return rec.record()
 
 
+def synced_record(path: Path | str) -> dict:
+    """The manifest record of a file another writer has just written (DeepSpeed's
+    torch.save, which writes by path), read back (from the page cache it was just written
+    to), and the file fsynced. OSError if it is not a regular file one can open."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        crc, n = crc32_range(fd, 0, size)
+        io_step("fsync")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"bytes": n, "crc32": f"{crc:08x}"}
+
+
 def crc32_range(fd: int, offset: int, n: int) -> tuple[int, int]:
     """(CRC-32, bytes read) of the n bytes at `offset` of file `fd`, FILE_CHUNK bytes at a
     time, fewer read where the file ends first. The disk is asked for each next chunk while

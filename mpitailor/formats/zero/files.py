@@ -18,7 +18,6 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.io import (
     LOCAL,
     MAX_MANIFEST_BYTES,
-    MAX_RECORD_BYTES,
     TooLarge,
     loads,
     shown,
@@ -81,24 +80,34 @@ class Lineage:
 @dataclass(frozen=True, slots=True)
 class SaveRecord:
     """What SAVE_RECORD holds, in the order written: the lineage's keys sit at the top level
-    of the file, between `format` and `global_steps`. Not a Manifest: no head, no files."""
+    of the file, between `format` and `global_steps`. Not a Manifest (no head), but it
+    records the save's files as a manifest does: `files`, each DeepSpeed
+    file of the tag dir -> {"bytes": n, "crc32": c}, taken once DeepSpeed had written it and
+    fsynced (training/recorded_save.py). A record without `files` was written before they were recorded."""
 
     format: str = field(default=SAVE_FORMAT, kw_only=True)
     lineage: Lineage
     global_steps: int
     layer_patterns: Mapping[str, str]  # the patterns the run saves with
+    files: Mapping[str, Mapping] | None = None  # None: not recorded (an older save)
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": self.format, **self.lineage.to_json(),
-                           "global_steps": self.global_steps,
-                           "layer_patterns": self.layer_patterns}, indent=2).encode()
+        doc = {"format": self.format, **self.lineage.to_json(),
+               "global_steps": self.global_steps, "layer_patterns": self.layer_patterns}
+        if self.files is not None:
+            doc["files"] = dict(sorted(self.files.items()))
+        return json.dumps(doc, indent=2).encode()
 
     @classmethod
     def from_doc(cls, raw) -> SaveRecord:
         """The record of a parsed SAVE_RECORD; TypeError or AttributeError if it is not one.
-        Only what readers use is checked (the lineage, the patterns a mapping)."""
+        Only what readers use is checked (the lineage, the patterns and files mappings; each
+        file's record is checked where it is used)."""
         lineage = Lineage.from_json(raw)
-        return cls(lineage, raw.get("global_steps"), _patterns_of(raw),
+        files = raw.get("files")
+        if files is not None and not isinstance(files, dict):
+            raise TypeError("files is not a mapping")
+        return cls(lineage, raw.get("global_steps"), _patterns_of(raw), files,
                    format=raw.get("format", SAVE_FORMAT))
 
 
@@ -220,8 +229,7 @@ def read_save_record(tag_dir: Path, partial: bool,
     if not view.exists(path) and not (view is LOCAL and path.is_symlink()):
         return None, {}  # a FIFO, a device, a dangling link: a record there, unreadable
     try:
-        raw = loads(view.read_bytes(path, MAX_MANIFEST_BYTES if partial else MAX_RECORD_BYTES,
-                                    "a save record"))
+        raw = loads(view.read_bytes(path, MAX_MANIFEST_BYTES, "a save record"))
         if partial:  # its manifest's fields, unchecked: resolve's partial_fields checks them
             lineage, patterns = Lineage.from_json(raw.get("lineage")), _patterns_of(raw)
         else:
@@ -230,6 +238,21 @@ def read_save_record(tag_dir: Path, partial: bool,
         return lineage, {str(k): str(v) for k, v in patterns.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{shown(path)}: unreadable save record ({e})") from None
+
+
+def read_file_records(tag_dir: Path, view=LOCAL) -> dict[str, object] | None:
+    """The files a full save's SAVE_RECORD records ({name in the tag dir: its record, as
+    the JSON held it}); None where there is no record or it records no files (a save by
+    DeepSpeed itself, or one recorded before `files` was). CheckpointError if it is unreadable."""
+    path = tag_dir / SAVE_RECORD
+    if not view.exists(path) and not (view is LOCAL and path.is_symlink()):
+        return None
+    try:
+        files = SaveRecord.from_doc(loads(view.read_bytes(path, MAX_MANIFEST_BYTES,
+                                                          "a save record"))).files
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{shown(path)}: unreadable save record ({e})") from None
+    return None if files is None else dict(files)
 
 
 def _partial(tag_dir: Path, save_dir: Path | None, view=LOCAL) -> CheckpointFiles:

@@ -33,9 +33,10 @@ class CheckpointMeta:
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE  # ZeRO-3 config: where sub-groups close
     lineage: zfiles.Lineage | None = None        # place in a timeline (mpitailor saves)
     layer_patterns: tuple[tuple[str, str], ...] = ()  # the patterns the run saved with
-    # partial checkpoints: the manifest's record of every file ((name, record) pairs), read
-    # once with the rest, so that nodes without the manifest can check their ranks' files
-    partial_records: tuple[tuple[str, object], ...] = ()
+    # the record of every file ((name, record) pairs: a partial save's manifest's; a full
+    # save's SAVE_RECORD's, where it records them), read once with the rest, so that nodes
+    # without the record can check their ranks' files
+    file_records: tuple[tuple[str, object], ...] = ()
     zero_stage: int = 3  # 1 and 2 have flat layouts (layout.flat) and one model-states file
 
     @property

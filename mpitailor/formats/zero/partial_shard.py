@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.io import FileIdentity, crc32_of, open_regular, require_same, shown
+from mpitailor.formats.io import FileIdentity, open_regular, require_same, shown
 from mpitailor.formats.manifest import Manifest, brief
 from mpitailor.formats.safetensors_header import parse_header, tensor_records
-from mpitailor.formats.torch import load, materialize, require_regular
+from mpitailor.formats.torch import load, materialize
 from mpitailor.formats.zero.files import PARTIAL_MANIFEST, CheckpointFiles, partial_files
 from mpitailor.formats.zero.frozen import check_frozen_fragments
 from mpitailor.formats.zero.layout import ELEMENT, KINDS, Slot
 from mpitailor.formats.zero.meta import CheckpointMeta
 from mpitailor.formats.zero.names import check_model_names
+from mpitailor.formats.zero.recorded import check_recorded
 from mpitailor.formats.zero.shard_protocol import Shard
 
 
@@ -87,29 +88,16 @@ def _check_sizes(meta: CheckpointMeta, rank: int, crc: bool) -> dict[str, FileId
     (what a later open must find again)."""
     files, checked = meta.files, {}
     manifest = files.tag_dir / PARTIAL_MANIFEST
-    records = dict(meta.partial_records)
+    records = dict(meta.file_records)
     for name in partial_files(rank).values():
-        path, want = files.tag_dir / name, records.get(name)
+        want = records.get(name)
         if not isinstance(want, dict):
             raise CheckpointError(f"{manifest}: no record of {name}; the partial save is "
                                   f"damaged")
-        require_regular(path)
-        size = path.stat().st_size
-        if size != want.get("bytes"):
-            raise CheckpointError(f"{path}: {size} bytes, but the partial save wrote "
-                                  f"{want.get('bytes')}; the file is truncated or damaged")
-        if not crc:
-            continue
-        value, checked[name] = _crc32(path)
-        if f"{value:08x}" != want.get("crc32"):
-            raise CheckpointError(f"{path}: fails the CRC-32 its partial save recorded; the "
-                                  f"file is corrupt (re-copy it from the original save)")
+        ident = check_recorded(files.tag_dir / name, want, "partial save", crc)
+        if ident is not None:
+            checked[name] = ident
     return checked
-
-
-def _crc32(path) -> tuple[int, FileIdentity]:
-    with open(path, "rb") as f:
-        return crc32_of(f), FileIdentity.of(f.fileno())
 
 
 def open_partial_shard(meta: CheckpointMeta, rank: int) -> PartialShard:

@@ -111,11 +111,16 @@ def _read_meta(files, view, model: dict, optim: dict) -> CheckpointMeta:
                                              str))),
         ds_version=str(model.get("ds_version", "")),
         held_layers=manifest_of[0] if files.partial else None,
-        partial_records=manifest_of[1] if files.partial else (),
+        file_records=manifest_of[1] if files.partial else _full_records(files, view),
         lineage=lineage, layer_patterns=tuple(patterns.items()),
         sub_group_size=int(((model.get("ds_config") or {}).get("zero_optimization") or {})
                            .get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
     )
+
+
+def _full_records(files: CheckpointFiles, view) -> tuple[tuple[str, object], ...]:
+    """A full save's file records, as its SAVE_RECORD holds them (none: not recorded)."""
+    return tuple(sorted((zfiles.read_file_records(files.tag_dir, view) or {}).items()))
 
 
 SAMPLED_PARAMS, SAMPLED_ELEMENTS = 32, 16

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.io import open_regular
+from mpitailor.formats.io import open_regular, require_same
 from mpitailor.formats.torch import Tensor, load, rawio, record_crcs, verify_records
 from mpitailor.formats.zero.frozen import check_frozen_fragments
 from mpitailor.formats.zero.layout import ELEMENT, KINDS
@@ -24,6 +24,7 @@ from mpitailor.formats.zero.meta import CheckpointMeta
 from mpitailor.formats.zero.names import check_model_names
 from mpitailor.formats.zero.partial_shard import open_partial_shard
 from mpitailor.formats.zero.read import flat_mappings_agree
+from mpitailor.formats.zero.recorded import check_recorded
 from mpitailor.formats.zero.shard_protocol import Shard
 
 
@@ -46,8 +47,20 @@ class RankShard(Shard):
         return self._crcs().get(self.offsets[kind, g])
 
     def verify(self, used: set[tuple[str, int]]) -> None:
-        """Check the whole records of these buffers against the CRCs in the zip."""
-        verify_records(self.data_path, self.fd, {self.offsets[k] for k in used}, self._crcs())
+        """Check the rank's files whole against the records its save wrote of them (a full
+        save through mpitailor's checkpointers: SAVE_RECORD), else the records of these
+        buffers against the CRCs in the zip (a save by DeepSpeed itself)."""
+        records = dict(self.meta.file_records)
+        paths = (self.meta.files.model_path(self.rank), self.data_path)
+        wants = [records.get(p.name) for p in paths]
+        if not all(isinstance(w, dict) for w in wants):
+            verify_records(self.data_path, self.fd, {self.offsets[k] for k in used},
+                           self._crcs())
+            return
+        for path, want in zip(paths, wants):
+            checked = check_recorded(path, want, "full save", crc=True)
+            if path == self.data_path:
+                require_same(self.fd, path, checked)  # what is copied is what was checked
 
     def _crcs(self) -> dict[int, tuple[int, int]]:
         """The optim file's records (record_crcs), its zip directory read once."""
