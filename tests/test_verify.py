@@ -423,3 +423,34 @@ def test_a_manifest_that_records_no_file_differs(tmp_path):
         json.dumps({"format_version": "1.1", "kind": "merge", "files": {}}))
     r = verify(out)
     assert r.returncode == 1 and "records no file" in r.stdout
+
+
+def _recover_from_full_save(run: Path, out: Path, *extra: str):
+    for later in ("global_step6", "global_step8"):  # so that the full save is a source
+        shutil.rmtree(run / later, ignore_errors=True)
+    return run_cli(["recover", str(run), "-o", str(out), "-q", *extra], {})
+
+
+def test_a_full_saves_recorded_sizes_are_checked_even_without_verify(ckpt_copy, tmp_path):
+    run = ckpt_copy("w2_parity")
+    optim = run / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with open(optim, "ab") as f:
+        f.write(bytes(100))
+    r = _recover_from_full_save(run, tmp_path / "out")
+    assert r.returncode != 0 and not (tmp_path / "out").exists()
+    assert f"{optim}: {optim.stat().st_size} bytes, but the full save wrote" in r.stderr, \
+        r.stderr
+
+
+@pytest.mark.parametrize("entry", ["x", {"bytes": 3}, {"bytes": 1, "crc32": "ABCDEF12"}])
+def test_a_damaged_record_entry_is_refused_by_verify_not_checked_less(ckpt_copy, tmp_path,
+                                                                      entry):
+    run = ckpt_copy("w2_parity")
+    record = run / "global_step2" / "mpitailor_save.json"
+    doc = json.loads(record.read_text())
+    doc["files"]["zero_pp_rank_0_mp_rank_00_model_states.pt"] = entry
+    record.write_text(json.dumps(doc))
+    r = _recover_from_full_save(run, tmp_path / "out", "--verify")
+    assert r.returncode != 0 and not (tmp_path / "out").exists()
+    assert "no record of zero_pp_rank_0_mp_rank_00_model_states.pt as {bytes, crc32}" \
+        in r.stderr, r.stderr

@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the source's own (needed when the source has none: a plain DeepSpeed "
                         "save)")
     e.add_argument("--verify", action="store_true",
-                   help="check every source record read against its zip CRC-32 first (reads "
-                        "them whole), as merge --verify does")
+                   help="check the sources first, as merge --verify does (a recorded save's "
+                        "files whole against its record, else every zip record read)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     trust_option(e)
     common(e)
@@ -160,8 +160,9 @@ def merge_run_options(p: argparse.ArgumentParser, world_size_why: str) -> None:
     p.add_argument("--stats", metavar="FILE",
                    help="write per-rank timings, bytes read/written and peak RSS as JSON")
     p.add_argument("--verify", action="store_true",
-                   help="check every source record read against its zip CRC-32 (reads "
-                        "those records whole)")
+                   help="check the sources first: a partial save's and a recorded full "
+                        "save's files whole against their record; a save by DeepSpeed itself, "
+                        "every zip record read against its CRC-32")
     export_options(p)
     placement_option(p)
 

@@ -9,8 +9,9 @@ it (formats/io: synced_record). It is read back, not taken as it is written: tor
 writes a path itself, and given a stream instead it lays the zip out differently, and
 DeepSpeed's files must stay the bytes DeepSpeed writes. The read comes from the page cache
 the file was just written to (bench/save_bench.py measures what it costs a full save).
-An engine that writes in the background (a decoupled checkpoint engine) is left as it is:
-its files are not recorded, and `verify` says so.
+Only DeepSpeed's default engine (TorchCheckpointEngine: torch.save by path, done when save
+returns) is wrapped; another (a decoupled or Nebula engine, which persist in the background)
+is left as it is: its files are not recorded, and `verify` says so.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mpitailor.formats.io import synced_record
+from mpitailor.formats.zero import SAVE_RECORD
 from mpitailor.training.distcomm import training_comm
 
 
@@ -46,9 +48,9 @@ class _Recording:
 @contextmanager
 def recording(engine) -> Iterator[dict[str, dict] | None]:
     """While the block runs, every file the engine's checkpoint engine saves is recorded
-    (and fsynced) into the dict yielded; None when its engine writes in the background."""
+    (and fsynced) into the dict yielded; None for an engine other than DeepSpeed's default."""
     inner = getattr(engine, "checkpoint_engine", None)
-    if inner is None or inner.is_decoupled():
+    if type(inner).__name__ != "TorchCheckpointEngine":
         yield None
         return
     rec = _Recording(inner)
@@ -77,9 +79,32 @@ def gathered_records(engine, files: dict[str, dict | str] | None,
         name, why = failed[0]
         raise OSError(f"full save {tag_dir}: {name} could not be read back and fsynced "
                       f"({why}); the save is not recorded")
-    if comm.rank != 0 or any(m is None for _, m in parts):
+    if any(m is None for _, m in parts):
         return None
-    use = getattr(engine, "use_node_local_storage", None)
-    node_local = bool(use()) if callable(use) else False
-    return {name: r for host, m in parts if not node_local or host == parts[0][0]
-            for name, r in m.items()}
+    records, why = None, None
+    if comm.rank == 0:
+        use = getattr(engine, "use_node_local_storage", None)
+        node_local = bool(use()) if callable(use) else False
+        records = {name: r for host, m in parts if not node_local or host == parts[0][0]
+                   for name, r in m.items()}
+        try:
+            records = {**_others(Path(root), records), **records}
+        except OSError as e:
+            why = f"{e.filename}: {e.strerror or e}"
+    why = comm.bcast(why, 0)  # every rank fails alike, or none
+    if why is not None:
+        raise OSError(f"full save {tag_dir}: {why}; could not be read back and fsynced, the "
+                      f"save is not recorded")
+    return records
+
+
+def _others(root: Path, recorded: dict) -> dict[str, dict]:
+    """Rank 0: the files in the tag dir no rank's checkpoint engine saved (DeepSpeed copies
+    NVMe offload's `offloaded_tensors/` in with copytree), read back and fsynced here."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if name not in recorded and name != SAVE_RECORD and path.is_file() \
+                and not path.is_symlink():
+            out[name] = synced_record(path)
+    return out

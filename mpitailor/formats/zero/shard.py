@@ -9,6 +9,7 @@ moments are then read slice by slice with `read_into`. The model-states file is 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.io import open_regular, require_same
 from mpitailor.formats.torch import Tensor, load, rawio, record_crcs, verify_records
+from mpitailor.formats.zero.files import SAVE_RECORD
 from mpitailor.formats.zero.frozen import check_frozen_fragments
 from mpitailor.formats.zero.layout import ELEMENT, KINDS
 from mpitailor.formats.zero.meta import CheckpointMeta
@@ -26,6 +28,8 @@ from mpitailor.formats.zero.partial_shard import open_partial_shard
 from mpitailor.formats.zero.read import flat_mappings_agree
 from mpitailor.formats.zero.recorded import check_recorded
 from mpitailor.formats.zero.shard_protocol import Shard
+
+_CRC = re.compile(r"[0-9a-f]{8}")  # a record's CRC-32 as mpitailor writes it
 
 
 @dataclass
@@ -49,18 +53,19 @@ class RankShard(Shard):
     def verify(self, used: set[tuple[str, int]]) -> None:
         """Check the rank's files whole against the records its save wrote of them (a full
         save through mpitailor's checkpointers: SAVE_RECORD), else the records of these
-        buffers against the CRCs in the zip (a save by DeepSpeed itself)."""
-        records = dict(self.meta.file_records)
-        paths = (self.meta.files.model_path(self.rank), self.data_path)
-        wants = [records.get(p.name) for p in paths]
-        if not all(isinstance(w, dict) for w in wants):
+        buffers against the CRCs in the zip (a save by DeepSpeed itself). The model-states
+        file stages 1/2 share among all ranks is checked with rank 0's shard only."""
+        wants = recorded_files(self.meta, self.rank)
+        if wants is None:
             verify_records(self.data_path, self.fd, {self.offsets[k] for k in used},
                            self._crcs())
             return
-        for path, want in zip(paths, wants):
-            checked = check_recorded(path, want, "full save", crc=True)
+        for path, want in wants:
             if path == self.data_path:
+                checked = check_recorded(path, want, "full save", crc=True)
                 require_same(self.fd, path, checked)  # what is copied is what was checked
+            elif not self.meta.files.flat or self.rank == 0:
+                check_recorded(path, want, "full save", crc=True)
 
     def _crcs(self) -> dict[int, tuple[int, int]]:
         """The optim file's records (record_crcs), its zip directory read once."""
@@ -94,10 +99,36 @@ def open_shard(meta: CheckpointMeta, rank: int) -> Shard:
         optim = rawio.copied(optim, fd, flats)
         if rank != 0:
             _check_same_save(meta, optim, optim_path)
+        for path, want in recorded_files(meta, rank) or ():  # sizes: free, so always
+            check_recorded(path, want, "full save", crc=False)
         return RankShard(meta, rank, model, optim, fd, offsets)
     except BaseException:
         os.close(fd)
         raise
+
+
+def recorded_files(meta: CheckpointMeta, rank: int) -> list[tuple[Path, dict]] | None:
+    """(path, record) of rank `rank`'s model-states and optim files, as the full save's
+    SAVE_RECORD records them; None where it does not record the rank's optim file (a save
+    by DeepSpeed itself; a rank of another node, where each node keeps its own files: rank
+    0's record lists its node's). CheckpointError if it records that but not the model
+    states, or either not as {bytes, crc32}: a damaged record is not a reason to check less."""
+    records = dict(meta.file_records)
+    paths = (meta.files.model_path(rank), meta.files.optim_path(rank))
+    if paths[1].name not in records:
+        return None
+    record = meta.files.tag_dir / SAVE_RECORD
+    out = []
+    for path in paths:
+        want = records.get(path.name)
+        if not (isinstance(want, dict) and type(want.get("bytes")) is int
+                and want["bytes"] >= 0 and isinstance(want.get("crc32"), str)
+                and _CRC.fullmatch(want["crc32"])):
+            raise CheckpointError(f"{record}: no record of {path.name} as {{bytes, crc32}}; "
+                                  f"the save record is damaged (verify it: mpitailor verify "
+                                  f"{meta.files.tag_dir})")
+        out.append((path, want))
+    return out
 
 
 @contextmanager
