@@ -34,7 +34,11 @@ from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.facade import publish_file
 from mpitailor.formats.zero import LATEST, Lineage
-from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
+from mpitailor.training.checkpointer import (
+    LayerwiseCheckpointer,
+    fresh_save_dir,
+    sync_loop_files,
+)
 from mpitailor.training.policies import Decision, Policy
 
 SAVE_PREFIX = "checkpoint-"  # as HF's: recover names, orders and reports them alike
@@ -78,6 +82,8 @@ class AccelerateCheckpointer(LayerwiseCheckpointer):
 
         def partial(layers: frozenset[str], lineage: Lineage) -> None:
             self._save_accelerate_files(out)
+            sync_loop_files(self.engine, out,
+                            f"random_states_{self.accelerator.state.process_index}.pkl")
             self.save_partial(MODEL_NAME, layers, lineage, save_dir=out,
                               on_published=lambda: publish_file(out / LATEST,
                                                                 MODEL_NAME.encode()))

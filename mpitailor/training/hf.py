@@ -37,7 +37,11 @@ from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index, publish_file
 from mpitailor.formats.zero import LATEST, PARTIAL_MANIFEST, hf_checkpoint_step
-from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
+from mpitailor.training.checkpointer import (
+    LayerwiseCheckpointer,
+    fresh_save_dir,
+    sync_loop_files,
+)
 from mpitailor.training.notice import make_visible
 from mpitailor.training.policies import Policy
 from mpitailor.training.resume import recover_for_resume, reshard_for_resume
@@ -203,6 +207,9 @@ class LayerwiseTrainer(transformers.Trainer):
                 torch.save(self.lr_scheduler.state_dict(), out / "scheduler.pt")
         self.accelerator.wait_for_everyone()
         self._save_rng_state(str(out))
+        world = self.args.world_size
+        sync_loop_files(self.deepspeed, out, "rng_state.pth" if world <= 1
+                        else f"rng_state_{self.args.process_index}.pth")
         # `latest` last, once the tag dir is published (by the writer, if asynchronous);
         # whole or not at all (a crash while it is written leaves no half of a name)
         self._layerwise.save_partial(tag, layers, lineage, save_dir=out,

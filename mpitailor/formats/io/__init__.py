@@ -17,7 +17,7 @@ EXPORTS = {
     "crc32": "crc", "crc32_combine": "crc", "crc32_zeros": "crc",
     "FILE_CHUNK": "fileio", "copy_synced": "fileio", "crc32_of": "fileio",
     "crc32_range": "fileio", "open_under": "fileio", "created": "fileio",
-    "fsync_dir": "fileio", "read_exact": "fileio", "read_into": "fileio",
+    "fsync_dir": "fileio", "fsync_file": "fileio", "read_exact": "fileio", "read_into": "fileio",
     "read_upto": "fileio", "synced_record": "fileio", "write_synced": "fileio",
     "CrcWriter": "storage", "close_all": "storage", "create_sized": "storage",
     "fsync_close": "storage", "kernel_copy": "storage", "open_output": "storage",
@@ -26,6 +26,7 @@ EXPORTS = {
     "FileIdentity": "identity", "open_same": "identity", "require_same": "identity",
     "Entry": "fsview", "LINK": "fsview", "LOCAL": "fsview", "UnionView": "fsview",
     "listing": "fsview",
+    "Window": "window", "file_size": "window", "pread_in": "window",
 }
 __all__ = sorted(EXPORTS)
 __getattr__, __dir__ = face(__name__, EXPORTS)

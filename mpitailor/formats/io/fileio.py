@@ -109,6 +109,17 @@ def copy_synced(src: BinaryIO, dst: Path | str) -> dict:
     return rec.record()
 
 
+def fsync_file(path: Path | str) -> None:
+    """fsync a file another writer has written (a trainer's own files), not following a
+    link: its bytes are then durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        io_step("fsync")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def synced_record(path: Path | str) -> dict:
     """The manifest record of a file another writer has just written (DeepSpeed's
     torch.save, which writes by path), read back (from the page cache it was just written
