@@ -87,6 +87,17 @@ STAGE12_VARIANTS = ["s2_w2_bf16_per_layer", "s2_w3_fp32_decay_tied_frozen", "s1_
                     "hf_s2_w2_bf16"]
 ZERO3_VARIANTS = [n for n in VARIANTS if n not in ("w2_fp32_wide", *STAGE12_VARIANTS)]
 VARIANTS.update(SAVING_VARIANTS)
+# PyTorch Distributed Checkpoints (issue 43), by real FSDP2 runs (dev/tinytrain/fsdp2_worker.py:
+# fully_shard per decoder layer, AdamW, get_state_dict + dcp.save at steps 2 and 4 into
+# step-N/): 2 ranks with the optimizer keyed by parameter names (torchtitan's), 3 ranks
+# (uneven chunks) with torch's default keys (param_groups by index).
+DCP_MODULE = "dev.tinytrain.fsdp2_worker"
+DCP_VARIANTS = {
+    "dcp_w2_fsdp2": (dict(world_size=2, steps=4, save_at=(2, 4),
+                          extra={"flatten_optimizer": True}), DCP_MODULE),
+    "dcp_w3_fsdp2_groups": (dict(world_size=3, steps=4, save_at=(2, 4)), DCP_MODULE),
+}
+VARIANTS.update(DCP_VARIANTS)
 # Saved before the first optimizer step (accelerate's save_state before training): one rank,
 # no Adam state, one save. Not a merge source: only tests/test_zero3_errors.py uses it.
 VARIANTS["w1_step0"] = (dict(world_size=1, steps=0, save_at=(0,)), None)

@@ -201,9 +201,9 @@ def torch_distributed_uses(tree: ast.Module, module: str, is_package: bool) -> l
 
 
 # formats/ inside: its leaves, then the families, each importing only those before it.
-FORMATS_ORDER = ("lazyface", "dtypes", "io", "manifest", "safetensors_header", "torch", "zero",
-                 "hf")
-FAMILIES = ("io", "torch", "zero", "hf")  # the subpackages, each with a face
+FORMATS_ORDER = ("lazyface", "dtypes", "io", "manifest", "safetensors_header", "torch", "dcp",
+                 "zero", "hf")
+FAMILIES = ("io", "torch", "dcp", "zero", "hf")  # the subpackages, each with a face
 
 
 def formats_part(module: str) -> str | None:

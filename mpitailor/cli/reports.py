@@ -38,6 +38,27 @@ def format_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def format_dcp_table(rep: dict) -> str:
+    lines = [
+        f"checkpoint   {shown(rep['path'])}",
+        f"kind         PyTorch Distributed Checkpoint; {rep['layout']}",
+        f"world size   {rep['world_size']} ({rep['data_files']} data files)   dtype "
+        f"{rep['dtype']}   {human(rep['bytes'])} of tensors   DCP {rep['version']}",
+        f"optimizer    param groups {rep['param_groups']}",
+    ]
+    if rep["other_entries"]:
+        lines.append(f"other        {len(rep['other_entries'])} entries (the trainer's own): "
+                     + ", ".join(rep["other_entries"][:6])
+                     + (", ..." if len(rep["other_entries"]) > 6 else ""))
+    lines.append(f"{'layer':<12}{'params':>8}{'elements':>12}{'model':>10}{'optimizer':>11}"
+                 f"  optimizer state")
+    for key, row in rep["layers"].items():
+        lines.append(f"{key:<12}{row['params']:>8}{row['elements']:>12}"
+                     f"{human(row['model_bytes']):>10}{human(row['optimizer_bytes']):>11}  "
+                     f"{', '.join(row['optimizer_state']) or '-'}".rstrip())
+    return "\n".join(lines)
+
+
 def format_diff(rep: dict) -> str:
     lines = [f"A  {rep['a']}", f"B  {rep['b']}",
              f"{'layer':<12}{'kind':<12}{'same':<6}{'max |A-B|':>12}{'|A-B|/|A|':>12}"]

@@ -29,6 +29,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement, shard_paths, survey
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
+from mpitailor.formats.dcp import METADATA as DCP_METADATA
 from mpitailor.formats.io import LOCAL, TooLarge
 from mpitailor.formats.zero import (
     LATEST,
@@ -153,6 +154,16 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
             s.partial or view.exists(s.path / LATEST) or view.exists(s.path / PARTIAL_MANIFEST)
             or view.exists(s.path / SAVE_RECORD)) for s in saves)
     reasons = "; ".join(f"{n}: {why}" for n, why in skipped.items())
+    try:
+        children = sorted(view.names(save_dir))
+    except OSError:
+        children = []
+    dcp = [p for p in (save_dir, *(save_dir / n for n in children))
+           if view.exists(p / DCP_METADATA)]
+    if dcp:  # never "nothing to recover": a prologue would start the job from scratch
+        return UserError(f"{dcp[0]}: a PyTorch Distributed Checkpoint (DCP: FSDP2, "
+                         f"torchtitan); `mpitailor inspect` reads it, recovering DCP saves is "
+                         f"not built yet")
     if finished:
         return UserError(f"{save_dir}: no usable full checkpoint to start from ("
                          f"{reasons or 'only partial saves'}); recovery needs one complete "

@@ -191,13 +191,16 @@ _DATA_OPCODES = (
     pickle.LONG_BINPUT, pickle.BINPERSID)
 
 
-class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Python's own (pure) unpickler, held to torch's weights-only rules: its opcodes only;
     a global only through find_class; a call (REDUCE) only of a global find_class allowed as
     callable; a new object (NEWOBJ) only of a stand-in class or OrderedDict; BUILD only on a
     stand-in instance (which records the state) or an OrderedDict (attributes of its own);
     items added only to real lists and dicts. The reader's own records (Tensor, Storage,
-    Size) and every class are values, never targets."""
+    Size) and every class are values, never targets. formats/dcp reads DCP's metadata
+    pickles with a subclass of it (its own globals, keys and opcodes)."""
+
+    max_made = 1 << 20  # objects one pickle may make (MAX_MADE)
 
     dispatch = _Opcodes({op[0]: pickle._Unpickler.dispatch[op[0]]  # type: ignore[attr-defined]
                          for op in _DATA_OPCODES})
@@ -362,7 +365,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined]
 # Objects one pickle may make. A file of 2**20 empty dicts costs ~100 MB and a second of
 # unpickling alone; counted as they are made, a file of more is refused before it costs
 # more (safeload then bounds what the objects describe once shared ones are unshared).
-MAX_MADE = 1 << 20
+MAX_MADE = Unpickler.max_made
 # The opcodes that push a new object (EMPTY_TUPLE pushes the one empty tuple).
 _MAKING = (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.EMPTY_LIST,
            pickle.EMPTY_DICT, pickle.EMPTY_SET, pickle.BININT, pickle.BININT1, pickle.BININT2,
@@ -370,17 +373,18 @@ _MAKING = (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.EMP
            pickle.BINPERSID, pickle.GLOBAL, pickle.REDUCE, pickle.NEWOBJ)
 
 
-def _counted(handler):
+def counted(handler):
+    """handler, counting the object it pushes against the unpickler's max_made."""
     def making(self):
         self.made += 1
-        if self.made > MAX_MADE:
-            raise pickle.UnpicklingError(f"a pickle that makes over {MAX_MADE} objects")
+        if self.made > self.max_made:
+            raise pickle.UnpicklingError(f"a pickle that makes over {self.max_made} objects")
         handler(self)
     return making
 
 
 for _op in _MAKING:
-    _Unpickler.dispatch[_op[0]] = _counted(_Unpickler.dispatch[_op[0]])
+    Unpickler.dispatch[_op[0]] = counted(Unpickler.dispatch[_op[0]])
 
 
 def unpickle(data: bytes, *, allowed: frozenset[str] = frozenset(),
@@ -391,6 +395,6 @@ def unpickle(data: bytes, *, allowed: frozenset[str] = frozenset(),
     global outside the allow-list (with opaque_ok, plain classes of modules other than
     Python's and the frameworks' are carried as instances, never called), UnpicklingError
     and others for a malformed pickle."""
-    u = _Unpickler(data, allowed, opaque_ok, storage)
+    u = Unpickler(data, allowed, opaque_ok, storage)
     return u.load(), frozenset(u.globals)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.io import FileIdentity
+from mpitailor.formats.io import FileIdentity, Window
 from mpitailor.formats.torch import opaque, pickle_read, zip_read
 from mpitailor.formats.torch.tensorref import Storage, Tensor, view_problem
 
@@ -53,7 +53,8 @@ def trust(names: tuple[str, ...] | list[str]) -> None:
 
 
 def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
-         opaque_ok: bool = False, fd: int | None = None) -> Any:
+         opaque_ok: bool = False, fd: int | None = None,
+         window: tuple[int, int] | None = None) -> Any:
     """Load a torch-serialised file safely; one-line CheckpointError on any failure.
 
     Tensors come back as tensorref.Tensor, their bytes left in the file; each storage
@@ -62,12 +63,15 @@ def load(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
     (opaque.py) instead of a refusal; a call of one is still refused.
     fd: the file, already open (a regular file) by a caller who reads it again through that
     descriptor: what is loaded is what it reads, whatever `path` names by then.
+    window: (start, size), with fd: the torch file is those bytes of the file (a DCP item);
+    its storages' offsets are the file's.
     """
-    return load_with_globals(path, allow=allow, opaque_ok=opaque_ok, fd=fd)[0]
+    return load_with_globals(path, allow=allow, opaque_ok=opaque_ok, fd=fd, window=window)[0]
 
 
 def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed",),
-                      opaque_ok: bool = False, fd: int | None = None
+                      opaque_ok: bool = False, fd: int | None = None,
+                      window: tuple[int, int] | None = None
                       ) -> tuple[Any, frozenset[str]]:
     """load(), and the full name of every global the file's pickle names."""
     path = Path(path)
@@ -78,10 +82,17 @@ def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed"
     try:
         # zipfile seeks: a descriptor of our own (a dup shares the caller's offset, which
         # the caller never uses: its reads are preads)
-        with open(path, "rb") if fd is None else os.fdopen(os.dup(fd), "rb") as f:
-            identity = FileIdentity.of(f.fileno())
+        base = 0
+        if window is not None:
+            base, f = window[0], Window(fd, *window)
+            identity = FileIdentity.of(fd)
             records = zip_read.read_records(f)
             data = zip_read.read_pickle(f, records)
+        else:
+            with open(path, "rb") if fd is None else os.fdopen(os.dup(fd), "rb") as f:
+                identity = FileIdentity.of(f.fileno())
+                records = zip_read.read_records(f)
+                data = zip_read.read_pickle(f, records)
         archive = zip_read.archive_of(records)
 
         def storage(key: str, dtype: str, numel: int) -> Storage:
@@ -92,7 +103,7 @@ def load_with_globals(path: Path | str, *, allow: tuple[str, ...] = ("deepspeed"
             if size != numel * DTYPES[dtype].itemsize:
                 raise pickle.UnpicklingError(f"record {name} holds {size} bytes, not "
                                              f"{numel} elements of {dtype}")
-            return Storage(dtype, numel, path=path, offset=offset, identity=identity)
+            return Storage(dtype, numel, path=path, offset=base + offset, identity=identity)
 
         # The cycle collector would walk every container made so far, again and again, as a
         # file of many is read (a third of the load's time at 10**6 of them); nothing made

@@ -2,10 +2,9 @@
 (miniz) finds them, refusing what it refuses, and the `data.pkl` record's bytes."""
 from __future__ import annotations
 
-import os
 import zipfile
 
-from mpitailor.formats.io import crc32, read_upto
+from mpitailor.formats.io import crc32, file_size, pread_in
 from mpitailor.formats.torch.zip_format import (
     CENTRAL,
     DOS_DIRECTORY,
@@ -23,12 +22,12 @@ from mpitailor.formats.torch.zip_format import (
 
 def read_records(f) -> dict[str, tuple[int, int, int]]:
     """{full record name: (data offset, size, CRC-32)} of the torch zip open as binary file
-    f; zipfile.BadZipFile for a file that is not one, whose records lie past its end, share
+    f (or a Window of a file); zipfile.BadZipFile for a file that is not one, whose records lie past its end, share
     a name (torch reads the first, zipfile the last), have a name in upper case (torch writes
     lower case and its miniz finds a name ignoring case: `BYTEORDER` or a second `DATA.PKL`
     would be torch's record, not mpitailor's) or overlap (one record's bytes would be
     another's)."""
-    size = os.fstat(f.fileno()).st_size
+    size = file_size(f)
     out, spans = {}, []
     try:
         z = zipfile.ZipFile(f)
@@ -70,7 +69,7 @@ def read_records(f) -> dict[str, tuple[int, int, int]]:
                 raise zipfile.BadZipFile(f"record {info.filename!r:.60}: flags "
                                          f"{info.flag_bits:#x} (encrypted, or its name not "
                                          f"UTF-8)")
-            head = read_upto(f.fileno(), LOCAL.size, info.header_offset)
+            head = pread_in(f, LOCAL.size, info.header_offset)
             if len(head) < LOCAL.size or head[:4] != b"PK\x03\x04":
                 raise zipfile.BadZipFile(f"record {info.filename}: no local header")
             name_len, extra_len = LOCAL.unpack(head)[-2:]
@@ -92,12 +91,11 @@ def _check_framing(f, end_at: int, start_dir: int) -> None:
     from byte 0), and a zip64 end record lies where its locator says (miniz follows the
     locator; zipfile takes the record just before it, so a second directory would be torch's
     alone), naming the central directory zipfile read."""
-    fd = f.fileno()
-    if read_upto(fd, 4, 0) != b"PK\x03\x04":
+    if pread_in(f, 4, 0) != b"PK\x03\x04":
         raise zipfile.BadZipFile("the file does not begin with a zip record (torch would read "
                                  "it as a legacy pickle)")
     loc_at = end_at - ZIP64_LOCATOR.size
-    locator = read_upto(fd, ZIP64_LOCATOR.size, loc_at) if loc_at >= 0 else b""
+    locator = pread_in(f, ZIP64_LOCATOR.size, loc_at) if loc_at >= 0 else b""
     if locator[:4] != b"PK\x06\x07":
         return  # no zip64 records: one end record, which both read
     _, disk, record_at, disks = ZIP64_LOCATOR.unpack(locator)
@@ -107,7 +105,7 @@ def _check_framing(f, end_at: int, start_dir: int) -> None:
                              "names another central directory")
     if record_at != loc_at - ZIP64_END.size:
         raise bad
-    record = read_upto(fd, ZIP64_END.size, record_at)
+    record = pread_in(f, ZIP64_END.size, record_at)
     if len(record) != ZIP64_END.size:
         raise bad
     signature, rest, *_, cd_offset = ZIP64_END.unpack(record)
@@ -121,7 +119,7 @@ def _check_central_directory(f, start: int, length: int, count: int, size: int) 
     comment runs past the directory's end, or that names another disk; miniz refuses both."""
     if start + length > size:
         raise zipfile.BadZipFile("the central directory runs past the end of the file")
-    data = read_upto(f.fileno(), length, start)
+    data = pread_in(f, length, start)
     at = 0
     for _ in range(count):
         if at + CENTRAL.size > len(data) or data[at:at + 4] != b"PK\x01\x02":
@@ -215,7 +213,7 @@ def _record(f, records: dict[str, tuple[int, int, int]], name: str, most: int
     offset, size, crc = records[name]
     if size > most:
         raise zipfile.BadZipFile(f"a {name.partition('/')[2]} of {size} bytes")
-    data = read_upto(f.fileno(), size, offset)
+    data = pread_in(f, size, offset)
     if len(data) != size or crc32(data) != crc:
         raise zipfile.BadZipFile(f"{name.partition('/')[2]} fails its CRC-32 check")
     return data

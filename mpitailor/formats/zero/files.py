@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
+from mpitailor.formats.dcp import METADATA as DCP_METADATA
 from mpitailor.formats.io import (
     LOCAL,
     MAX_MANIFEST_BYTES,
@@ -201,6 +202,10 @@ def _find(path: Path, view) -> CheckpointFiles:
             f"{path}: an incomplete save (no `latest` file: killed while it was saved, or still "
             f"being written); `mpitailor recover {path.parent}` assembles the run's newest "
             f"complete state, or name an earlier checkpoint-N")
+    if view.exists(path / DCP_METADATA):
+        raise CheckpointError(
+            f"{path}: a PyTorch Distributed Checkpoint (DCP: FSDP2, torchtitan); `mpitailor "
+            f"inspect` reads it, merging and recovering DCP checkpoints is not built yet")
     raise CheckpointError(
         f"{path}: neither a DeepSpeed tag dir (zero_pp_rank_*_model_states.pt) nor a save dir "
         f"with a `latest` file; name the tag dir, e.g. {path}/global_stepN")

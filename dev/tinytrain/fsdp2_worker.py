@@ -1,0 +1,62 @@
+"""One rank of a tiny FSDP2 run saved with PyTorch Distributed Checkpoint, as a new user of
+torchtitan or a plain FSDP2 loop saves one. Started by `launch(spec, module=...)`.
+
+The model is the tiny HF model of the spec (model.py); every decoder layer is
+`fully_shard`ed, then the root; AdamW; at each step of `save_at`, `get_state_dict` of model
+and optimizer and `dcp.save({"model": ..., "optim": ...})` into SAVE_DIR/step-N (torchtitan's
+naming). extra["flatten_optimizer"]: the optimizer's state dict keyed by parameter names
+(`optim.state.<fqn>.exp_avg`, `optim.param_groups.<fqn>.lr`; torchtitan's), else torch's
+default (`optim.param_groups.0.lr`). argv: spec.json result.json. Rank 0 writes the result:
+losses per step and the saved dirs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from dev.tinytrain.model import build_model, task_batch
+from dev.tinytrain.spec import TrainSpec
+
+
+def run(spec: TrainSpec, result_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(spec.seed)
+    model = build_model(spec)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    options = StateDictOptions(flatten_optimizer_state_dict=bool(
+        spec.extra.get("flatten_optimizer")))
+    losses, saved = [], []
+    for step in range(1, spec.steps + 1):
+        ids, labels = task_batch(spec, step, rank)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        if step in spec.save_at:
+            msd, osd = get_state_dict(model, opt, options=options)
+            out = Path(spec.save_dir) / f"step-{step}"
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out))
+            saved.append(out.name)
+    if rank == 0:
+        Path(result_path).write_text(json.dumps({"losses": losses, "saved": saved,
+                                                 "world_size": dist.get_world_size()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run(TrainSpec.from_json(Path(sys.argv[1]).read_text()), sys.argv[2])

@@ -1,0 +1,17 @@
+"""PyTorch Distributed Checkpoints (DCP: FSDP2, torchtitan, Accelerate FSDP, Megatron's
+`torch_dist`), read without torch: a second checkpoint family beside `zero/`.
+
+The face (lazyface.py): what the rest of the package imports from here, by name."""
+from __future__ import annotations
+
+from mpitailor.formats.lazyface import face
+
+EXPORTS = {
+    "DATA_SUFFIX": "metadata", "METADATA": "metadata", "Chunk": "metadata",
+    "DcpMetadata": "metadata", "Item": "metadata", "TensorEntry": "metadata",
+    "is_dcp_dir": "metadata", "read_metadata": "metadata",
+    "Located": "items", "locate": "items",
+    "Key": "keys", "split_key": "keys",
+}
+__all__ = sorted(EXPORTS)
+__getattr__, __dir__ = face(__name__, EXPORTS)

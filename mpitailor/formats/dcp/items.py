@@ -1,0 +1,55 @@
+"""Where a DCP chunk's elements lie in its data file.
+
+FileSystemWriter stores each chunk as one item in a `.distcp` file: by default a torch.save
+zip of the chunk's tensor (read here with the torch reader, on the item's byte range:
+formats/torch, Window), or a safetensors blob (SerializationFormat.SAFETENSORS). Items
+written through a stream transform (compression, encryption: `transform_descriptors`) are
+refused: their bytes are not the tensor's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpitailor.errors import CheckpointError
+from mpitailor.formats.dcp.metadata import Item, TensorEntry
+from mpitailor.formats.dtypes import DTYPES
+from mpitailor.formats.io import read_exact, shown
+from mpitailor.formats.torch import Tensor, contiguous_stride, load
+
+_ZIP = b"PK\x03\x04"
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """A chunk's elements, in row-major order: `nbytes` bytes at `offset` of `file`."""
+
+    file: Path
+    offset: int
+    nbytes: int
+
+
+def locate(folder: Path, fd: int, item: Item, entry: TensorEntry,
+           sizes: tuple[int, ...]) -> Located:
+    """Where the elements of chunk `item` (of tensor `entry`, its sizes `sizes`) lie in its
+    data file, open as fd; CheckpointError naming the file if the item is not a contiguous
+    tensor of that dtype and shape, or is transformed."""
+    path = folder / item.file
+    where = f"{shown(path)} (item {item.fqn!r:.80} at byte {item.offset})"
+    if item.transforms:
+        raise CheckpointError(f"{where}: written through stream transforms "
+                              f"{', '.join(item.transforms)[:80]}; mpitailor reads "
+                              f"untransformed items only (save without them)")
+    head = read_exact(fd, 4, item.offset) if item.length >= 4 else b""
+    if head != _ZIP:
+        raise CheckpointError(f"{where}: not a torch.save item (safetensors-serialised DCP "
+                              f"items are not read yet)")
+    t = load(path, fd=fd, window=(item.offset, item.length))
+    size = DTYPES[entry.dtype].itemsize
+    nbytes = math.prod(sizes) * size
+    if not isinstance(t, Tensor) or t.storage.dtype != entry.dtype or t.shape != sizes or \
+            t.stride != contiguous_stride(sizes) or t.wrapper is not None:
+        raise CheckpointError(f"{where}: not a contiguous {entry.dtype} tensor of shape "
+                              f"{sizes}, as its metadata says")
+    return Located(path, t.storage.offset + t.storage_offset * size, nbytes)

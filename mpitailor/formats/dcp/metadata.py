@@ -1,0 +1,246 @@
+"""A PyTorch Distributed Checkpoint's `.metadata`, read without torch into frozen values.
+
+DCP (`torch.distributed.checkpoint`: FSDP2, torchtitan, Accelerate FSDP, Megatron's
+`torch_dist`) writes one `.metadata` beside its data files (`__<rank>_<n>.distcp`): for
+every entry of the flattened state dict, a tensor's dtype, global size and chunks (each
+rank's piece: offsets and sizes), or a bytes entry (anything else, torch.save'd); and for
+every chunk and bytes entry, the file, byte offset and length of its serialised item.
+metadata_pickle.py reads the pickle through an allow-list; this checks what it describes
+(every chunk inside its tensor, the chunks of a tensor tiling it without overlap, every
+chunk and bytes entry stored exactly once, in a plain file of the checkpoint dir) and makes
+the values the rest of the family reads. Anything else is one CheckpointError line naming
+the file.
+"""
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpitailor.errors import CheckpointError
+from mpitailor.formats.dtypes import DTYPES, canonical
+from mpitailor.formats.dcp.metadata_pickle import DType, Rec, Refused, unpickle
+from mpitailor.formats.io import read_small, shown
+
+METADATA = ".metadata"
+DATA_SUFFIX = ".distcp"
+MAX_METADATA_BYTES = 1 << 30  # a 405B model's is ~100 MB
+MAX_PAIRWISE = 256  # chunks of a tensor checked pair by pair for overlap beyond one axis
+_PREFIX = "torch.distributed.checkpoint."
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One rank's piece of a tensor: where it starts in each dimension, and its sizes."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor of the state dict: its dtype (mpitailor's name: formats/dtypes.py), global
+    size and chunks (as saved)."""
+
+    dtype: str
+    size: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.size) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """Where one chunk (or bytes entry) is stored: a data file of the checkpoint dir, and the
+    byte range its serialised form takes there (a torch.save zip, or raw bytes)."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None  # the chunk's offsets; None: a bytes entry
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...]  # stream transforms applied when written (compression)
+
+
+@dataclass(frozen=True, slots=True)
+class DcpMetadata:
+    tensors: Mapping[str, TensorEntry]
+    bytes_entries: tuple[str, ...]
+    items: Mapping[tuple[str, tuple[int, ...] | None], Item]  # (fqn, chunk offsets) -> item
+    version: str | None
+    save_id: str | None
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(sorted({i.file for i in self.items.values()}))
+
+
+def is_dcp_dir(path: Path) -> bool:
+    return (path / METADATA).is_file()
+
+
+def read_metadata(folder: Path) -> DcpMetadata:
+    """The checked metadata of the DCP checkpoint in folder; CheckpointError (one line,
+    naming the file) if it cannot be read or describes what DCP does not write."""
+    path = folder / METADATA
+    data = read_small(path, MAX_METADATA_BYTES, "a DCP .metadata file")
+    try:
+        return _checked(unpickle(data))
+    except Refused as e:
+        raise CheckpointError(f"{shown(path)}: names {e.name}, which is not one of DCP's "
+                              f"metadata classes; not read (a file made to run code when "
+                              f"torch loads it?)") from None
+    except _Bad as e:
+        raise CheckpointError(f"{shown(path)}: {e}; not a DCP checkpoint mpitailor can "
+                              f"read") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
+            AttributeError, OverflowError, UnicodeDecodeError, MemoryError,
+            RecursionError, struct.error) as e:
+        first = str(e).strip().split("\n")[0] or type(e).__name__
+        raise CheckpointError(f"{shown(path)}: unreadable DCP metadata ({first[:200]}); "
+                              f"re-copy it from the original save") from None
+
+
+class _Bad(Exception):
+    """What the metadata describes is not what DCP writes."""
+
+
+def _rec(x, kind: str) -> dict | tuple:
+    """The state of record x of DCP class `kind` (e.g. "metadata.Metadata")."""
+    if type(x) is not Rec or x.kind != _PREFIX + kind:
+        raise _Bad(f"a {type(x).__name__ if type(x) is not Rec else x.kind} where DCP writes "
+                   f"a {kind.rsplit('.', 1)[-1]}")
+    return x.state
+
+
+def _fields(x, kind: str, names: tuple[str, ...]) -> dict:
+    state = _rec(x, kind)
+    if type(state) is not dict or not all(type(k) is str for k in state):
+        raise _Bad(f"a {kind.rsplit('.', 1)[-1]} whose state is not its fields")
+    return {n: state.get(n) for n in names}
+
+
+def _checked(raw) -> DcpMetadata:
+    top = _fields(raw, "metadata.Metadata",
+                  ("state_dict_metadata", "storage_data", "storage_meta", "version"))
+    entries, storage = top["state_dict_metadata"], top["storage_data"]
+    if type(entries) is not dict or type(storage) is not dict:
+        raise _Bad("state_dict_metadata and storage_data are not mappings")
+    tensors, blobs = {}, []
+    for fqn, entry in entries.items():
+        if type(entry) is Rec and entry.kind == _PREFIX + "metadata.BytesStorageMetadata":
+            blobs.append(fqn)
+        else:
+            tensors[fqn] = _tensor(fqn, entry)
+    items = _items(storage, tensors, set(blobs))
+    version = top["version"]
+    save_id = None
+    if top["storage_meta"] is not None:
+        save_id = _fields(top["storage_meta"], "metadata.StorageMeta", ("save_id",))["save_id"]
+    if not (version is None or type(version) is str) or not (save_id is None
+                                                             or type(save_id) is str):
+        raise _Bad("version or save_id is not a string")
+    return DcpMetadata(tensors, tuple(blobs), items, version, save_id)
+
+
+def _tensor(fqn: str, entry) -> TensorEntry:
+    f = _fields(entry, "metadata.TensorStorageMetadata", ("properties", "size", "chunks"))
+    dtype = _dtype(f["properties"])
+    size = f["size"]
+    if type(size) is not tuple or type(f["chunks"]) is not list or not f["chunks"]:
+        raise _Bad(f"tensor {fqn!r:.80}: no size or no chunks")
+    chunks = []
+    for c in f["chunks"]:
+        cf = _fields(c, "metadata.ChunkStorageMetadata", ("offsets", "sizes"))
+        offsets, sizes = cf["offsets"], cf["sizes"]
+        if type(offsets) is not tuple or type(sizes) is not tuple or not (
+                len(offsets) == len(sizes) == len(size)) or any(
+                o + n > d for o, n, d in zip(offsets, sizes, size)):
+            raise _Bad(f"tensor {fqn!r:.80}: a chunk outside its size {size}")
+        chunks.append(Chunk(offsets, sizes))
+    _check_tiling(fqn, size, chunks)
+    return TensorEntry(dtype, size, tuple(chunks))
+
+
+def _dtype(props) -> str:
+    state = _rec(props, "metadata.TensorProperties")
+    dtype = state[0] if type(state) is tuple and len(state) == 5 else \
+        state.get("dtype") if type(state) is dict else None
+    name = canonical(str(dtype)) if type(dtype) is DType else None
+    if name is None:
+        raise _Bad(f"a tensor of dtype {str(dtype)[:20]!r}, which mpitailor does not read")
+    return name
+
+
+def _check_tiling(fqn: str, size: tuple[int, ...], chunks: list[Chunk]) -> None:
+    """The chunks cover the tensor, each element once (DCP saves a tensor whole, every
+    element by one rank: a dedup'd replica leaves one chunk)."""
+    if sum(c.numel for c in chunks) != math.prod(size):
+        raise _Bad(f"tensor {fqn!r:.80}: its chunks hold {sum(c.numel for c in chunks)} "
+                   f"elements, the tensor {math.prod(size)}")
+    if len(chunks) < 2:
+        return
+    whole_but_first = all(c.offsets[1:] == (0,) * (len(size) - 1) and c.sizes[1:] == size[1:]
+                          for c in chunks)
+    if whole_but_first:  # split along the first dimension only: intervals, sorted
+        spans = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks)
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            raise _Bad(f"tensor {fqn!r:.80}: two chunks overlap")
+        return
+    if len(chunks) > MAX_PAIRWISE:
+        raise _Bad(f"tensor {fqn!r:.80}: {len(chunks)} chunks split along several "
+                   f"dimensions (mpitailor reads up to {MAX_PAIRWISE})")
+    for i, a in enumerate(chunks):
+        for b in chunks[i + 1:]:
+            if all(x < y + m and y < x + n for x, n, y, m in
+                   zip(a.offsets, a.sizes, b.offsets, b.sizes)) and a.numel and b.numel:
+                raise _Bad(f"tensor {fqn!r:.80}: two chunks overlap")
+
+
+def _items(storage: dict, tensors: dict[str, TensorEntry], blobs: set[str]) -> dict:
+    items = {}
+    for index, info in storage.items():
+        key = _fields(index, "metadata.MetadataIndex", ("fqn", "offset"))
+        fqn, offsets = key["fqn"], key["offset"]
+        s = _fields(info, "filesystem._StorageInfo",
+                    ("relative_path", "offset", "length", "transform_descriptors"))
+        name, transforms = s["relative_path"], s["transform_descriptors"] or []
+        if type(fqn) is not str or not (offsets is None or type(offsets) is tuple):
+            raise _Bad("a storage index without a name")
+        if not _plain_name(name) or not all(type(v) is int and 0 <= v < 1 << 62
+                                            for v in (s["offset"], s["length"])):
+            raise _Bad(f"entry {fqn!r:.80}: stored at {str(name)[:80]!r}, not a file of the "
+                       f"checkpoint dir, or at a range that is not one")
+        if type(transforms) is not list or not all(type(t) is str for t in transforms):
+            raise _Bad(f"entry {fqn!r:.80}: transform descriptors that are not names")
+        if (fqn, offsets) in items:
+            raise _Bad(f"entry {fqn!r:.80}: stored twice")
+        items[fqn, offsets] = Item(fqn, offsets, name, s["offset"], s["length"],
+                                   tuple(transforms))
+    for fqn, t in tensors.items():
+        for c in t.chunks:
+            if (fqn, c.offsets) not in items:
+                raise _Bad(f"tensor {fqn!r:.80}: chunk at {c.offsets} is stored nowhere")
+    for fqn in blobs:
+        if (fqn, None) not in items and (fqn, ()) not in items:
+            raise _Bad(f"entry {fqn!r:.80} is stored nowhere")
+    known = {(f, c.offsets) for f, t in tensors.items() for c in t.chunks}
+    extra = [k for k in items if k not in known and k[0] not in blobs]
+    if extra:
+        raise _Bad(f"storage for {extra[0][0]!r:.80}, which the state dict does not hold")
+    return items
+
+
+def _plain_name(name) -> bool:
+    return type(name) is str and 0 < len(name) <= 255 and "/" not in name and \
+        "\\" not in name and "\0" not in name and name not in (".", "..") and \
+        name != METADATA

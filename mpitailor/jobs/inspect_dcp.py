@@ -1,0 +1,59 @@
+"""`inspect DIR` of a PyTorch Distributed Checkpoint (FSDP2, torchtitan, Accelerate FSDP):
+what it holds, layer by layer, from its `.metadata` alone (formats/dcp)."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from mpitailor.formats.dcp import DcpMetadata, split_key
+from mpitailor.planning.layers import LayerClassifier, sort_keys
+
+_DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+
+def dcp_report(folder: Path, meta: DcpMetadata) -> dict:
+    """A JSON-able summary: the writing world size, the key layout, and per layer the model
+    tensors, their elements and bytes, and the optimizer state saved for them."""
+    classify = LayerClassifier({})
+    layers: dict[str, dict] = {}
+    other, dtypes = [], set()
+    groups_by_index = False
+    for fqn in (*meta.tensors, *meta.bytes_entries):
+        key = split_key(fqn)
+        if key.role == "other":
+            other.append(fqn)
+            continue
+        if key.role == "param_group":
+            groups_by_index |= key.param.isdigit()
+            if key.param.isdigit():
+                continue
+        row = layers.setdefault(classify(key.param), _row())
+        t = meta.tensors.get(fqn)
+        if key.role == "model" and t is not None:
+            row["params"] += 1
+            row["elements"] += math.prod(t.size)
+            row["model_bytes"] += t.nbytes
+            dtypes.add(t.dtype)
+        elif key.role == "optim_state":
+            row["optimizer_state"].add(key.field)
+            row["optimizer_bytes"] += t.nbytes if t is not None else 0
+    ranks = {int(m.group(1)) for f in meta.files if (m := _DATA_FILE.fullmatch(f))}
+    return {
+        "path": str(folder), "kind": "dcp",
+        "layout": "model + optim (get_state_dict + dcp.save: FSDP2, torchtitan)"
+        if any(split_key(k).role == "model" for k in meta.tensors) else "other keys",
+        "world_size": max(ranks) + 1 if ranks else None,
+        "data_files": len(meta.files), "dtype": ",".join(sorted(dtypes)) or None,
+        "version": meta.version, "save_id": meta.save_id,
+        "param_groups": "by index (torch's default)" if groups_by_index else "by parameter",
+        "bytes": sum(t.nbytes for t in meta.tensors.values()),
+        "other_entries": sorted(other),
+        "layers": {k: {**layers[k], "optimizer_state": sorted(layers[k]["optimizer_state"])}
+                   for k in sort_keys(layers)},
+    }
+
+
+def _row() -> dict:
+    return {"params": 0, "elements": 0, "model_bytes": 0, "optimizer_bytes": 0,
+            "optimizer_state": set()}
