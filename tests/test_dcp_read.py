@@ -225,3 +225,24 @@ def test_merging_a_dcp_checkpoint_says_what_it_is(tmp_path):
     from merging import run_cli
     r = run_cli(["recover", str(_save("dcp_w2_fsdp2", 4)), "-o", str(tmp_path / "o")], {})
     assert r.returncode != 0 and "a PyTorch Distributed Checkpoint (DCP" in r.stderr, r.stderr
+
+
+# -- the metadata writer ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,step", SAVES)
+def test_written_metadata_is_what_torch_wrote_as_torch_reads_it(name, step, tmp_path):
+    """metadata_bytes of what was read: torch's reader gets the very entries, storage
+    items, planner data and version torch's own `.metadata` gives; read back by mpitailor,
+    the same values."""
+    from mpitailor.formats.dcp import metadata_bytes
+    folder = _save(name, step)
+    meta = read_metadata(folder)
+    data = metadata_bytes(meta)
+    mine, theirs = pickle.loads(data), pickle.loads((folder / ".metadata").read_bytes())
+    assert mine.state_dict_metadata == theirs.state_dict_metadata
+    assert mine.storage_data == theirs.storage_data
+    assert (mine.planner_data, mine.version) == (theirs.planner_data, theirs.version)
+    assert mine.storage_meta.save_id == theirs.storage_meta.save_id
+    (tmp_path / ".metadata").write_bytes(data)
+    assert read_metadata(tmp_path) == meta

@@ -6,8 +6,10 @@ The model is the tiny HF model of the spec (model.py); every decoder layer is
 and optimizer and `dcp.save({"model": ..., "optim": ...})` into SAVE_DIR/step-N (torchtitan's
 naming). extra["flatten_optimizer"]: the optimizer's state dict keyed by parameter names
 (`optim.state.<fqn>.exp_avg`, `optim.param_groups.<fqn>.lr`; torchtitan's), else torch's
-default (`optim.param_groups.0.lr`). argv: spec.json result.json. Rank 0 writes the result:
-losses per step and the saved dirs.
+default (`optim.param_groups.0.lr`). spec.load_dir: first `dcp.load` that checkpoint (at
+this run's world size: DCP reshards) and `set_state_dict`, then train spec.steps more
+steps from step extra["first_step"] on. argv: spec.json result.json. Rank 0 writes the
+result: losses per step and the saved dirs.
 """
 from __future__ import annotations
 
@@ -19,7 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 
 from dev.tinytrain.model import build_model, task_batch
@@ -37,8 +43,15 @@ def run(spec: TrainSpec, result_path: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     options = StateDictOptions(flatten_optimizer_state_dict=bool(
         spec.extra.get("flatten_optimizer")))
+    first = int(spec.extra.get("first_step", 0))
+    if spec.load_dir is not None:
+        msd, osd = get_state_dict(model, opt, options=options)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=spec.load_dir)
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=options)
     losses, saved = [], []
-    for step in range(1, spec.steps + 1):
+    for step in range(first + 1, first + spec.steps + 1):
         ids, labels = task_batch(spec, step, rank)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()

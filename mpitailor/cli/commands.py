@@ -15,9 +15,42 @@ from mpitailor.errors import UserError
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from mpitailor.jobs.merge import plan_merge
+    from mpitailor.jobs.merge import plan_recipe
+    from mpitailor.planning.recipe import load_recipe
     comm: Comm = args.comm
-    return run_planned(comm, plan_merge(comm, args.recipe, args.output, args.world_size), args)
+    recipe = comm.root_step(load_recipe, args.recipe, args.output, args.world_size)
+    if comm.root_step(_is_dcp, recipe):
+        return _merge_dcp(comm, recipe, args)
+    return run_planned(comm, plan_recipe(comm, recipe), args)
+
+
+def _is_dcp(recipe) -> bool:
+    from mpitailor.formats.dcp import is_dcp_dir
+    return bool(recipe.sources) and is_dcp_dir(recipe.sources[0][1])
+
+
+def _merge_dcp(comm: Comm, recipe, args: argparse.Namespace) -> int:
+    """A merge of PyTorch Distributed Checkpoints ([DCP](docs/dcp.md)): copy mode, at the
+    sources' own world size."""
+    import time
+
+    from mpitailor.jobs.dcp_merge import run_dcp_merge
+    unsupported = [o for o, on in (("--export", args.export), ("--world-size", args.world_size),
+                                   ("--verify", args.verify), ("--dry-run", args.dry_run),
+                                   ("--ranks-per-node", getattr(args, "ranks_per_node", None)),
+                                   ("--stats", args.stats)) if on]
+    if unsupported:
+        raise UserError(f"{recipe.origin}: merges PyTorch Distributed Checkpoints, which "
+                        f"{', '.join(unsupported)} does not support yet; leave it out")
+    t0 = time.perf_counter()
+    result = run_dcp_merge(comm, recipe)
+    seconds = time.perf_counter() - t0
+    if comm.rank == 0 and not args.quiet:
+        gb = result.bytes / 1e9
+        print(f"mpitailor: merged a PyTorch Distributed Checkpoint into "
+              f"{shown(result.output)}: {result.files} files, {gb:.3f} GB written by "
+              f"{comm.size} rank(s) in {seconds:.2f} s", flush=True)
+    return 0
 
 
 def cmd_recover(args: argparse.Namespace) -> int:

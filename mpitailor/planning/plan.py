@@ -97,9 +97,9 @@ def make_plan(recipe: Recipe, metas: dict[str, CheckpointMeta]) -> MergePlan:
     all_names = [s.name for s in metas[names[0]].layout.slots] + \
         [n for n, _ in metas[names[0]].frozen_shapes]
     keys = {n: classify(n) for n in all_names}
-    n_layers = _count_layers(recipe, keys)
+    n_layers = count_layers(recipe, keys)
     base = recipe.base or max(names, key=lambda n: (metas[n].global_steps, names.index(n)))
-    key_source = _layer_sources(recipe, n_layers)
+    key_source = layer_sources(recipe, n_layers)
     aux = dict(recipe.aux)
     for k in sort_keys(keys.values()):
         if k in AUX_KEYS or k == OTHER:
@@ -203,7 +203,7 @@ def _check_held(recipe: Recipe, key_source: dict[str, str],
                             f"take {key} from a checkpoint that has it")
 
 
-def _count_layers(recipe: Recipe, keys: dict[str, str]) -> int:
+def count_layers(recipe: Recipe, keys: dict[str, str]) -> int:
     idx = sorted({i for k in keys.values() if (i := layer_index(k)) is not None})
     if not idx:
         raise UserError(f"{recipe.origin}: no decoder layers recognised in the parameter names; "
@@ -214,7 +214,7 @@ def _count_layers(recipe: Recipe, keys: dict[str, str]) -> int:
     return len(idx)
 
 
-def _layer_sources(recipe: Recipe, n_layers: int) -> dict[str, str]:
+def layer_sources(recipe: Recipe, n_layers: int) -> dict[str, str]:
     """Layer key -> source from the recipe's selectors; each layer exactly once."""
     chosen: dict[int, tuple[str, str]] = {}
     rest = None

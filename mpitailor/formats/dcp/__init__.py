@@ -12,6 +12,7 @@ EXPORTS = {
     "is_dcp_dir": "metadata", "read_metadata": "metadata",
     "Located": "items", "locate": "items",
     "Key": "keys", "split_key": "keys",
+    "metadata_bytes": "metadata_write",
 }
 __all__ = sorted(EXPORTS)
 __getattr__, __dir__ = face(__name__, EXPORTS)

@@ -17,7 +17,7 @@ import math
 import pickle
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
@@ -78,6 +78,9 @@ class DcpMetadata:
     items: Mapping[tuple[str, tuple[int, ...] | None], Item]  # (fqn, chunk offsets) -> item
     version: str | None
     save_id: str | None
+    # the save planner's map of each flattened key to its path in the nested state dict
+    # (DefaultSavePlanner's), carried into what mpitailor writes; {} where there is none
+    planner_data: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -131,7 +134,8 @@ def _fields(x, kind: str, names: tuple[str, ...]) -> dict:
 
 def _checked(raw) -> DcpMetadata:
     top = _fields(raw, "metadata.Metadata",
-                  ("state_dict_metadata", "storage_data", "storage_meta", "version"))
+                  ("state_dict_metadata", "storage_data", "storage_meta", "version",
+                   "planner_data"))
     entries, storage = top["state_dict_metadata"], top["storage_data"]
     if type(entries) is not dict or type(storage) is not dict:
         raise _Bad("state_dict_metadata and storage_data are not mappings")
@@ -149,7 +153,18 @@ def _checked(raw) -> DcpMetadata:
     if not (version is None or type(version) is str) or not (save_id is None
                                                              or type(save_id) is str):
         raise _Bad("version or save_id is not a string")
-    return DcpMetadata(tensors, tuple(blobs), items, version, save_id)
+    return DcpMetadata(tensors, tuple(blobs), items, version, save_id,
+                       _planner_data(top["planner_data"], set(tensors) | set(blobs)))
+
+
+def _planner_data(raw, keys: set[str]) -> dict:
+    """DefaultSavePlanner's {flattened key: path of str and int} for the state dict's own
+    keys; {} for None or anything else a custom planner put there (not carried)."""
+    if type(raw) is not dict or not all(
+            k in keys and type(v) is tuple and v and all(type(p) in (str, int) for p in v)
+            for k, v in raw.items()):
+        return {}
+    return dict(raw)
 
 
 def _tensor(fqn: str, entry) -> TensorEntry:

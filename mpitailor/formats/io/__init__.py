@@ -15,6 +15,7 @@ EXPORTS = {
     "open_regular": "boundedio", "read_bounded": "boundedio", "read_json": "boundedio",
     "read_small": "boundedio", "shown": "boundedio", "too_large": "boundedio",
     "crc32": "crc", "crc32_combine": "crc", "crc32_zeros": "crc",
+    "FileRecord": "filerecord",
     "FILE_CHUNK": "fileio", "copy_synced": "fileio", "crc32_of": "fileio",
     "crc32_range": "fileio", "open_under": "fileio", "created": "fileio",
     "fsync_dir": "fileio", "fsync_file": "fileio", "read_exact": "fileio", "read_into": "fileio",

@@ -10,6 +10,7 @@ EXPORTS = {
     "cast": "casts",
     "materialize": "rawio", "rawio": "rawio", "read_slice": "rawio",
     "Unpickler": "pickle_read", "counted": "pickle_read",
+    "StandInPickler": "opaque", "stand_in": "opaque",
     "Size": "rebuild",
     "carried_globals": "safeload", "load": "safeload", "require_regular": "safeload",
     "trust": "safeload",

@@ -207,3 +207,6 @@ class Pickler(pickle._Pickler):  # type: ignore[name-defined]
                 self.write(pickle.APPENDS)
 
     dispatch[list] = save_list
+
+
+StandInPickler = Pickler  # the face's name for it (formats/dcp writes DCP's metadata)
