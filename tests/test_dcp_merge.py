@@ -104,3 +104,44 @@ def test_sources_saved_otherwise_are_refused_in_one_line(tmp_path):
     r = run_cli(["merge", str(recipe), "-o", str(tmp_path / "out")], {})
     assert r.returncode == 2 and not (tmp_path / "out").exists()
     assert "merge saves of" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_payload_in_a_bytes_entry_is_never_copied_into_a_composite(tmp_path):
+    """DCP loads a bytes entry with torch.load(weights_only=False): a source whose item
+    would run code is refused by name, and nothing is published."""
+    import io
+    import os
+    import shutil
+
+    import torch
+
+    from mpitailor.formats.dcp import metadata_bytes
+    run = tmp_path / "run"
+    shutil.copytree(build(NAME), run)
+    src = run / "step-2"
+    meta = read_metadata(src)
+    fqn = meta.bytes_entries[0]
+    item = meta.items[fqn, None] if (fqn, None) in meta.items else meta.items[fqn, ()]
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/mpitailor-dcp-merge-pwned",))
+    buf = io.BytesIO()
+    torch.save(Payload(), buf)
+    blob = buf.getvalue()
+    with open(src / item.file, "ab") as f:  # appended: the item then points at it
+        at = f.tell()
+        f.write(blob)
+    items = dict(meta.items)
+    key = (fqn, item.offsets)
+    items[key] = type(item)(item.fqn, item.offsets, item.file, at, len(blob), ())
+    (src / ".metadata").write_bytes(metadata_bytes(type(meta)(
+        meta.tensors, meta.bytes_entries, items, meta.version, meta.save_id,
+        meta.planner_data)))
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text(f"sources: {{s2: {src}, s4: {run}/step-4}}\n"
+                      f"layers: {{even: s2, odd: s4}}\nbase: s2\n")
+    r = run_cli(["merge", str(recipe), "-o", str(tmp_path / "out")], {})
+    assert r.returncode == 2 and not (tmp_path / "out").exists(), r.stdout + r.stderr
+    assert f"{src / item.file}" in r.stderr and "posix.system" in r.stderr, r.stderr
+    assert not Path("/tmp/mpitailor-dcp-merge-pwned").exists()

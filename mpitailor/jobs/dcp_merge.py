@@ -4,7 +4,9 @@ from where).
 
 Rank 0 reads every source's `.metadata` (formats/dcp) and plans; the output's data files
 are shared among the ranks, balanced by bytes, each written whole by one rank: every item
-copied from its source's data file (its size and CRC-32 taken on the way), fsynced. Rank 0
+copied from its source's data file (checked first: a tensor chunk's item parses as the
+tensor its metadata says, a bytes entry's through the torch reader's allow-list; the
+output file's size and CRC-32 taken on the way), fsynced. Rank 0
 then writes the `.metadata` (formats/dcp: metadata_bytes) and the manifest, and the output
 is published as every output is (publish/staging.py): whole or not at all.
 """
@@ -17,7 +19,13 @@ from pathlib import Path
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.dcp import METADATA, metadata_bytes, read_metadata
+from mpitailor.formats.dcp import (
+    METADATA,
+    check_bytes_item,
+    locate,
+    metadata_bytes,
+    read_metadata,
+)
 from mpitailor.formats.io import FILE_CHUNK, FileRecord, created, open_regular, read_into
 from mpitailor.formats.manifest import Manifest
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
@@ -73,22 +81,24 @@ def _write_files(plan: DcpPlan, recipe: Recipe, root: Path, names: list[str]) ->
     fds: dict[tuple[str, str], int] = {}
     try:
         for name in names:
-            records[name] = _write_file(root / name, by_file[name], recipe, fds)
+            records[name] = _write_file(root / name, by_file[name], plan, recipe, fds)
     finally:
         for fd in fds.values():
             os.close(fd)
     return records
 
 
-def _write_file(path: Path, copies: list[Copy], recipe: Recipe, fds: dict) -> dict:
+def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
+                fds: dict) -> dict:
     rec = FileRecord()
     buf = memoryview(bytearray(FILE_CHUNK))
     with created(path) as f:
         for c in copies:  # (in offset order: the output's items one after the other)
             key = (c.source, c.item.file)
+            folder = recipe.source_path(c.source)
             if key not in fds:
-                fds[key] = open_regular(recipe.source_path(c.source) / c.item.file,
-                                        "a DCP data file")
+                fds[key] = open_regular(folder / c.item.file, "a DCP data file")
+            _check_item(plan, c, folder, fds[key])
             pos, end = c.item.offset, c.item.offset + c.item.length
             while pos < end:
                 n = min(len(buf), end - pos)
@@ -103,6 +113,18 @@ def _write_file(path: Path, copies: list[Copy], recipe: Recipe, fds: dict) -> di
                 f.write(buf[:n])
                 pos += n
     return rec.record()
+
+
+def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int) -> None:
+    """What is copied is what the metadata says: a tensor chunk's item a torch.save of a
+    contiguous tensor of its dtype and shape, a bytes entry's item a torch.save the torch
+    reader's allow-list reads (no payload carried into the output)."""
+    entry = plan.output.tensors.get(c.fqn)
+    if entry is None:
+        check_bytes_item(folder, fd, c.item)
+        return
+    sizes = next(ch.sizes for ch in entry.chunks if ch.offsets == c.offsets)
+    locate(folder, fd, c.item, entry, sizes)
 
 
 def _write_metadata(plan: DcpPlan, root: Path) -> dict:

@@ -30,6 +30,19 @@ class Located:
     nbytes: int
 
 
+def check_bytes_item(folder: Path, fd: int, item: Item) -> None:
+    """A bytes entry's item (anything not a tensor, torch.save'd: DCP loads it with
+    torch.load(weights_only=False)) read through the torch reader's allow-list: one that
+    names a global outside it (a payload that would run when the checkpoint is loaded) is a
+    CheckpointError naming the file, never copied into an output."""
+    path = folder / item.file
+    if item.transforms:
+        raise CheckpointError(f"{shown(path)} (item {item.fqn!r:.80} at byte {item.offset}): "
+                              f"written through stream transforms; mpitailor reads "
+                              f"untransformed items only")
+    load(path, fd=fd, window=(item.offset, item.length))
+
+
 def locate(folder: Path, fd: int, item: Item, entry: TensorEntry,
            sizes: tuple[int, ...]) -> Located:
     """Where the elements of chunk `item` (of tensor `entry`, its sizes `sizes`) lie in its
