@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
+from mpitailor.engine.copyio import Copier, copy_unchanged
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.dcp import (
     METADATA,
@@ -26,7 +27,16 @@ from mpitailor.formats.dcp import (
     metadata_bytes,
     read_metadata,
 )
-from mpitailor.formats.io import FILE_CHUNK, FileRecord, created, open_regular, read_into
+from mpitailor.formats.io import (
+    FileRecord,
+    close_all,
+    crc32_range,
+    create_sized,
+    created,
+    fsync_close,
+    open_regular,
+    read_upto,
+)
 from mpitailor.formats.manifest import Manifest
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
 from mpitailor.planning.recipe import Recipe
@@ -90,38 +100,53 @@ def _write_files(plan: DcpPlan, recipe: Recipe, root: Path, names: list[str]) ->
 
 def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
                 fds: dict) -> dict:
-    rec = FileRecord()
-    buf = memoryview(bytearray(FILE_CHUNK))
-    with created(path) as f:
+    """One output data file: each item checked, the file's CRC-32 continued over its bytes
+    in the source (a read of what was just checked, mostly from the page cache), the item
+    copied inside the kernel (copy_file_range; through the copier's buffers where the file
+    systems cannot); the file fsynced."""
+    size = max((c.offset + c.item.length for c in copies), default=0)
+    out = {path.name: create_sized(path, size)}
+    copier, crc, passed = Copier(), 0, set()
+    try:
         for c in copies:  # (in offset order: the output's items one after the other)
             key = (c.source, c.item.file)
             folder = recipe.source_path(c.source)
             if key not in fds:
                 fds[key] = open_regular(folder / c.item.file, "a DCP data file")
-            _check_item(plan, c, folder, fds[key])
-            pos, end = c.item.offset, c.item.offset + c.item.length
-            while pos < end:
-                n = min(len(buf), end - pos)
-                try:
-                    read_into(fds[key], pos, buf[:n])
-                except EOFError:
-                    raise CheckpointError(
-                        f"{recipe.source_path(c.source) / c.item.file}: ends before the "
-                        f"item of {c.fqn!r:.80} its metadata places at byte {c.item.offset} "
-                        f"({c.item.length} bytes); the file is truncated") from None
-                rec.update(buf[:n])
-                f.write(buf[:n])
-                pos += n
-    return rec.record()
+            _check_item(plan, c, folder, fds[key], passed)
+            crc, got = crc32_range(fds[key], c.item.offset, c.item.length, crc)
+            if got < c.item.length:
+                raise CheckpointError(
+                    f"{folder / c.item.file}: ends before the item of {c.fqn!r:.80} its "
+                    f"metadata places at byte {c.item.offset} ({c.item.length} bytes); the "
+                    f"file is truncated")
+            copy_unchanged(fds[key], c.item.offset, c.item.length, out[path.name],
+                           c.offset, copier, str(folder / c.item.file))
+        copier.drain()
+        fsync_close(out)
+    finally:
+        copier.close()
+        close_all(out)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
 
 
-def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int) -> None:
+SMALL_ITEM = 1 << 16  # a bytes entry's item up to this size is checked once per content
+
+
+def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int, passed: set) -> None:
     """What is copied is what the metadata says: a tensor chunk's item a torch.save of a
     contiguous tensor of its dtype and shape, a bytes entry's item a torch.save the torch
-    reader's allow-list reads (no payload carried into the output)."""
+    reader's allow-list reads (no payload carried into the output). passed: the bytes of
+    small bytes items already read (a run's per-parameter hyper-parameters: thousands of
+    items, a few contents)."""
     entry = plan.output.tensors.get(c.fqn)
     if entry is None:
-        check_bytes_item(folder, fd, c.item)
+        blob = read_upto(fd, c.item.length, c.item.offset) \
+            if c.item.length <= SMALL_ITEM and not c.item.transforms else None
+        if blob is None or blob not in passed:
+            check_bytes_item(folder, fd, c.item)
+            if blob is not None and len(blob) == c.item.length:
+                passed.add(blob)
         return
     sizes = next(ch.sizes for ch in entry.chunks if ch.offsets == c.offsets)
     locate(folder, fd, c.item, entry, sizes)

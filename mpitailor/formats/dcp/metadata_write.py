@@ -12,6 +12,7 @@ grad, not pinned): what `get_state_dict` saves.
 from __future__ import annotations
 
 import io
+import pickle
 
 from mpitailor.formats.dcp.metadata import DcpMetadata, TensorEntry
 from mpitailor.formats.dtypes import DTYPES
@@ -42,19 +43,42 @@ def _tensor(t: TensorEntry):
                                                  "size": Size(t.size), "chunks": chunks})
 
 
+class _Pairs(list):
+    """A dict's items, written as the dict (EMPTY_DICT, SETITEMS): storage_data's keys are
+    stand-ins that compare by value, which a real dict of them would hash alike and compare
+    with one another, N**2/2 times."""
+
+
+class _Pickler(StandInPickler):
+    dispatch = dict(StandInPickler.dispatch)
+
+    def save_pairs(self, obj: _Pairs) -> None:
+        self.write(pickle.EMPTY_DICT)
+        self.memoize(obj)
+        for start in range(0, len(obj), self._BATCHSIZE):
+            self.write(pickle.MARK)
+            for k, v in obj[start: start + self._BATCHSIZE]:
+                self.save(k)
+                self.save(v)
+            self.write(pickle.SETITEMS)
+
+    dispatch[_Pairs] = save_pairs
+
+
 def metadata_bytes(meta: DcpMetadata) -> bytes:
     """The `.metadata` of a checkpoint whose entries, chunks and items `meta` describes."""
     entries = {fqn: _tensor(t) for fqn, t in meta.tensors.items()}
     entries.update({fqn: _new(_META + "BytesStorageMetadata", None)
                     for fqn in meta.bytes_entries})
-    storage = {}
+    storage = _Pairs()
     for (fqn, offsets), item in meta.items.items():
         index = _new(_META + "MetadataIndex", {
             "fqn": fqn, "offset": None if offsets is None else Size(offsets), "index": None})
         info = {"relative_path": item.file, "offset": item.offset, "length": item.length}
         if item.transforms:
             info["transform_descriptors"] = list(item.transforms)
-        storage[index] = _new("torch.distributed.checkpoint.filesystem._StorageInfo", info)
+        storage.append((index, _new("torch.distributed.checkpoint.filesystem._StorageInfo",
+                                    info)))
     storage_meta = _new(_META + "StorageMeta", {
         "checkpoint_id": None, "save_id": meta.save_id, "load_id": None, "modules": []})
     top = _new(_META + "Metadata", {
@@ -62,5 +86,5 @@ def metadata_bytes(meta: DcpMetadata) -> bytes:
         "storage_data": storage, "storage_meta": storage_meta,
         "version": meta.version or VERSION})
     buf = io.BytesIO()
-    StandInPickler(buf, protocol=4).dump(top)
+    _Pickler(buf, protocol=4).dump(top)
     return buf.getvalue()

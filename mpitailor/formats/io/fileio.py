@@ -135,11 +135,12 @@ def synced_record(path: Path | str) -> dict:
     return {"bytes": n, "crc32": f"{crc:08x}"}
 
 
-def crc32_range(fd: int, offset: int, n: int) -> tuple[int, int]:
-    """(CRC-32, bytes read) of the n bytes at `offset` of file `fd`, FILE_CHUNK bytes at a
-    time, fewer read where the file ends first. The disk is asked for each next chunk while
-    the one before is checksummed (a cold read at the disk's speed, not half of it)."""
-    crc, pos, end = 0, offset, offset + n
+def crc32_range(fd: int, offset: int, n: int, crc: int = 0) -> tuple[int, int]:
+    """(CRC-32, bytes read) of the n bytes at `offset` of file `fd` (continued from `crc`),
+    FILE_CHUNK bytes at a time, fewer read where the file ends first. The disk is asked for
+    each next chunk while the one before is checksummed (a cold read at the disk's speed,
+    not half of it)."""
+    pos, end = offset, offset + n
     view = memoryview(bytearray(max(1, min(n, FILE_CHUNK))))
     _advise(fd, offset, n, os.POSIX_FADV_SEQUENTIAL)
     while pos < end:
