@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -246,3 +247,129 @@ def test_written_metadata_is_what_torch_wrote_as_torch_reads_it(name, step, tmp_
     assert mine.storage_meta.save_id == theirs.storage_meta.save_id
     (tmp_path / ".metadata").write_bytes(data)
     assert read_metadata(tmp_path) == meta
+
+
+# -- what an hour's attack found (issue 43): each now refused in one line, or read --------
+
+
+def _share_a_record(meta):
+    fqns = [k for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")]
+    meta.state_dict_metadata[fqns[1]] = meta.state_dict_metadata[fqns[0]]
+
+
+def _long_path(meta):
+    meta.storage_meta.checkpoint_id = Path("/".join(["a" * 4000] * 300))
+
+
+def _negative_offsets(meta):
+    fqn = _first_chunked(meta)
+    chunk = meta.state_dict_metadata[fqn].chunks[0]
+    chunk.offsets = (-4,) + tuple(chunk.offsets[1:])
+
+
+def _float_sizes(meta):
+    fqn = _first_chunked(meta)
+    chunk = meta.state_dict_metadata[fqn].chunks[0]
+    chunk.sizes = (chunk.sizes[0] + 0.5,) + tuple(chunk.sizes[1:])
+
+
+def _huge_size(meta):
+    fqn = _first_chunked(meta)
+    meta.state_dict_metadata[fqn].size = (2 ** 2000,)
+
+
+@pytest.mark.parametrize("change,says", [
+    (_share_a_record, "a record shared among several entries"),
+    (_long_path, "longer than any path"),
+    (_negative_offsets, "a chunk's offsets is not a size"),
+    (_float_sizes, "a chunk's sizes is not a size"),
+    (_huge_size, "its size is not a size"),
+])
+def test_what_the_attack_found_is_one_line(tmp_path, change, says):
+    folder = _copy(tmp_path)
+    _rewrite(folder, change)
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        read_metadata(folder)
+
+
+def test_a_python_313_path_is_read(tmp_path, monkeypatch):
+    """Python 3.13 pickles a path as pathlib._local.PosixPath (DCP stores the checkpoint's
+    path in its metadata): read as any path."""
+    import types
+    folder = _copy(tmp_path)
+
+    class PosixPath:  # what 3.13's pickle names
+        def __reduce__(self):
+            return (PosixPath, ("/", "ckpt"))
+    PosixPath.__module__, PosixPath.__qualname__ = "pathlib._local", "PosixPath"
+    monkeypatch.setitem(sys.modules, "pathlib._local",
+                        types.SimpleNamespace(PosixPath=PosixPath))
+
+    def py313(meta):
+        meta.storage_meta.checkpoint_id = PosixPath()
+    _rewrite(folder, py313)
+    assert b"pathlib._local" in (folder / ".metadata").read_bytes()
+    assert read_metadata(folder).tensors
+
+
+def test_an_fsdp_by_tp_grid_of_chunks_is_read_and_an_overlap_in_it_found(tmp_path):
+    """torchtitan's FSDP 64 x TP 8 saves a weight as a 64 x 8 grid of chunks."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    folder = _copy(tmp_path)
+
+    def grid(meta, overlap=False):
+        chunks = [ChunkStorageMetadata(torch.Size([4 * i, 2 * j]), torch.Size([4, 2]))
+                  for i in range(64) for j in range(8)]
+        if overlap:  # the second chunk moved onto the first's rows
+            chunks[1].offsets = torch.Size([0, 1])
+        meta.state_dict_metadata["model.grid"] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size([256, 16]), chunks)
+        for c in chunks:
+            meta.storage_data[MetadataIndex("model.grid", c.offsets)] = _StorageInfo(
+                "__0_0.distcp", 0, 0)
+    _rewrite(folder, grid)
+    assert len(read_metadata(folder).tensors["model.grid"].chunks) == 512
+    folder2 = tmp_path / "second"
+    shutil.copytree(_save("dcp_w2_fsdp2", 2), folder2)
+    _rewrite(folder2, lambda m: grid(m, overlap=True))
+    with pytest.raises(CheckpointError, match="two chunks overlap|chunks hold"):
+        read_metadata(folder2)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "fifo"])
+def test_inspect_and_merge_check_the_data_files(tmp_path, damage):
+    from merging import run_cli
+    folder = _copy(tmp_path)
+    data = folder / "__1_0.distcp"
+    if damage == "missing":
+        data.unlink()
+    elif damage == "truncated":
+        data.write_bytes(data.read_bytes()[:10])
+    else:
+        data.unlink()
+        os.mkfifo(data)
+    r = run_cli(["inspect", str(folder)], {})
+    assert r.returncode == 2 and str(data) in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_locate_says_an_item_past_the_end_of_its_file(tmp_path):
+    folder = _copy(tmp_path)
+    meta = read_metadata(folder)
+    fqn, t = next(iter(meta.tensors.items()))
+    item = meta.items[fqn, t.chunks[0].offsets]
+    path = folder / item.file
+    path.write_bytes(path.read_bytes()[:item.offset + item.length - 2])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointError, match="runs past the end of the file"):
+            locate(folder, fd, item, t, t.chunks[0].sizes)
+    finally:
+        os.close(fd)

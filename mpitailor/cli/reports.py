@@ -48,12 +48,12 @@ def format_dcp_table(rep: dict) -> str:
     ]
     if rep["other_entries"]:
         lines.append(f"other        {len(rep['other_entries'])} entries (the trainer's own): "
-                     + ", ".join(rep["other_entries"][:6])
+                     + ", ".join(shown(e) for e in rep["other_entries"][:6])
                      + (", ..." if len(rep["other_entries"]) > 6 else ""))
     lines.append(f"{'layer':<12}{'params':>8}{'elements':>12}{'model':>10}{'optimizer':>11}"
                  f"  optimizer state")
     for key, row in rep["layers"].items():
-        lines.append(f"{key:<12}{row['params']:>8}{row['elements']:>12}"
+        lines.append(f"{shown(key):<12}{row['params']:>8}{row['elements']:>12}"
                      f"{human(row['model_bytes']):>10}{human(row['optimizer_bytes']):>11}  "
                      f"{', '.join(row['optimizer_state']) or '-'}".rstrip())
     return "\n".join(lines)

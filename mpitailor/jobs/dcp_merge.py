@@ -23,6 +23,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.dcp import (
     METADATA,
     check_bytes_item,
+    check_data_files,
     locate,
     metadata_bytes,
     read_metadata,
@@ -51,7 +52,11 @@ class DcpMergeResult:
 
 
 def read_dcp_sources(recipe: Recipe) -> dict:
-    return {name: read_metadata(path) for name, path in recipe.sources}
+    """Every source's metadata, its data files checked to hold what it places in them."""
+    metas = {name: read_metadata(path) for name, path in recipe.sources}
+    for name, path in recipe.sources:
+        check_data_files(path, metas[name])
+    return metas
 
 
 def run_dcp_merge(comm: Comm, recipe: Recipe) -> DcpMergeResult:

@@ -10,7 +10,8 @@ EXPORTS = {
     "DATA_SUFFIX": "metadata", "METADATA": "metadata", "Chunk": "metadata",
     "DcpMetadata": "metadata", "Item": "metadata", "TensorEntry": "metadata",
     "is_dcp_dir": "metadata", "read_metadata": "metadata",
-    "Located": "items", "check_bytes_item": "items", "locate": "items",
+    "Located": "items", "check_bytes_item": "items", "check_data_files": "items",
+    "locate": "items",
     "Key": "keys", "split_key": "keys",
     "metadata_bytes": "metadata_write",
 }

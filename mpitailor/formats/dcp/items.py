@@ -9,13 +9,14 @@ refused: their bytes are not the tensor's.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.dcp.metadata import Item, TensorEntry
+from mpitailor.formats.dcp.metadata import DcpMetadata, Item, TensorEntry
 from mpitailor.formats.dtypes import DTYPES
-from mpitailor.formats.io import read_exact, shown
+from mpitailor.formats.io import open_regular, read_exact, shown
 from mpitailor.formats.torch import Tensor, contiguous_stride, load
 
 _ZIP = b"PK\x03\x04"
@@ -28,6 +29,26 @@ class Located:
     file: Path
     offset: int
     nbytes: int
+
+
+def check_data_files(folder: Path, meta: DcpMetadata) -> None:
+    """Every data file the metadata names is a regular file in folder (no link followed)
+    holding every item it places there: CheckpointError naming the first that is not."""
+    ends: dict[str, tuple[int, Item]] = {}
+    for item in meta.items.values():
+        end = item.offset + item.length
+        if item.file not in ends or end > ends[item.file][0]:
+            ends[item.file] = (end, item)
+    for name, (end, item) in sorted(ends.items()):
+        fd = open_regular(folder / name, "a DCP data file")
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if end > size:
+            raise CheckpointError(f"{shown(folder / name)}: {size} bytes, but the metadata "
+                                  f"places {item.fqn!r:.80} up to byte {end}; the file is "
+                                  f"truncated (re-copy it from the original save)")
 
 
 def check_bytes_item(folder: Path, fd: int, item: Item) -> None:
@@ -54,6 +75,9 @@ def locate(folder: Path, fd: int, item: Item, entry: TensorEntry,
         raise CheckpointError(f"{where}: written through stream transforms "
                               f"{', '.join(item.transforms)[:80]}; mpitailor reads "
                               f"untransformed items only (save without them)")
+    if item.offset + item.length > os.fstat(fd).st_size:
+        raise CheckpointError(f"{where}: the item runs past the end of the file; the file is "
+                              f"truncated (re-copy it from the original save)")
     head = read_exact(fd, 4, item.offset) if item.length >= 4 else b""
     if head != _ZIP:
         raise CheckpointError(f"{where}: not a torch.save item (safetensors-serialised DCP "

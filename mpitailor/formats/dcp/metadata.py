@@ -13,7 +13,9 @@ the file.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import pickle
 import struct
 from collections.abc import Mapping
@@ -28,7 +30,6 @@ from mpitailor.formats.io import read_small, shown
 METADATA = ".metadata"
 DATA_SUFFIX = ".distcp"
 MAX_METADATA_BYTES = 1 << 30  # a 405B model's is ~100 MB
-MAX_PAIRWISE = 256  # chunks of a tensor checked pair by pair for overlap beyond one axis
 _PREFIX = "torch.distributed.checkpoint."
 
 
@@ -88,7 +89,9 @@ class DcpMetadata:
 
 
 def is_dcp_dir(path: Path) -> bool:
-    return (path / METADATA).is_file()
+    """Does path hold a `.metadata` (whatever it is: a link or a FIFO there is then refused
+    by name when it is read, not taken for another kind of checkpoint)?"""
+    return os.path.lexists(path / METADATA)
 
 
 def read_metadata(folder: Path) -> DcpMetadata:
@@ -97,7 +100,12 @@ def read_metadata(folder: Path) -> DcpMetadata:
     path = folder / METADATA
     data = read_small(path, MAX_METADATA_BYTES, "a DCP .metadata file")
     try:
-        return _checked(unpickle(data))
+        raw = unpickle(data)
+        _used.clear()
+        try:
+            return _checked(raw)
+        finally:
+            _used.clear()
     except Refused as e:
         raise CheckpointError(f"{shown(path)}: names {e.name}, which is not one of DCP's "
                               f"metadata classes; not read (a file made to run code when "
@@ -117,12 +125,25 @@ class _Bad(Exception):
     """What the metadata describes is not what DCP writes."""
 
 
+_used: set[int] = set()  # ids of the records (and chunk lists) the read in progress took
+
+
 def _rec(x, kind: str) -> dict | tuple:
-    """The state of record x of DCP class `kind` (e.g. "metadata.Metadata")."""
+    """The state of record x of DCP class `kind` (e.g. "metadata.Metadata"), taken once:
+    DCP writes every record once, and a record the pickle shares among many entries (its
+    memo makes that free) would make this check, and every later reader, do the work of
+    all of them."""
     if type(x) is not Rec or x.kind != _PREFIX + kind:
         raise _Bad(f"a {type(x).__name__ if type(x) is not Rec else x.kind} where DCP writes "
                    f"a {kind.rsplit('.', 1)[-1]}")
+    _take(x)
     return x.state
+
+
+def _take(x) -> None:
+    if id(x) in _used:
+        raise _Bad("a record shared among several entries (DCP writes each once)")
+    _used.add(id(x))
 
 
 def _fields(x, kind: str, names: tuple[str, ...]) -> dict:
@@ -167,18 +188,37 @@ def _planner_data(raw, keys: set[str]) -> dict:
     return dict(raw)
 
 
+MAX_DIMS = 64
+MAX_ELEMENTS = 1 << 62
+
+
+def _dims(x, what: str) -> tuple[int, ...]:
+    """A size or offsets: a tuple of at most MAX_DIMS ints in [0, MAX_ELEMENTS) whose
+    product is below MAX_ELEMENTS (a size), as torch.Size holds them."""
+    if type(x) is not tuple or len(x) > MAX_DIMS or not all(
+            type(d) is int and 0 <= d < MAX_ELEMENTS for d in x):
+        raise _Bad(f"{what} is not a size (a tuple of at most {MAX_DIMS} non-negative ints)")
+    n = 1
+    for d in x:
+        n *= d
+        if n >= MAX_ELEMENTS:
+            raise _Bad(f"{what} of {MAX_ELEMENTS} elements or more")
+    return x
+
+
 def _tensor(fqn: str, entry) -> TensorEntry:
     f = _fields(entry, "metadata.TensorStorageMetadata", ("properties", "size", "chunks"))
     dtype = _dtype(f["properties"])
-    size = f["size"]
-    if type(size) is not tuple or type(f["chunks"]) is not list or not f["chunks"]:
-        raise _Bad(f"tensor {fqn!r:.80}: no size or no chunks")
+    size = _dims(f["size"], f"tensor {fqn!r:.80}: its size")
+    if type(f["chunks"]) is not list or not f["chunks"]:
+        raise _Bad(f"tensor {fqn!r:.80}: no chunks")
+    _take(f["chunks"])
     chunks = []
     for c in f["chunks"]:
         cf = _fields(c, "metadata.ChunkStorageMetadata", ("offsets", "sizes"))
-        offsets, sizes = cf["offsets"], cf["sizes"]
-        if type(offsets) is not tuple or type(sizes) is not tuple or not (
-                len(offsets) == len(sizes) == len(size)) or any(
+        offsets = _dims(cf["offsets"], f"tensor {fqn!r:.80}: a chunk's offsets")
+        sizes = _dims(cf["sizes"], f"tensor {fqn!r:.80}: a chunk's sizes")
+        if not len(offsets) == len(sizes) == len(size) or any(
                 o + n > d for o, n, d in zip(offsets, sizes, size)):
             raise _Bad(f"tensor {fqn!r:.80}: a chunk outside its size {size}")
         chunks.append(Chunk(offsets, sizes))
@@ -196,29 +236,36 @@ def _dtype(props) -> str:
     return name
 
 
+MAX_CELLS = 1 << 22  # cells of the grid the chunks' boundaries cut a tensor into
+
+
 def _check_tiling(fqn: str, size: tuple[int, ...], chunks: list[Chunk]) -> None:
     """The chunks cover the tensor, each element once (DCP saves a tensor whole, every
-    element by one rank: a dedup'd replica leaves one chunk)."""
-    if sum(c.numel for c in chunks) != math.prod(size):
-        raise _Bad(f"tensor {fqn!r:.80}: its chunks hold {sum(c.numel for c in chunks)} "
-                   f"elements, the tensor {math.prod(size)}")
-    if len(chunks) < 2:
+    element by one rank: a dedup'd replica leaves one chunk). The chunks' boundaries cut
+    each dimension into intervals, the tensor into a grid of cells: each chunk must cover
+    whole cells, no cell twice; with the chunks' volumes summing to the tensor's, every
+    cell is then covered. FSDP x TP's grids (64 x 8) cost a cell each."""
+    total = sum(c.numel for c in chunks)
+    if total != math.prod(size):
+        raise _Bad(f"tensor {fqn!r:.80}: its chunks hold {total} elements, the tensor "
+                   f"{math.prod(size)}")
+    live = [c for c in chunks if c.numel]
+    if len(live) < 2:
         return
-    whole_but_first = all(c.offsets[1:] == (0,) * (len(size) - 1) and c.sizes[1:] == size[1:]
-                          for c in chunks)
-    if whole_but_first:  # split along the first dimension only: intervals, sorted
-        spans = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks)
-        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-            raise _Bad(f"tensor {fqn!r:.80}: two chunks overlap")
-        return
-    if len(chunks) > MAX_PAIRWISE:
-        raise _Bad(f"tensor {fqn!r:.80}: {len(chunks)} chunks split along several "
-                   f"dimensions (mpitailor reads up to {MAX_PAIRWISE})")
-    for i, a in enumerate(chunks):
-        for b in chunks[i + 1:]:
-            if all(x < y + m and y < x + n for x, n, y, m in
-                   zip(a.offsets, a.sizes, b.offsets, b.sizes)) and a.numel and b.numel:
+    cuts = [sorted({0, d} | {c.offsets[k] for c in live} | {c.offsets[k] + c.sizes[k]
+                                                           for c in live})
+            for k, d in enumerate(size)]
+    if math.prod(len(b) - 1 for b in cuts) > MAX_CELLS:
+        raise _Bad(f"tensor {fqn!r:.80}: chunks cutting it into over {MAX_CELLS} cells")
+    index = [{b: i for i, b in enumerate(bs)} for bs in cuts]
+    covered: set[tuple[int, ...]] = set()
+    for c in live:
+        spans = [range(index[k][o], index[k][o + n]) for k, (o, n) in
+                 enumerate(zip(c.offsets, c.sizes))]
+        for cell in itertools.product(*spans):
+            if cell in covered:
                 raise _Bad(f"tensor {fqn!r:.80}: two chunks overlap")
+            covered.add(cell)
 
 
 def _items(storage: dict, tensors: dict[str, TensorEntry], blobs: set[str]) -> dict:
@@ -229,8 +276,10 @@ def _items(storage: dict, tensors: dict[str, TensorEntry], blobs: set[str]) -> d
         s = _fields(info, "filesystem._StorageInfo",
                     ("relative_path", "offset", "length", "transform_descriptors"))
         name, transforms = s["relative_path"], s["transform_descriptors"] or []
-        if type(fqn) is not str or not (offsets is None or type(offsets) is tuple):
+        if type(fqn) is not str:
             raise _Bad("a storage index without a name")
+        if offsets is not None:
+            offsets = _dims(offsets, f"entry {fqn!r:.80}: a storage index's offsets")
         if not _plain_name(name) or not all(type(v) is int and 0 <= v < 1 << 62
                                             for v in (s["offset"], s["length"])):
             raise _Bad(f"entry {fqn!r:.80}: stored at {str(name)[:80]!r}, not a file of the "

@@ -86,16 +86,24 @@ def _memory_format(code):
     return code
 
 
+MAX_PATH = 4096  # characters in a path a pickle may build (a file system's PATH_MAX)
+
+
 def _path(*parts):
-    """`pathlib.PosixPath(*parts)` (a StorageMeta's checkpoint_id): the path as a string."""
-    if not parts or not all(type(p) is str and len(p) < 4096 for p in parts):
-        raise pickle.UnpicklingError("a path of something other than strings")
+    """`pathlib.PosixPath(*parts)` (a StorageMeta's checkpoint_id): the path as a string,
+    of at most MAX_PATH characters in all (a part the pickle repeats through its memo costs
+    it two bytes, and would cost this a joined copy)."""
+    if not parts or len(parts) > MAX_PATH or not all(type(p) is str for p in parts) or \
+            sum(len(p) + 1 for p in parts) > MAX_PATH:
+        raise pickle.UnpicklingError("a path of something other than strings, or longer than "
+                                     "any path")
     return "/".join(parts)
 
 
 _CALLS = {"torch.Size": _size, "torch.serialization._get_layout": _layout,
           f"{_DCP}.metadata._MEM_FORMAT_ENCODING": _memory_format,
-          "pathlib.PosixPath": _path, "pathlib.PurePosixPath": _path, "pathlib.Path": _path}
+          **{f"{m}.{c}": _path for m in ("pathlib", "pathlib._local")  # 3.13: _local
+             for c in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}}
 _DTYPE_VALUES = {f"torch.{d}": DType(d) for d in DTYPES}
 
 

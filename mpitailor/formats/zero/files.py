@@ -204,8 +204,10 @@ def _find(path: Path, view) -> CheckpointFiles:
             f"complete state, or name an earlier checkpoint-N")
     if view.exists(path / DCP_METADATA):
         raise CheckpointError(
-            f"{path}: a PyTorch Distributed Checkpoint (DCP: FSDP2, torchtitan); `mpitailor "
-            f"inspect` reads it, merging and recovering DCP checkpoints is not built yet")
+            f"{path}: a PyTorch Distributed Checkpoint (DCP: FSDP2, torchtitan), read where a "
+            f"DeepSpeed checkpoint is expected: a recipe's sources must all be DCP "
+            f"checkpoints or all DeepSpeed ones (the first decides), and `recover` of DCP "
+            f"saves is not built yet")
     raise CheckpointError(
         f"{path}: neither a DeepSpeed tag dir (zero_pp_rank_*_model_states.pt) nor a save dir "
         f"with a `latest` file; name the tag dir, e.g. {path}/global_stepN")
