@@ -64,12 +64,12 @@ def read_exact(fd: int, n: int, offset: int) -> bytes:
 def created(path: Path | str, buffering: int = -1) -> Iterator[BinaryIO]:
     """A new file (never an existing one) open for writing, flushed and fsynced when the
     block ends without an error."""
-    io_step("create")
+    io_step("create", path)
     with open(path, "xb", buffering=buffering) as f:
         yield f
-        io_step("write")  # (buffered: the bytes reach the kernel here)
+        io_step("write", fd=f.fileno())  # (buffered: the bytes reach the kernel here)
         f.flush()
-        io_step("fsync")
+        io_step("fsync", fd=f.fileno())
         os.fsync(f.fileno())
 
 
@@ -86,7 +86,7 @@ def write_synced(path: Path | str, *chunks) -> dict:
 
 def fsync_dir(path: Path | str) -> None:
     """fsync a directory: the names created, renamed or removed in it are then durable."""
-    io_step("fsync-dir")
+    io_step("fsync-dir", path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
