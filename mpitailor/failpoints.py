@@ -29,7 +29,8 @@ write's range), thread= (a step of a thread other than the main one: the async w
 absent=1 (a removal of nothing), kept= (a rename over an existing file: a hard link to the
 file it replaces, FILE.kept/PID-N, so that a power-loss emulation can put it back). A clean
 run enumerates the steps (bench/crash_points.py); bench/power_loss.py replays a killed
-run's. Unset, two environment lookups per step.
+run's. `io_done` after an fsync logs "RANK - done": the fsync returned. Unset, two
+environment lookups per step (one after an fsync).
 """
 from __future__ import annotations
 
@@ -64,11 +65,24 @@ def io_step(what: str, path=None, to=None, *, fd: int | None = None,
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def io_done() -> None:
+    """The step this thread took last (an fsync) is done: logged, for the crash log's reader
+    to know that it was taken when another thread or rank was killed later."""
+    log = os.environ.get(CRASH_LOG)
+    if log:
+        with open(log, "a") as f:
+            f.write("\t".join([str(_rank()), "-", "done", *_thread()]) + "\n")
+
+
+def _thread() -> list[str]:
+    if threading.current_thread() is threading.main_thread():
+        return []
+    return [f"thread={threading.get_ident()}"]  # the async writer's steps
+
+
 def _log(log: str, n: int, what: str, path, to, fd: int | None,
          at: tuple[int, int] | None) -> None:
-    fields = [str(_rank()), str(n), what]
-    if threading.current_thread() is not threading.main_thread():
-        fields.append(f"thread={threading.get_ident()}")  # the async writer's steps
+    fields = [str(_rank()), str(n), what, *_thread()]
     if fd is not None:  # the call site holds a descriptor: the kernel knows its path
         path = os.readlink(f"/proc/self/fd/{fd}")
         fields.append(f"size={os.fstat(fd).st_size}")

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from mpitailor.failpoints import io_step
+from mpitailor.failpoints import io_done, io_step
 from mpitailor.formats.io.crc import crc32
 from mpitailor.formats.io.filerecord import FileRecord
 
@@ -71,6 +71,7 @@ def created(path: Path | str, buffering: int = -1) -> Iterator[BinaryIO]:
         f.flush()
         io_step("fsync", fd=f.fileno())
         os.fsync(f.fileno())
+        io_done()
 
 
 def write_synced(path: Path | str, *chunks) -> dict:
@@ -95,6 +96,7 @@ def fsync_dir(path: Path | str) -> None:
             raise
     finally:
         os.close(fd)
+    io_done()
 
 
 def copy_synced(src: BinaryIO, dst: Path | str) -> dict:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.failpoints import io_step
+from mpitailor.failpoints import io_done, io_step
 from mpitailor.formats.io import writeback
 from mpitailor.formats.io.crc import crc32
 from mpitailor.formats.io.fileio import read_exact
@@ -112,6 +112,7 @@ def pwrite_synced(path: Path, pieces: Iterable[tuple[int, bytes]]) -> None:
             pwrite_all(fd, data, offset)
         io_step("fsync", fd=fd)
         os.fsync(fd)
+        io_done()
     finally:
         os.close(fd)
 
@@ -124,6 +125,7 @@ def fsync_close(fds: dict) -> None:
         try:
             io_step("fsync", fd=fd)
             os.fsync(fd)
+            io_done()
         finally:
             os.close(fd)
 
