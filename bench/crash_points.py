@@ -256,7 +256,10 @@ def train(save_dir: Path, env: dict, job: TrainJob = TrainJob(), base: Path | No
     if job.resume:
         shutil.rmtree(save_dir, ignore_errors=True)
         shutil.copytree(base, save_dir, symlinks=True)
-        extra = dict(load_dir=str(save_dir), load_tag="global_step2", save_at=(4, 6, 8))
+        # other data from step 3 on: the saves it replaces differ from its own, so that a
+        # mix of the two would show
+        extra = dict(load_dir=str(save_dir), load_tag="global_step2", save_at=(4, 6, 8),
+                     data_seed=1)
     try:
         launch(TrainSpec(save_dir=str(save_dir), **{**SAVE_RUN, **extra},
                          async_save=job.asynchronous, extra={"env": env}), timeout=600)
@@ -415,15 +418,21 @@ def main() -> int:
                                      also), "stride": int(stride), "also": list(also),
                              "seconds": round(time.time() - t)})
                 say(rows[-1])
+                total = write(Path(a.json), rows, t0)  # after each job: a long run killed
+                # keeps what it measured
+    print(f"total: {total['points']} crash points, {total['visible_incomplete']} visible "
+          f"incomplete, {total['lost']} lost; {a.json}")
+    return 1 if total["lost"] or total["visible_incomplete"] else 0
+
+
+def write(path: Path, rows: list[dict], t0: float) -> dict:
     total = {"points": sum(r["crashed"] for r in rows),
              "visible_incomplete": sum(r["visible_incomplete"] for r in rows),
              "lost": sum(r["lost"] for r in rows), "seconds": round(time.time() - t0),
              "date": time.strftime("%Y-%m-%d"), "jobs": rows}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(total, indent=2))
-    print(f"total: {total['points']} crash points, {total['visible_incomplete']} visible "
-          f"incomplete, {total['lost']} lost; {a.json}")
-    return 1 if total["lost"] or total["visible_incomplete"] else 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(total, indent=2))
+    return total
 
 
 def say(r: dict) -> None:
