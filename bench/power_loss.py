@@ -22,7 +22,12 @@ What cannot be emulated, and is therefore trusted as durable:
 - a rewrite below a file's synced size loses its bytes to zeros, not to the old bytes
   (mpitailor only writes new files, whose unwritten bytes are zeros);
 - a directory's fsync makes all earlier names in it durable (as on ext4 and xfs); a file's
-  fsync makes no name durable (stricter than ext4, as ALICE assumes).
+  fsync makes no name durable (stricter than ext4, as ALICE assumes); the names not made
+  durable are all undone, never only some of them (ALICE's reorderings are not tried);
+- the machine is lost before a step, never after a run's last one (a prune that returned
+  has not fsynced its save dir since its last removal: out of reach, as removals are);
+- paths are matched as the log gives them (absolute; a descriptor's as /proc names it, links
+  resolved): a study dir below a symbolic link would not match.
 """
 from __future__ import annotations
 
