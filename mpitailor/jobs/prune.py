@@ -296,7 +296,7 @@ def _reclaim_pruning(folder: Path) -> list[str]:
         if fd is None:
             continue  # a live prune's
         try:
-            failpoints.io_step("remove")
+            failpoints.io_step("remove", folder / entry)
             remove(folder / entry)
             done.append(f"removed {folder / entry}: left by a prune that was killed")
         finally:
@@ -318,7 +318,7 @@ def _record(save_dir: Path, plan: RetentionPlan) -> None:
 
 def _apply(save_dir: Path, v: Verdict, ident: tuple[int, int] | None = None) -> str:
     if v.kind == "tombstone":
-        failpoints.io_step("remove")
+        failpoints.io_step("remove", v.path)
         v.path.unlink(missing_ok=True)
         return f"removed {v.path}: {v.why}"
     lock = path_of(v.path, LOCK)
@@ -341,11 +341,11 @@ def _apply(save_dir: Path, v: Verdict, ident: tuple[int, int] | None = None) -> 
             write_tombstone(save_dir, v.tombstone)
         gone = path_of(v.path, PRUNING)
         if os.path.lexists(gone):
-            failpoints.io_step("remove")
+            failpoints.io_step("remove", gone)
             remove(gone)
-        failpoints.io_step("rename")
+        failpoints.io_step("rename", v.path, gone)
         os.rename(v.path, gone)
-        failpoints.io_step("remove")
+        failpoints.io_step("remove", gone)
         remove(gone)
     finally:
         if held is not None:

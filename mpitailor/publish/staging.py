@@ -93,7 +93,7 @@ class Staging:
         done += leftovers.reclaim(self.output.parent, skip=self.output.name)
         if done:
             log.warning("reclaimed what interrupted runs left: %s", "; ".join(done))
-        failpoints.io_step("mkdir")
+        failpoints.io_step("mkdir", self.dir)
         self.dir.mkdir()
         if tag is not None:
             (self.dir / tag).mkdir()
@@ -129,7 +129,7 @@ class Staging:
                     raise MergeFailed(f"{self.output}: appeared while merging (written by "
                                       f"something other than mpitailor?); nothing published")
                 else:
-                    failpoints.io_step("rename")
+                    failpoints.io_step("rename", self.dir, self.output)
                     os.rename(self.dir, self.output)
                 self._published = True
         if not go:
@@ -202,18 +202,18 @@ def _replace(staged: Path, output: Path) -> None:
     removed only once the new one is in place (put back if the rename fails)."""
     old = path_of(output, OLD)
     if os.path.lexists(output):
-        failpoints.io_step("remove")
+        failpoints.io_step("remove", old)
         shutil.rmtree(old, ignore_errors=True)
-        failpoints.io_step("rename")
+        failpoints.io_step("rename", output, old)
         os.rename(output, old)
     try:
-        failpoints.io_step("rename")
+        failpoints.io_step("rename", staged, output)
         os.rename(staged, output)
     except OSError:
         if os.path.lexists(old):
             os.rename(old, output)
         raise
-    failpoints.io_step("remove")
+    failpoints.io_step("remove", old)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -300,7 +300,7 @@ def write_replacing(path: Path, data: bytes) -> None:
     try:
         with created(tmp) as f:
             f.write(data)
-        failpoints.io_step("rename")
+        failpoints.io_step("rename", tmp, path)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -323,7 +323,7 @@ def _sweep_temporaries(folder: Path, host: str) -> None:
         m = _TEMPORARY.fullmatch(name)
         if m is None or m.group(1) != host or _alive(int(m.group(2))):
             continue
-        failpoints.io_step("remove")
+        failpoints.io_step("remove", folder / name)
         with contextlib.suppress(OSError):
             os.unlink(folder / name)
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from mpitailor.failpoints import io_step
+from mpitailor.failpoints import io_done, io_step
 from mpitailor.formats.io.crc import crc32
 from mpitailor.formats.io.filerecord import FileRecord
 
@@ -64,13 +64,14 @@ def read_exact(fd: int, n: int, offset: int) -> bytes:
 def created(path: Path | str, buffering: int = -1) -> Iterator[BinaryIO]:
     """A new file (never an existing one) open for writing, flushed and fsynced when the
     block ends without an error."""
-    io_step("create")
+    io_step("create", path)
     with open(path, "xb", buffering=buffering) as f:
         yield f
-        io_step("write")  # (buffered: the bytes reach the kernel here)
+        io_step("write", fd=f.fileno())  # (buffered: the bytes reach the kernel here)
         f.flush()
-        io_step("fsync")
+        io_step("fsync", fd=f.fileno())
         os.fsync(f.fileno())
+        io_done()
 
 
 def write_synced(path: Path | str, *chunks) -> dict:
@@ -86,7 +87,7 @@ def write_synced(path: Path | str, *chunks) -> dict:
 
 def fsync_dir(path: Path | str) -> None:
     """fsync a directory: the names created, renamed or removed in it are then durable."""
-    io_step("fsync-dir")
+    io_step("fsync-dir", path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -95,6 +96,7 @@ def fsync_dir(path: Path | str) -> None:
             raise
     finally:
         os.close(fd)
+    io_done()
 
 
 def copy_synced(src: BinaryIO, dst: Path | str) -> dict:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.failpoints import io_step
+from mpitailor.failpoints import io_done, io_step
 from mpitailor.formats.io import writeback
 from mpitailor.formats.io.crc import crc32
 from mpitailor.formats.io.fileio import read_exact
@@ -50,8 +50,8 @@ def pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
 
 def pwrite_all(fd: int, data, offset: int) -> None:
     """pwrite all of data (pwrite may write less than asked)."""
-    io_step("write")
     view = memoryview(data).cast("B")
+    io_step("write", fd=fd, at=(offset, len(view)))
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
@@ -69,7 +69,7 @@ def kernel_copy(src: int, off: int, n: int, dst: int, dst_off: int, path: str) -
     only where the file systems cannot (the caller copies the rest through its buffers)."""
     done = 0
     while done < n:
-        io_step("copy")
+        io_step("copy", fd=dst, at=(dst_off + done, min(n - done, KERNEL_CHUNK)))
         try:
             k = os.copy_file_range(src, dst, min(n - done, KERNEL_CHUNK), off + done,
                                    dst_off + done)
@@ -88,7 +88,7 @@ def kernel_copy(src: int, off: int, n: int, dst: int, dst_off: int, path: str) -
 def create_sized(path: Path, size: int, head: bytes = b"") -> int:
     """A new file (never an existing one) of `size` bytes, `head` at its start, the rest
     zeros until written; returns its descriptor, open for writing."""
-    io_step("create")
+    io_step("create", path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         pwrite_all(fd, head, 0)
@@ -110,8 +110,9 @@ def pwrite_synced(path: Path, pieces: Iterable[tuple[int, bytes]]) -> None:
     try:
         for offset, data in pieces:
             pwrite_all(fd, data, offset)
-        io_step("fsync")
+        io_step("fsync", fd=fd)
         os.fsync(fd)
+        io_done()
     finally:
         os.close(fd)
 
@@ -122,8 +123,9 @@ def fsync_close(fds: dict) -> None:
     while fds:
         _, fd = fds.popitem()
         try:
-            io_step("fsync")
+            io_step("fsync", fd=fd)
             os.fsync(fd)
+            io_done()
         finally:
             os.close(fd)
 
