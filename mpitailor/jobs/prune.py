@@ -26,6 +26,7 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import escaped, shown
 from mpitailor.errors import CheckpointError, MpitailorError, UserError
+from mpitailor.formats.io import fsync_dir
 from mpitailor.formats.manifest import MANIFEST, read_manifest
 from mpitailor.jobs import readlocks
 from mpitailor.jobs.clean import not_a_dir
@@ -272,6 +273,12 @@ def apply_plan(save_dir: Path, plan: RetentionPlan, dry_run: bool = False,
                 done = sum(line.startswith("removed") for line in lines)
                 raise PruneFailed(f"prune: cannot remove {v.path} ({e.strerror or e}); "
                                   f"{done} path(s) removed before it; run prune again") from e
+    if not dry_run and any(line.startswith("removed") for line in lines):
+        # the removals made durable, as publishing is: a pruned save must not come back
+        # after a machine crash once prune has said it is gone
+        for folder in sorted({save_dir} | {v.path.parent for v in plan.verdicts if v.remove}):
+            if folder.is_dir():
+                fsync_dir(folder)
     lines = [escaped(line) for line in lines]  # (a name may hold a newline: one line each)
     for line in lines:
         log.debug("prune: %s", line)

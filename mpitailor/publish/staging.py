@@ -213,6 +213,9 @@ def _replace(staged: Path, output: Path) -> None:
         if os.path.lexists(old):
             os.rename(old, output)
         raise
+    # Both renames durable before the old output goes: else a crash of the machine could
+    # keep the removal's unlinks and lose the renames, leaving the old output half gone.
+    fsync_dir(output.parent)
     failpoints.io_step("remove", old)
     shutil.rmtree(old, ignore_errors=True)
 

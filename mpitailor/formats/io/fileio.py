@@ -116,8 +116,9 @@ def fsync_file(path: Path | str) -> None:
     link: its bytes are then durable."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        io_step("fsync")
+        io_step("fsync", fd=fd)
         os.fsync(fd)
+        io_done()
     finally:
         os.close(fd)
 
@@ -130,8 +131,9 @@ def synced_record(path: Path | str) -> dict:
     try:
         size = os.fstat(fd).st_size
         crc, n = crc32_range(fd, 0, size)
-        io_step("fsync")
+        io_step("fsync", fd=fd)
         os.fsync(fd)
+        io_done()
     finally:
         os.close(fd)
     return {"bytes": n, "crc32": f"{crc:08x}"}
