@@ -10,7 +10,9 @@ at the defaults; built once into bench/out/dcp_pair). Then, interleaved, `--reps
 - `merge 1 rank` / `merge 2 ranks`: `python -m mpitailor merge` of even layers from step-1,
   odd from step-2 (base step-2), as a whole process (start-up, planning, every item checked,
   copied, fsynced, published), under `mpiexec -n 2` for two ranks.
-Prints each case's wall seconds and its ratio to `cp` in the same repetition; writes JSON.
+Prints each case's median wall seconds and the median of its ratios to `cp` in the same
+repetition (a repetition whose `cp` stalls on the writeback of what came before skews a
+mean); writes JSON with every row.
 """
 from __future__ import annotations
 
@@ -84,9 +86,9 @@ def main() -> int:
     for case in cases:
         ratios = [r["seconds"] / c["seconds"] for r in rows if r["case"] == case
                   for c in rows if c["case"] == "cp" and c["rep"] == r["rep"]]
-        summary[case] = {"seconds": statistics.mean(r["seconds"] for r in rows
-                                                    if r["case"] == case),
-                         "vs_cp": statistics.mean(ratios)}
+        summary[case] = {"seconds": statistics.median(r["seconds"] for r in rows
+                                                      if r["case"] == case),
+                         "vs_cp": statistics.median(ratios), "vs_cp_each": ratios}
     print(f"DCP pair: 2 saves of {size / 1e9:.2f} GB (FSDP2, 2 ranks), parity merge, "
           f"{args.reps} reps, {os.cpu_count()} cores")
     print(f"{'case':<16}{'seconds':>9}{'vs cp':>8}")
