@@ -69,9 +69,7 @@ def created(path: Path | str, buffering: int = -1) -> Iterator[BinaryIO]:
         yield f
         io_step("write", fd=f.fileno())  # (buffered: the bytes reach the kernel here)
         f.flush()
-        io_step("fsync", fd=f.fileno())
-        os.fsync(f.fileno())
-        io_done()
+        fsync_fd(f.fileno())
 
 
 def write_synced(path: Path | str, *chunks) -> dict:
@@ -111,14 +109,20 @@ def copy_synced(src: BinaryIO, dst: Path | str) -> dict:
     return rec.record()
 
 
+def fsync_fd(fd: int) -> None:
+    """fsync an open file: one step of the seam, logged with the file and when it returns
+    (the crash study's power-loss replay reads what it made durable)."""
+    io_step("fsync", fd=fd)
+    os.fsync(fd)
+    io_done()
+
+
 def fsync_file(path: Path | str) -> None:
     """fsync a file another writer has written (a trainer's own files), not following a
     link: its bytes are then durable."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        io_step("fsync", fd=fd)
-        os.fsync(fd)
-        io_done()
+        fsync_fd(fd)
     finally:
         os.close(fd)
 
@@ -131,9 +135,7 @@ def synced_record(path: Path | str) -> dict:
     try:
         size = os.fstat(fd).st_size
         crc, n = crc32_range(fd, 0, size)
-        io_step("fsync", fd=fd)
-        os.fsync(fd)
-        io_done()
+        fsync_fd(fd)
     finally:
         os.close(fd)
     return {"bytes": n, "crc32": f"{crc:08x}"}

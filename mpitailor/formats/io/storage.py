@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.failpoints import io_done, io_step
+from mpitailor.failpoints import io_step
 from mpitailor.formats.io import writeback
 from mpitailor.formats.io.crc import crc32
-from mpitailor.formats.io.fileio import read_exact
+from mpitailor.formats.io.fileio import fsync_fd, read_exact
 
 KERNEL_CHUNK = 64 << 20  # bytes per copy_file_range call: large, yet writeback starts early
 _NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
@@ -110,9 +110,7 @@ def pwrite_synced(path: Path, pieces: Iterable[tuple[int, bytes]]) -> None:
     try:
         for offset, data in pieces:
             pwrite_all(fd, data, offset)
-        io_step("fsync", fd=fd)
-        os.fsync(fd)
-        io_done()
+        fsync_fd(fd)
     finally:
         os.close(fd)
 
@@ -123,9 +121,7 @@ def fsync_close(fds: dict) -> None:
     while fds:
         _, fd = fds.popitem()
         try:
-            io_step("fsync", fd=fd)
-            os.fsync(fd)
-            io_done()
+            fsync_fd(fd)
         finally:
             os.close(fd)
 
