@@ -127,6 +127,9 @@ _MAKING = frozenset(op[0] for op in (
     pickle.STACK_GLOBAL, pickle.REDUCE, pickle.NEWOBJ))
 
 
+_PURE = pickle._Unpickler.dispatch  # type: ignore[attr-defined]  # Python's own handlers
+
+
 class _Opcodes(dict):
     def __missing__(self, key):
         raise pickle.UnpicklingError(f"opcode {bytes([key])!r} is not one DCP's pickles use")
@@ -195,8 +198,7 @@ class _Unpickler(Unpickler):
             pickle.REDUCE[0]: load_reduce, pickle.NEWOBJ[0]: load_newobj,
             pickle.BUILD[0]: load_build}
     dispatch = _Opcodes({
-        **{op[0]: Unpickler.dispatch.get(op[0], pickle._Unpickler.dispatch[op[0]])  # type: ignore[attr-defined]
-           for op in _OPCODES}, **_OWN})
+        **{op[0]: Unpickler.dispatch.get(op[0], _PURE[op[0]]) for op in _OPCODES}, **_OWN})
 
 
 for _op in _MAKING - set(Unpickler.dispatch):  # (the torch reader's own are counted already)

@@ -22,11 +22,11 @@ from mpitailor.formats.torch.zip_format import (
 
 def read_records(f) -> dict[str, tuple[int, int, int]]:
     """{full record name: (data offset, size, CRC-32)} of the torch zip open as binary file
-    f (or a Window of a file); zipfile.BadZipFile for a file that is not one, whose records lie past its end, share
-    a name (torch reads the first, zipfile the last), have a name in upper case (torch writes
-    lower case and its miniz finds a name ignoring case: `BYTEORDER` or a second `DATA.PKL`
-    would be torch's record, not mpitailor's) or overlap (one record's bytes would be
-    another's)."""
+    f (or a Window of a file); zipfile.BadZipFile for a file that is not one, whose records
+    lie past its end, share a name (torch reads the first, zipfile the last), have a name in
+    upper case (torch writes lower case and its miniz finds a name ignoring case:
+    `BYTEORDER` or a second `DATA.PKL` would be torch's record, not mpitailor's) or overlap
+    (one record's bytes would be another's)."""
     size = file_size(f)
     out, spans = {}, []
     try:

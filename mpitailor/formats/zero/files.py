@@ -84,7 +84,8 @@ class SaveRecord:
     of the file, between `format` and `global_steps`. Not a Manifest (no head), but it
     records the save's files as a manifest does: `files`, each DeepSpeed
     file of the tag dir -> {"bytes": n, "crc32": c}, taken once DeepSpeed had written it and
-    fsynced (training/recorded_save.py). A record without `files` was written before they were recorded."""
+    fsynced (training/recorded_save.py). A record without `files` was written before they
+    were recorded."""
 
     format: str = field(default=SAVE_FORMAT, kw_only=True)
     lineage: Lineage
