@@ -86,9 +86,11 @@ PARITY_POLICY = ["w2_parity", "w2_client_state", "hf_w2_parity", "s2_w3_bf16_par
 # ---------------------------------------------------------------- inputs
 
 def find_fixtures() -> dict[str, Path]:
+    """The ZeRO fixtures (those with tag dirs; the DCP family's have step-N/)."""
     found = {}
     for d in sorted(FIXTURES.iterdir()):
-        if d.is_dir() and (d / "DONE").exists() and re.fullmatch(r".+-[0-9a-f]{12}", d.name):
+        if d.is_dir() and (d / "DONE").exists() and re.fullmatch(r".+-[0-9a-f]{12}", d.name) \
+                and tags(d):
             found[d.name.rsplit("-", 1)[0]] = d
     return found
 
