@@ -144,8 +144,7 @@ def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int, passed: set) -> N
     reader's allow-list reads (no payload carried into the output). passed: the bytes of
     small bytes items already read (a run's per-parameter hyper-parameters: thousands of
     items, a few contents)."""
-    entry = plan.output.tensors.get(c.fqn)
-    if entry is None:
+    if c.sizes is None:
         blob = read_upto(fd, c.item.length, c.item.offset) \
             if c.item.length <= SMALL_ITEM and not c.item.transforms else None
         if blob is None or blob not in passed:
@@ -153,8 +152,7 @@ def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int, passed: set) -> N
             if blob is not None and len(blob) == c.item.length:
                 passed.add(blob)
         return
-    sizes = next(ch.sizes for ch in entry.chunks if ch.offsets == c.offsets)
-    locate(folder, fd, c.item, entry, sizes)
+    locate(folder, fd, c.item, plan.output.tensors[c.fqn], c.sizes)
 
 
 def _write_metadata(plan: DcpPlan, root: Path) -> dict:

@@ -24,11 +24,12 @@ from mpitailor.planning.recipe import Recipe
 
 @dataclass(frozen=True, slots=True)
 class Copy:
-    """One item of the output: entry `fqn` (chunk at `offsets`), copied from `source`'s
-    `item` into output data file `file` at `offset`."""
+    """One item of the output: entry `fqn` (chunk at `offsets`, of `sizes`; None for a
+    bytes entry), copied from `source`'s `item` into output data file `file` at `offset`."""
 
     fqn: str
     offsets: tuple[int, ...] | None
+    sizes: tuple[int, ...] | None
     source: str
     item: Item
     file: str
@@ -75,12 +76,13 @@ def plan_dcp(recipe: Recipe, metas: dict[str, DcpMetadata]) -> DcpPlan:
         param_source = key_source.get(keys.get(key.param, ""), base) \
             if key.role in ("model", "optim_state", "param_group") else base
         chosen[index] = param_source
+    sizes = {(fqn, c.offsets): c.sizes for fqn, t in ref.tensors.items() for c in t.chunks}
     copies, items, ends = [], {}, {}
     for index in sorted(ref.items, key=lambda i: (ref.items[i].file, ref.items[i].offset)):
         src = chosen[index]
         item = metas[src].items[index]
         at = ends.get(item.file, 0)
-        copies.append(Copy(index[0], index[1], src, item, item.file, at))
+        copies.append(Copy(index[0], index[1], sizes.get(index), src, item, item.file, at))
         ends[item.file] = at + item.length
         items[index] = Item(item.fqn, item.offsets, item.file, at, item.length, item.transforms)
     output = DcpMetadata(ref.tensors, ref.bytes_entries, items, ref.version, ref.save_id,
