@@ -34,12 +34,9 @@ from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.facade import publish_file
 from mpitailor.formats.zero import LATEST, Lineage
-from mpitailor.training.checkpointer import (
-    LayerwiseCheckpointer,
-    fresh_save_dir,
-    sync_loop_files,
-)
+from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.policies import Decision, Policy
+from mpitailor.training.recorded_save import sync_loop_files
 
 SAVE_PREFIX = "checkpoint-"  # as HF's: recover names, orders and reports them alike
 

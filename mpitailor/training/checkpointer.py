@@ -46,7 +46,6 @@ from mpitailor.facade import (
     layer_index,
     publish_file,
 )
-from mpitailor.formats.io import fsync_dir, fsync_file
 from mpitailor.formats.zero import ELEMENT, PARTIAL_MANIFEST, SAVE_RECORD, Lineage, SaveRecord
 from mpitailor.training.distcomm import training_comm
 from mpitailor.training.overlap import StepGuard
@@ -352,22 +351,6 @@ def fresh_save_dir(engine, out: Path, create: bool = False) -> None:
         if create:
             out.mkdir(parents=True)
     training_comm().barrier()
-
-
-def sync_loop_files(engine, out: Path, mine: str) -> None:
-    """A partial save's loop files beside its tag dir (the trainer's state, config, rng
-    states, written in place by the framework's own functions), made durable before
-    `latest` names the save: each rank fsyncs its own file `mine` (its rng state), a save
-    leader every other regular file at the top of out, and out itself. Without it a crash
-    of the machine could leave a `latest` naming a checkpoint whose trainer state is
-    empty."""
-    if (out / mine).is_file():
-        fsync_file(out / mine)
-    if save_leader(engine):
-        for path in sorted(out.iterdir()):
-            if path.name != mine and path.is_file() and not path.is_symlink():
-                fsync_file(path)
-        fsync_dir(out)
 
 
 def agreed_save_id() -> str:

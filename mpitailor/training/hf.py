@@ -37,13 +37,10 @@ from mpitailor import failpoints
 from mpitailor.errors import UserError
 from mpitailor.facade import RESUME_DIR, LayerClassifier, layer_index, publish_file
 from mpitailor.formats.zero import LATEST, PARTIAL_MANIFEST, hf_checkpoint_step
-from mpitailor.training.checkpointer import (
-    LayerwiseCheckpointer,
-    fresh_save_dir,
-    sync_loop_files,
-)
+from mpitailor.training.checkpointer import LayerwiseCheckpointer, fresh_save_dir
 from mpitailor.training.notice import make_visible
 from mpitailor.training.policies import Policy
+from mpitailor.training.recorded_save import sync_loop_files
 from mpitailor.training.resume import recover_for_resume, reshard_for_resume
 from mpitailor.training.snapshot import host_bytes_limit
 

@@ -1,4 +1,7 @@
-"""A full save's files recorded as DeepSpeed writes them: size and CRC-32 of each, the file
+"""The files of a save that others write, made durable: a full save's files recorded as
+DeepSpeed writes them (below), and a partial save's loop files fsynced (sync_loop_files).
+
+A full save's files recorded as DeepSpeed writes them: size and CRC-32 of each, the file
 fsynced, for the save record (`mpitailor_save.json`) that `verify` and `recover --verify`
 check them against.
 
@@ -21,9 +24,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from mpitailor.formats.io import synced_record
+from mpitailor.formats.io import fsync_dir, fsync_file, synced_record
 from mpitailor.formats.zero import SAVE_RECORD
 from mpitailor.training.distcomm import training_comm
+from mpitailor.training.partial_save import save_leader
 
 
 class _Recording:
@@ -108,3 +112,19 @@ def _others(root: Path, recorded: dict) -> dict[str, dict]:
                 and not path.is_symlink():
             out[name] = synced_record(path)
     return out
+
+
+def sync_loop_files(engine, out: Path, mine: str) -> None:
+    """A partial save's loop files beside its tag dir (the trainer's state, config, rng
+    states, written in place by the framework's own functions), made durable before
+    `latest` names the save: each rank fsyncs its own file `mine` (its rng state), a save
+    leader every other regular file at the top of out, and out itself. Without it a crash
+    of the machine could leave a `latest` naming a checkpoint whose trainer state is
+    empty."""
+    if (out / mine).is_file():
+        fsync_file(out / mine)
+    if save_leader(engine):
+        for path in sorted(out.iterdir()):
+            if path.name != mine and path.is_file() and not path.is_symlink():
+                fsync_file(path)
+        fsync_dir(out)
