@@ -53,6 +53,10 @@ class Meta:
     held_layers: frozenset | None
     layer_patterns: tuple = ()
 
+    @property
+    def partial(self) -> bool:
+        return self.files.partial
+
 
 @dataclass
 class SaveDir:

@@ -34,6 +34,11 @@ MANIFEST = "mpitailor_manifest.json"          # of a merge or an export
 PARTIAL_MANIFEST = "mpitailor_partial.json"   # of a partial (layer-wise) save
 FORMAT_VERSION = "1.1"  # 1.1: `format_version` and `kind` recorded
 PARTIAL_FORMAT = "mpitailor-partial"  # partial saves' `format` key since version 1.0
+# Written by mpitailor's checkpointers beside a full save's files (a DeepSpeed tag dir), and
+# into every DCP save: the save's place in a timeline (Lineage). A partial ZeRO checkpoint
+# keeps the same record in its manifest, under "lineage".
+SAVE_RECORD = "mpitailor_save.json"
+MAX_ID_BYTES = 255  # a save id or tag: no longer than a file name
 _HEAD = ("format_version", "kind", "mpitailor_version", "created")
 MAJOR = int(FORMAT_VERSION.split(".")[0])  # any minor of it is read; another major is not
 _VERSION = re.compile(r"(\d{1,6})\.(\d{1,6})")
@@ -268,3 +273,35 @@ def _legacy_kind(doc: dict) -> str:
     if doc.get("format") == PARTIAL_FORMAT:
         return "partial"
     return "export" if "format" in doc else "merge"
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """Where a save sits in a timeline: a full save starts a chain (chain == save_id); a
+    partial save names its chain and the save it builds on (parent)."""
+
+    save_id: str
+    chain: str
+    parent: str | None
+
+    @classmethod
+    def from_json(cls, raw) -> "Lineage | None":
+        """The record (None: a save made without one); TypeError if it is not one."""
+        if raw is None:
+            return None
+        ids = (raw.get("save_id"), raw.get("chain")) if isinstance(raw, dict) else ()
+        parent = raw.get("parent") if isinstance(raw, dict) else None
+        if len(ids) != 2 or not all(is_id(x) for x in ids) or not (
+                parent is None or is_id(parent)):
+            raise TypeError(f"lineage {brief(raw)}: save_id and chain must be ids (strings), "
+                            f"parent an id or null")
+        return cls(ids[0], ids[1], parent)
+
+    def to_json(self) -> dict:
+        return {"save_id": self.save_id, "chain": self.chain, "parent": self.parent}
+
+
+def is_id(x) -> bool:
+    """A save id, tag or layer key as records hold them: a non-empty string no longer than a
+    file name."""
+    return isinstance(x, str) and 0 < len(x) <= MAX_ID_BYTES

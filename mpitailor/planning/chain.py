@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.display import escaped
+from mpitailor.formats.dcp import DcpSaveMeta
 from mpitailor.formats.zero import LATEST, CheckpointMeta, Lineage
 from mpitailor.planning.layers import (
     AUX_KEYS,
@@ -27,14 +28,14 @@ class Save:
 
     name: str
     path: Path
-    meta: CheckpointMeta | None
+    meta: CheckpointMeta | DcpSaveMeta | None  # of either family: what recovery reads
     lineage: Lineage | None
     problem: str | None = None
     unreadable: bool = False
 
     @property
     def partial(self) -> bool:
-        return self.meta is not None and self.meta.files.partial
+        return self.meta is not None and self.meta.partial
 
     @property
     def step(self) -> int:
@@ -136,8 +137,7 @@ def recovery_recipe(save_dir: Path, chain: Chain, output: Path | None = None,
         recorded = [s.meta.layer_patterns for s in [full, *partials] if s.meta.layer_patterns]
         layer_patterns = dict(recorded[-1]) if recorded else {}
     classify = LayerClassifier(layer_patterns)
-    keys = sort_keys({classify(s.name) for s in full.meta.layout.slots} |
-                     {classify(n) for n, _ in full.meta.frozen_shapes})
+    keys = sort_keys(full.meta.layer_keys(classify))
     chosen = {}
     for key in keys:
         holders = [p for p in partials if key in p.meta.held_layers]

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.dtypes import DTYPES, canonical
 from mpitailor.formats.dcp.metadata_pickle import DType, Rec, Refused, unpickle
+from mpitailor.formats.dtypes import DTYPES, canonical
 from mpitailor.formats.io import read_small, shown
 
 METADATA = ".metadata"

@@ -25,11 +25,15 @@ from mpitailor.formats.io import (
 )
 from mpitailor.formats.manifest import (
     MANIFEST,
+    MAX_ID_BYTES,
     PARTIAL_FORMAT,
     PARTIAL_MANIFEST,
+    SAVE_RECORD,
+    Lineage,
     Manifest,
     PartialFields,
     brief,
+    is_id,
     read_manifest,
 )
 
@@ -43,39 +47,12 @@ MP_RANK_RE = re.compile(r"(?:.*_)?mp_rank_(\d+)_.*\.pt")
 # commit marker, written last (formats/manifest.py: PARTIAL_MANIFEST).
 # Written by mpitailor's checkpointer beside a full save's rank files: the save's place in a
 # timeline. A partial checkpoint keeps the same record in its manifest, under "lineage".
-SAVE_RECORD = "mpitailor_save.json"
 SAVE_FORMAT = "mpitailor-save"  # the save record's `format` key
 # In a save dir: the file that names its tag dir to resume from (DeepSpeed's `latest`), and
 # the one that names a Universal checkpoint's tag (ds_to_universal's, and `--export universal`).
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
-MAX_TAG_BYTES = 255  # a `latest` file names one directory: no longer than a file name
-
-
-@dataclass(frozen=True, slots=True)
-class Lineage:
-    """Where a save sits in a timeline: a full save starts a chain (chain == save_id); a
-    partial save names its chain and the save it builds on (parent)."""
-
-    save_id: str
-    chain: str
-    parent: str | None
-
-    @classmethod
-    def from_json(cls, raw) -> "Lineage | None":
-        """The record (None: a save made without one); TypeError if it is not one."""
-        if raw is None:
-            return None
-        ids = (raw.get("save_id"), raw.get("chain")) if isinstance(raw, dict) else ()
-        parent = raw.get("parent") if isinstance(raw, dict) else None
-        if len(ids) != 2 or not all(_is_id(x) for x in ids) or not (
-                parent is None or _is_id(parent)):
-            raise TypeError(f"lineage {brief(raw)}: save_id and chain must be ids (strings), "
-                            f"parent an id or null")
-        return cls(ids[0], ids[1], parent)
-
-    def to_json(self) -> dict:
-        return {"save_id": self.save_id, "chain": self.chain, "parent": self.parent}
+MAX_TAG_BYTES = MAX_ID_BYTES  # a `latest` file names one directory: no longer than a file name
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +97,6 @@ def _patterns_of(doc) -> dict:
     if not isinstance(patterns, dict):
         raise TypeError("layer_patterns is not a mapping")
     return patterns
-
-
-def _is_id(x) -> bool:
-    return isinstance(x, str) and 0 < len(x) <= MAX_TAG_BYTES
 
 
 def model_file(rank: int) -> str:
@@ -207,8 +180,8 @@ def _find(path: Path, view) -> CheckpointFiles:
         raise CheckpointError(
             f"{path}: a PyTorch Distributed Checkpoint (DCP: FSDP2, torchtitan), read where a "
             f"DeepSpeed checkpoint is expected: a recipe's sources must all be DCP "
-            f"checkpoints or all DeepSpeed ones (the first decides), and `recover` of DCP "
-            f"saves is not built yet")
+            f"checkpoints or all DeepSpeed ones (the first decides); `mpitailor recover` "
+            f"takes a save dir of DCP saves, `export` a DCP checkpoint")
     raise CheckpointError(
         f"{path}: neither a DeepSpeed tag dir (zero_pp_rank_*_model_states.pt) nor a save dir "
         f"with a `latest` file; name the tag dir, e.g. {path}/global_stepN")
@@ -309,7 +282,7 @@ def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str,
         if key in f and not _whole(f[key], 0):
             raise bad(key, "is not a whole number >= 0")
     for key in ("tag", "layout_sha256"):
-        if key in f and not _is_id(f[key]):
+        if key in f and not is_id(f[key]):
             raise bad(key, "is not a name")
     world = f.world_size
     ranks = sum(bool(PARTIAL_MODEL_RE.fullmatch(n)) for n in names)
@@ -325,7 +298,7 @@ def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str,
     if not _whole(stage, 1) or stage > 3:
         raise bad("zero_stage", "is not a ZeRO stage (1, 2 or 3)")
     layers = f.layers
-    if not isinstance(layers, list) or not all(_is_id(k) for k in layers) \
+    if not isinstance(layers, list) or not all(is_id(k) for k in layers) \
             or len(set(layers)) != len(layers):
         raise bad("layers", "is not a list of distinct layer keys")
     _check_records(m, where, names)
@@ -347,7 +320,7 @@ def _check_records(m: Manifest, where: str, names: list[str]) -> None:
         raise CheckpointError(f"{where}: files records {len(m.files)} files, but the dir holds "
                               f"{len(names)}; the manifest is damaged")
     for name, rec in m.files.items():
-        if not _is_id(name) or "/" in name or "\0" in name or name in (".", ".."):
+        if not is_id(name) or "/" in name or "\0" in name or name in (".", ".."):
             raise CheckpointError(f"{where}: files: {brief(name)} is not the name of a file in "
                                   f"the save's dir; the manifest is damaged")
         if not isinstance(rec, dict) or not _whole(rec.get("bytes"), 0) or \

@@ -7,6 +7,7 @@ the planner can take a `CheckpointMeta` without loading torch.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,15 @@ class CheckpointMeta:
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    @property
+    def partial(self) -> bool:
+        return self.files.partial
+
+    def layer_keys(self, classify: Callable[[str], str]) -> set[str]:
+        """The layer keys of the parameters the checkpoint holds (trained and frozen)."""
+        return {classify(s.name) for s in self.layout.slots} | \
+            {classify(n) for n, _ in self.frozen_shapes}
 
     @property
     def path(self) -> Path:
