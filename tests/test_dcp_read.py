@@ -253,10 +253,21 @@ def test_inspect_tells_the_layers_and_their_optimizer_state(name):
     assert r.returncode == 0 and "PyTorch Distributed Checkpoint" in r.stdout, r.stderr
 
 
-def test_merging_a_dcp_checkpoint_says_what_it_is(tmp_path):
+def test_recovering_a_dcp_checkpoint_says_what_it_is(tmp_path):
     from merging import run_cli
     r = run_cli(["recover", str(_save("dcp_w2_fsdp2", 4)), "-o", str(tmp_path / "o")], {})
-    assert r.returncode != 0 and "a PyTorch Distributed Checkpoint (DCP" in r.stderr, r.stderr
+    assert r.returncode == 2 and "a DCP checkpoint itself, not a save dir" in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_plain_dcp_saves_recover_as_full_saves_outside_a_timeline(tmp_path):
+    """Saves without mpitailor's record (a plain dcp.save, torchtitan's): each a full save,
+    its step from its name; the newest is recovered, whole."""
+    from merging import run_cli
+    out = tmp_path / "o"
+    r = run_cli(["recover", str(_save("dcp_w2_fsdp2", 4).parent), "-o", str(out)], {})
+    assert r.returncode == 0 and "from step-4" in r.stdout, r.stdout + r.stderr
+    assert read_metadata(out).tensors == read_metadata(_save("dcp_w2_fsdp2", 4)).tensors
 
 
 # -- the metadata writer ------------------------------------------------------------------

@@ -35,21 +35,10 @@ def _merge_dcp(comm: Comm, recipe, args: argparse.Namespace) -> int:
     import time
 
     from mpitailor.jobs.dcp_merge import run_dcp_merge
-    unsupported = [o for o, on in (("--export", args.export), ("--world-size", args.world_size),
-                                   ("--verify", args.verify), ("--dry-run", args.dry_run),
-                                   ("--ranks-per-node", getattr(args, "ranks_per_node", None)),
-                                   ("--stats", args.stats)) if on]
-    if unsupported:
-        raise UserError(f"{recipe.origin}: merges PyTorch Distributed Checkpoints, which "
-                        f"{', '.join(unsupported)} does not support yet; leave it out")
+    _refuse_for_dcp(recipe.origin, args)
     t0 = time.perf_counter()
     result = run_dcp_merge(comm, recipe)
-    seconds = time.perf_counter() - t0
-    if comm.rank == 0 and not args.quiet:
-        gb = result.bytes / 1e9
-        print(f"mpitailor: merged a PyTorch Distributed Checkpoint into "
-              f"{shown(result.output)}: {result.files} files, {gb:.3f} GB written by "
-              f"{comm.size} rank(s) in {seconds:.2f} s", flush=True)
+    _said_dcp(comm, args, "merged", result, time.perf_counter() - t0)
     return 0
 
 
@@ -71,6 +60,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
                 raise UserError(f"--layer-pattern {item!r}: write REGEX=KEY, e.g. "
                                 f"'model\\.decoder\\.layers\\.(\\d+)\\..*=layers.{{i}}'")
             patterns[regex] = key
+    if comm.root_step(_holds_dcp, save_dir):
+        return _recover_dcp(comm, save_dir, out, patterns, args)
     if args.emit_recipe:
         recipe = recover_chain(comm, save_dir, out, patterns, "--layer-pattern")[0]
         if comm.rank == 0:
@@ -82,6 +73,58 @@ def cmd_recover(args: argparse.Namespace) -> int:
                                          args.world_size)
     planned = plan_recipe(comm, recipe, place)
     return run_planned(comm, planned, args, lambda: recovered(planned.plan, chain))
+
+
+def _holds_dcp(save_dir: Path) -> bool:
+    from mpitailor.formats.dcp import is_dcp_dir
+    from mpitailor.jobs.dcp_recovery import holds_dcp_saves
+    return is_dcp_dir(save_dir) or holds_dcp_saves(save_dir)
+
+
+def _recover_dcp(comm: Comm, save_dir: Path, out: Path | None, patterns,
+                 args: argparse.Namespace) -> int:
+    """`recover` of a save dir of PyTorch Distributed Checkpoint saves ([DCP](docs/dcp.md)):
+    the chain's recipe, merged as a DCP merge is (loads at any world size)."""
+    import time
+
+    from mpitailor.jobs.dcp_merge import run_dcp_merge
+    from mpitailor.jobs.dcp_recovery import recover_dcp_chain, recovered_dcp
+    _refuse_for_dcp(str(save_dir), args)
+    t0 = time.perf_counter()
+    recipe, chain = recover_dcp_chain(comm, save_dir, out, patterns)
+    if args.emit_recipe:
+        if comm.rank == 0:
+            print(recipe.text, end="", flush=True)
+        return 0
+    result = run_dcp_merge(comm, recipe)
+    _said_dcp(comm, args, "recovered", result, time.perf_counter() - t0,
+              lambda: recovered_dcp(recipe, chain))
+    return 0
+
+
+def _refuse_for_dcp(origin: str, args: argparse.Namespace) -> None:
+    """The options a DCP merge or recovery does not take, refused in one line (--world-size:
+    DCP reshards when it loads; the others are not built for DCP yet)."""
+    unsupported = [o for o, on in (("--export", args.export), ("--world-size", args.world_size),
+                                   ("--verify", args.verify), ("--dry-run", args.dry_run),
+                                   ("--ranks-per-node", getattr(args, "ranks_per_node", None)),
+                                   ("--stats", args.stats),
+                                   ("--safe-globals", getattr(args, "safe_globals", None)))
+                   if on]
+    if unsupported:
+        raise UserError(f"{origin}: holds PyTorch Distributed Checkpoints, which "
+                        f"{', '.join(unsupported)} does not support yet; leave it out")
+
+
+def _said_dcp(comm: Comm, args: argparse.Namespace, verb: str, result, seconds: float,
+              more: Callable[[], str] | None = None) -> None:
+    if comm.rank == 0 and not args.quiet:
+        gb = result.bytes / 1e9
+        print(f"mpitailor: {verb} a PyTorch Distributed Checkpoint into "
+              f"{shown(result.output)}: {result.files} files, {gb:.3f} GB written by "
+              f"{comm.size} rank(s) in {seconds:.2f} s", flush=True)
+        if more is not None:
+            print(f"mpitailor: {more()}", flush=True)
 
 
 def merge_options(args: argparse.Namespace):

@@ -25,6 +25,8 @@ from mpitailor.errors import CheckpointError, NothingToRecover
 from mpitailor.formats.manifest import MANIFEST, MergeFields, read_manifest
 from mpitailor.formats.zero import read_meta
 from mpitailor.jobs.clean import clean
+from mpitailor.jobs.dcp_merge import run_dcp_merge
+from mpitailor.jobs.dcp_recovery import dcp_chain, holds_dcp_saves
 from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.prune import RESUME_DIR
 from mpitailor.jobs.recovery import find_saves, plan_recovery
@@ -53,6 +55,8 @@ def recover_in_job(comm: Comm, save_dir: str | os.PathLike, until_step: int | No
     save_dir = Path(save_dir).resolve()
     if not comm.root_step(save_dir.exists):
         return ResumePoint(None, f"no save dir {save_dir} yet: training starts from scratch")
+    if comm.root_step(holds_dcp_saves, save_dir):
+        return _recover_dcp(comm, save_dir, until_step, output_root)
     try:
         chain, place = plan_recovery(comm, save_dir, until_step=until_step)
     except NothingToRecover as e:
@@ -82,6 +86,33 @@ def recover_in_job(comm: Comm, save_dir: str | os.PathLike, until_step: int | No
         place)
     return ResumePoint(out, f"{where}, recovered{' before' if reused else ''} from {came_from}"
                             f"{tidied}")
+
+
+def _recover_dcp(comm: Comm, save_dir: Path, until_step: int | None,
+                 output_root: str | os.PathLike | None) -> ResumePoint:
+    """Collective: recover_in_job of a save dir of DCP saves. DCP reshards at load: the
+    newest full save itself when no partial save follows it, else the composite of its
+    timeline at the saves' own world size (reused when already written)."""
+    try:
+        chain = dcp_chain(comm, save_dir, until_step)
+    except NothingToRecover as e:
+        return ResumePoint(None, f"{e}; training starts from scratch", logging.WARNING)
+    tidied = comm.root_step(_tidy, save_dir)
+    if not chain.partials:
+        return ResumePoint(chain.full.path, f"resuming from the full save {chain.full.path} "
+                                            f"itself (step {chain.full.step}): no partial save "
+                                            f"follows it{tidied}")
+    base = chain.partials[-1]
+    out_root = Path(output_root) if output_root is not None else save_dir / RESUME_DIR
+    out = out_root / f"recovered-{base.name}-{base.lineage.save_id[:12]}"
+    writers = len(chain.full.meta.metadata.files)
+    # (by path: the name holds the newest save's lineage id, and a DCP merge's manifest
+    # records DCP's own save ids)
+    reused = comm.root_step(_is_recovery_of, out, (base.path,), writers)
+    if not reused:
+        run_dcp_merge(comm, comm.root_step(recovery_recipe, save_dir, chain, out))
+    return ResumePoint(out, f"resuming from {out} (step {base.step}), recovered"
+                            f"{' before' if reused else ''} from {_origin(chain)}{tidied}")
 
 
 def reshard_in_job(comm: Comm, checkpoint: str | os.PathLike,

@@ -162,8 +162,8 @@ def _nothing(save_dir: Path, saves: list[Save], skipped: dict[str, str],
            if view.exists(p / DCP_METADATA)]
     if dcp:  # never "nothing to recover": a prologue would start the job from scratch
         return UserError(f"{dcp[0]}: a PyTorch Distributed Checkpoint (DCP: FSDP2, "
-                         f"torchtitan); `mpitailor inspect` reads it, recovering DCP saves is "
-                         f"not built yet")
+                         f"torchtitan); `recover`, `inspect` and `verify` read DCP saves, "
+                         f"this command does not yet")
     if finished:
         return UserError(f"{save_dir}: no usable full checkpoint to start from ("
                          f"{reasons or 'only partial saves'}); recovery needs one complete "

@@ -6,17 +6,18 @@ A recipe names a source per layer (and per embed, norm, lm_head, other), as for 
 (`optim.state.<param>.*`: exp_avg, exp_avg_sq and its own Adam `step`) and its
 hyper-parameters where they are saved per parameter (`optim.param_groups.<param>.*`) come
 from its layer's source; everything else (param groups saved by index, the trainer's own
-entries) from the base. The sources must have been saved alike (same entries, dtypes, sizes
-and chunks): an item, DCP's serialised chunk, is then copied whole from the chosen source
-into the output's data file of the same name (the same rank's), and the output's metadata
-is the base's with every item's new place. Pure: no I/O, no torch.
+entries) from the base. The sources must have been saved alike (dtypes, sizes and chunks;
+the same entries, or, a partial save, some of them): an item, DCP's serialised chunk, is
+then copied whole from the chosen source into the output's data file of the same name (the
+same rank's). The output holds every entry any source holds, each from the source the
+recipe names for it, which must hold it. Pure: no I/O, no torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mpitailor.errors import UserError
-from mpitailor.formats.dcp import DcpMetadata, Item, split_key
+from mpitailor.formats.dcp import DcpMetadata, Item, TensorEntry, split_key
 from mpitailor.planning.layers import AUX_KEYS, OTHER, LayerClassifier, sort_keys
 from mpitailor.planning.plan import count_layers, layer_sources
 from mpitailor.planning.recipe import Recipe
@@ -55,9 +56,12 @@ class DcpPlan:
 def plan_dcp(recipe: Recipe, metas: dict[str, DcpMetadata]) -> DcpPlan:
     names = [n for n, _ in recipe.sources]
     base = recipe.base or names[-1]
-    ref = metas[base]
+    # who places each entry: the base where it holds it (its order is the output's), else
+    # the first source in the recipe that does (a partial save holds some entries only)
+    order = [base, *(n for n in names if n != base)]
+    tensors, holder = _union(recipe, order, metas)
     classify = LayerClassifier(dict(recipe.layer_patterns))
-    params = sorted({split_key(f).param for f in ref.tensors if split_key(f).role == "model"})
+    params = sorted({split_key(f).param for f in tensors if split_key(f).role == "model"})
     if not params:
         raise UserError(f"{recipe.origin}: {recipe.source_path(base)} holds no `model.` "
                         f"entries (get_state_dict + dcp.save writes model.<param>); mpitailor "
@@ -68,50 +72,70 @@ def plan_dcp(recipe: Recipe, metas: dict[str, DcpMetadata]) -> DcpPlan:
     for k in set(keys.values()):
         if k in AUX_KEYS or k == OTHER:
             key_source[k] = aux.get(k, base)
-    for name in names:
-        _check_alike(recipe, name, metas[name], base, ref)
-    chosen: dict[tuple[str, tuple[int, ...] | None], str] = {}
-    for index in ref.items:
-        key = split_key(index[0])
-        param_source = key_source.get(keys.get(key.param, ""), base) \
-            if key.role in ("model", "optim_state", "param_group") else base
-        chosen[index] = param_source
-    sizes = {(fqn, c.offsets): c.sizes for fqn, t in ref.tensors.items() for c in t.chunks}
+    sizes = {(fqn, c.offsets): c.sizes for fqn, t in tensors.items() for c in t.chunks}
+
+    def placed(index):
+        item = metas[holder[index]].items[index]
+        return item.file, order.index(holder[index]), item.offset
     copies, items, ends = [], {}, {}
-    for index in sorted(ref.items, key=lambda i: (ref.items[i].file, ref.items[i].offset)):
-        src = chosen[index]
-        item = metas[src].items[index]
+    for index in sorted(holder, key=placed):
+        key = split_key(index[0])
+        layer = keys.get(key.param) if key.role in ("model", "optim_state",
+                                                    "param_group") else None
+        src = key_source.get(layer, base) if layer is not None else base
+        item = metas[src].items.get(index)
+        if item is None:
+            _lacks(recipe, src, index[0], layer)
         at = ends.get(item.file, 0)
         copies.append(Copy(index[0], index[1], sizes.get(index), src, item, item.file, at))
         ends[item.file] = at + item.length
         items[index] = Item(item.fqn, item.offsets, item.file, at, item.length, item.transforms)
-    output = DcpMetadata(ref.tensors, ref.bytes_entries, items, ref.version, ref.save_id,
-                         ref.planner_data)
+    planner_data = {}
+    for n in order:  # the base's word where two differ
+        for k, v in metas[n].planner_data.items():
+            planner_data.setdefault(k, v)
+    output = DcpMetadata(
+        tensors, tuple(dict.fromkeys(b for n in order for b in metas[n].bytes_entries)), items,
+        metas[base].version, metas[base].save_id,
+        {k: v for k, v in planner_data.items() if k in tensors or (k, None) in holder})
     used = {c.source for c in copies} | {base}
     return DcpPlan(base, tuple((n, metas[n]) for n in names if n in used),
                    tuple((k, key_source[k]) for k in sort_keys(key_source)), tuple(copies),
                    output)
 
 
-def _check_alike(recipe: Recipe, name: str, meta: DcpMetadata, base: str,
-                 ref: DcpMetadata) -> None:
-    """Every source saved as the base was: the same entries, each tensor of the same dtype,
-    size and chunks, each item in the data file of the same name (the same rank's)."""
-    path = recipe.source_path(name)
-    if set(meta.tensors) != set(ref.tensors) or set(meta.bytes_entries) != set(
-            ref.bytes_entries):
-        odd = sorted(set(meta.tensors) ^ set(ref.tensors)
-                     or set(meta.bytes_entries) ^ set(ref.bytes_entries))
-        raise UserError(f"{recipe.origin}: {path} and {recipe.source_path(base)} hold other "
-                        f"entries (e.g. {odd[0]!r:.100}); merge saves of one model and "
-                        f"optimizer")
-    for fqn, t in ref.tensors.items():
-        if meta.tensors[fqn] != t:
-            raise UserError(f"{recipe.origin}: {path}: {fqn!r:.100} is saved with another "
-                            f"dtype, size or sharding than in {recipe.source_path(base)}; "
-                            f"merge saves of the same world size and parallelism")
-    for index, item in ref.items.items():
-        if meta.items[index].file != item.file:
-            raise UserError(f"{recipe.origin}: {path}: {index[0]!r:.100} lies in "
-                            f"{meta.items[index].file}, in {item.file} in "
-                            f"{recipe.source_path(base)}; merge saves of the same ranks")
+def _union(recipe: Recipe, order: list[str], metas: dict[str, DcpMetadata]) -> tuple[dict, dict]:
+    """Every tensor entry the sources hold (saved alike wherever held: the same dtype,
+    size and chunks, each item in the data file of the same name, the same rank's), and who
+    places each item: the first source in `order` that holds it."""
+    tensors: dict[str, tuple[str, TensorEntry]] = {}
+    holder: dict[tuple, str] = {}
+    kinds: dict[str, str] = {}
+    for name in order:
+        meta, path = metas[name], recipe.source_path(name)
+        for fqn in (*meta.tensors, *meta.bytes_entries):
+            kind = "tensor" if fqn in meta.tensors else "bytes"
+            if kinds.setdefault(fqn, kind) != kind:
+                raise UserError(f"{recipe.origin}: {path}: {fqn!r:.100} is a {kind} entry, "
+                                f"another source holds it as a {kinds[fqn]} one; merge saves "
+                                f"of one model and optimizer")
+        for fqn, t in meta.tensors.items():
+            first, seen = tensors.setdefault(fqn, (name, t))
+            if seen != t:
+                raise UserError(f"{recipe.origin}: {path}: {fqn!r:.100} is saved with another "
+                                f"dtype, size or sharding than in {recipe.source_path(first)}; "
+                                f"merge saves of the same world size and parallelism")
+        for index, item in meta.items.items():
+            first = holder.setdefault(index, name)
+            if metas[first].items[index].file != item.file:
+                raise UserError(f"{recipe.origin}: {path}: {index[0]!r:.100} lies in "
+                                f"{item.file}, in {metas[first].items[index].file} in "
+                                f"{recipe.source_path(first)}; merge saves of the same ranks")
+    return {f: t for f, (_, t) in tensors.items()}, holder
+
+
+def _lacks(recipe: Recipe, src: str, fqn: str, layer: str | None) -> None:
+    what = f"layer {layer}" if layer is not None else "the entries outside the layers"
+    raise UserError(f"{recipe.origin}: {what} comes from {recipe.source_path(src)}, which "
+                    f"does not hold {fqn!r:.100} (a partial save of other layers?); take "
+                    f"{what} from a save that holds it")

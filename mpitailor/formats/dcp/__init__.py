@@ -14,6 +14,8 @@ EXPORTS = {
     "locate": "items",
     "Key": "keys", "split_key": "keys",
     "metadata_bytes": "metadata_write",
+    "DCP_SAVE_FORMAT": "save_record", "DcpSaveMeta": "save_record",
+    "DcpSaveRecord": "save_record", "read_dcp_save_record": "save_record",
 }
 __all__ = sorted(EXPORTS)
 __getattr__, __dir__ = face(__name__, EXPORTS)
