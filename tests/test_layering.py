@@ -57,7 +57,7 @@ TRAINING_MAY_IMPORT = (FACADE, "mpitailor.api", "mpitailor.formats", *TRAINING_S
 # The modules that may call torch.distributed: the training comm, the only one; and what
 # counts as calling it (DeepSpeed's comm wraps it). enable_cpu_training patches
 # deepspeed.comm.torch's JIT build away: cpu.py is named for that.
-TORCH_DISTRIBUTED_IN = ("mpitailor.training.distcomm",)
+TORCH_DISTRIBUTED_IN = ("mpitailor.training.distcomm", "mpitailor.training.dcp_state")
 DISTRIBUTED = ("torch.distributed", "deepspeed.comm")
 PATCHES_DEEPSPEED_COMM = ("mpitailor.training.cpu",)
 

@@ -8,8 +8,10 @@ naming). extra["flatten_optimizer"]: the optimizer's state dict keyed by paramet
 (`optim.state.<fqn>.exp_avg`, `optim.param_groups.<fqn>.lr`; torchtitan's), else torch's
 default (`optim.param_groups.0.lr`). spec.load_dir: first `dcp.load` that checkpoint (at
 this run's world size: DCP reshards) and `set_state_dict`, then train spec.steps more
-steps from step extra["first_step"] on. argv: spec.json result.json. Rank 0 writes the
-result: losses per step and the saved dirs.
+steps from step extra["first_step"] on. spec.policy: save with mpitailor's DcpCheckpointer
+(that policy; the step saved as `train_state.step`); extra["recover"]: spec.load_dir is such
+a save dir, resumed from with recover_for_resume + load_dcp (the step it holds). argv:
+spec.json result.json. Rank 0 writes the result: losses per step and the saved dirs.
 """
 from __future__ import annotations
 
@@ -44,7 +46,19 @@ def run(spec: TrainSpec, result_path: str) -> None:
     options = StateDictOptions(flatten_optimizer_state_dict=bool(
         spec.extra.get("flatten_optimizer")))
     first = int(spec.extra.get("first_step", 0))
-    if spec.load_dir is not None:
+    ckpt = None
+    if spec.policy is not None:  # layer-wise saves (mpitailor's DcpCheckpointer)
+        from mpitailor.training import DcpCheckpointer, make_policy
+        ckpt = DcpCheckpointer(model, opt, spec.save_dir, make_policy(**spec.policy),
+                               options=options)
+    if spec.load_dir is not None and spec.extra.get("recover"):
+        # a requeued job: the newest copy of every layer of its save dir, at any world size
+        from mpitailor.training import load_dcp, recover_for_resume
+        path = recover_for_resume(spec.load_dir)
+        if path is not None:
+            first = int(load_dcp(model, opt, path, options,
+                                 {"train_state": {"step": 0}})["train_state"]["step"])
+    elif spec.load_dir is not None:
         msd, osd = get_state_dict(model, opt, options=options)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=spec.load_dir)
@@ -58,7 +72,10 @@ def run(spec: TrainSpec, result_path: str) -> None:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-        if step in spec.save_at:
+        if step in spec.save_at and ckpt is not None:
+            ckpt.save(step, extra={"train_state": {"step": step}})
+            saved.append(f"step-{step}")
+        elif step in spec.save_at:
             msd, osd = get_state_dict(model, opt, options=options)
             out = Path(spec.save_dir) / f"step-{step}"
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out))

@@ -3,6 +3,7 @@
     from mpitailor.training import LayerwiseCheckpointer, Parity, per_layer_param_groups
     from mpitailor.training import LayerwiseTrainer      # HF Trainer (imports transformers)
     from mpitailor.training import AccelerateCheckpointer  # Accelerate (imports accelerate)
+    from mpitailor.training import DcpCheckpointer, load_dcp  # FSDP2 + PyTorch DCP
     from mpitailor.training import enable_cpu_training, end_cpu_training  # without GPUs
 
 It needs torch and DeepSpeed (`pip install 'mpitailor[train]'`; the core install, the merge
@@ -21,7 +22,8 @@ import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["AccelerateCheckpointer", "Adaptive", "Filter", "LayerwiseCheckpointer",
+__all__ = ["AccelerateCheckpointer", "Adaptive", "DcpCheckpointer", "Filter",
+           "LayerwiseCheckpointer", "load_dcp",
            "LayerwiseTrainer", "Parity", "Policy", "enable_cpu_training", "end_cpu_training",
            "make_policy", "per_layer_param_groups", "recover_for_resume", "save_layers"]
 
@@ -29,6 +31,7 @@ __all__ = ["AccelerateCheckpointer", "Adaptive", "Filter", "LayerwiseCheckpointe
 # AccelerateCheckpointer uses accelerate: a plain DeepSpeed loop needs neither.
 _WHERE = {
     "LayerwiseCheckpointer": "checkpointer",
+    "DcpCheckpointer": "dcp_checkpointer", "load_dcp": "dcp_state",
     "per_layer_param_groups": "groups",
     "save_layers": "partial_save",
     "Adaptive": "policies", "Filter": "policies", "Parity": "policies", "Policy": "policies",

@@ -31,7 +31,6 @@ import math
 import os
 import shutil
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from mpitailor.facade import (
     publish_file,
 )
 from mpitailor.formats.zero import ELEMENT, PARTIAL_MANIFEST, SAVE_RECORD, Lineage, SaveRecord
-from mpitailor.training.distcomm import training_comm
+from mpitailor.training.distcomm import agreed_save_id, training_comm
 from mpitailor.training.overlap import StepGuard
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
 from mpitailor.training.policies import Decision, Policy
@@ -351,12 +350,6 @@ def fresh_save_dir(engine, out: Path, create: bool = False) -> None:
         if create:
             out.mkdir(parents=True)
     training_comm().barrier()
-
-
-def agreed_save_id() -> str:
-    """Collective: a fresh id, rank 0's on every rank."""
-    save_id, comm = uuid.uuid4().hex, training_comm()
-    return comm.bcast(save_id, 0) if comm.size > 1 else save_id
 
 
 def refuse_unsupported(engine) -> None:

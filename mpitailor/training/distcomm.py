@@ -11,6 +11,7 @@ leaving the process group at the end of a CPU run) are here too.
 from __future__ import annotations
 
 import os
+import uuid
 
 from mpitailor.training import dependencies
 
@@ -68,6 +69,12 @@ class TorchDistWorld:
 def training_comm() -> Comm:
     """The training ranks (a world of one when torch.distributed is not initialised)."""
     return Comm(TorchDistWorld()) if dist.is_available() and dist.is_initialized() else Comm(None)
+
+
+def agreed_save_id() -> str:
+    """Collective: a fresh id, rank 0's on every rank."""
+    save_id, comm = uuid.uuid4().hex, training_comm()
+    return comm.bcast(save_id, 0) if comm.size > 1 else save_id
 
 
 def writer_comm() -> Comm:

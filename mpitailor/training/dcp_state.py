@@ -1,0 +1,93 @@
+"""The state a DCP save holds, as FSDP2 users save it: `get_state_dict` of model and optimizer
+(`{"model": ..., "optim": ...}`, with the trainer's own entries beside them), `dcp.save`d,
+`dcp.load`ed and `set_state_dict` back; and a partial save's part of it, the chosen layers'
+entries. Besides the training comm, the one module of the training side that calls
+torch.distributed: its checkpoint package, which a DCP save is (tests/test_layering.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from mpitailor.training import dependencies
+
+with dependencies(__name__):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+
+def model_entry_names(model) -> list[str]:
+    """The names `get_state_dict` gives the model's entries (parameters and persistent
+    buffers; wrappers' prefixes removed), without gathering anything."""
+    return list(get_model_state_dict(model).keys())
+
+
+def full_state(model, optimizer, options: StateDictOptions | None,
+               extra: Mapping | None) -> dict:
+    """Collective: what a full save holds: {"model": ..., "optim": ..., **extra}."""
+    msd, osd = get_state_dict(model, optimizer, options=options)
+    return {"model": msd, "optim": osd, **(extra or {})}
+
+
+def chosen_part(state: dict, layers: frozenset[str], classify: Callable[[str], str]) -> dict:
+    """A partial save's state: the model and optimizer entries of the parameters whose
+    layer key is in `layers` (the optimizer's state keyed by parameter name, nested or
+    flattened; its param groups listed by index are kept whole: they are small and say
+    which parameters the groups hold); the trainer's own entries whole."""
+    def chosen(name: str) -> bool:
+        return classify(name) in layers
+
+    out = dict(state)
+    out["model"] = {k: v for k, v in state["model"].items() if chosen(k)}
+    osd = state["optim"]
+    if isinstance(osd.get("state"), dict):  # torch's nested layout
+        out["optim"] = {**osd, "state": {k: v for k, v in osd["state"].items() if chosen(k)}}
+    else:  # flatten_optimizer_state_dict: state.<param>.<field>, param_groups.<param>.<field>
+        out["optim"] = {k: v for k, v in osd.items() if _flat_kept(k, chosen)}
+    return out
+
+
+def _flat_kept(key: str, chosen: Callable[[str], bool]) -> bool:
+    head, _, rest = key.partition(".")
+    if head not in ("state", "param_groups"):
+        return True
+    param = rest.rpartition(".")[0]
+    return not param or not _is_param_name(param) or chosen(param)
+
+
+def _is_param_name(name: str) -> bool:
+    """A param group's index (`param_groups.0.lr`, torch's nested groups flattened) is not a
+    parameter's name."""
+    return not name.isdigit()
+
+
+def save(state: dict, path: Path) -> None:
+    """Collective: dcp.save of state into path (DCP's own writer: each rank its data file,
+    rank 0 the `.metadata`)."""
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load_dcp(model, optimizer, path: Path, options: StateDictOptions | None = None,
+         extra: dict | None = None) -> dict:
+    """Collective: model and optimizer loaded from the DCP checkpoint at path, at this job's
+    world size (DCP reshards); `extra`, the trainer's own entries to read (filled in place,
+    as dcp.load does), returned."""
+    msd, osd = get_state_dict(model, optimizer, options=options)
+    state = {"model": msd, "optim": osd, **(extra or {})}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=options)
+    return {k: v for k, v in state.items() if k not in ("model", "optim")}
+
+
+def local_parameters(model) -> dict[str, torch.Tensor]:
+    """Each parameter's part held by this rank (an FSDP2 DTensor's local shard)."""
+    return {n: (p.to_local() if isinstance(p, DTensor) else p).detach()
+            for n, p in model.named_parameters()}

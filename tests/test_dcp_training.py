@@ -1,0 +1,262 @@
+"""Layer-wise saves of a plain FSDP2 loop with PyTorch DCP (issue 43, part 4), and their
+recovery (part 2): a real FSDP2 run on 2 ranks saves with `DcpCheckpointer` and Parity (a
+full save at step 2, odd layers at 4, even layers at 6); `recover` assembles the newest copy
+of every layer (torch's own DCP reader is the oracle); a requeued job resumes through
+`recover_for_resume` + `load_dcp` at 1, 2 and 4 ranks exactly as from the composite torch
+itself assembles; a run killed publishing a save leaves no trace of it, and a damaged save is
+skipped and said."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from merging import run_cli
+
+from dev.tinytrain.launch import TrainFailed, launch
+from dev.tinytrain.spec import TrainSpec
+from mpitailor.errors import CheckpointError
+from mpitailor.formats.dcp import read_dcp_save_record
+
+WORKER = "dev.tinytrain.fsdp2_worker"
+FLAT = {"flatten_optimizer": True}
+
+
+def _train(root: Path, name: str, **kw) -> dict:
+    (root / "logs" / name).mkdir(parents=True, exist_ok=True)
+    return launch(TrainSpec(**kw), module=WORKER, log_dir=root / "logs" / name)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dcp-layerwise")
+    _train(root, "run", save_dir=str(root / "run"), world_size=2, steps=6, save_at=(2, 4, 6),
+           policy={"name": "parity"}, extra=FLAT)
+    return root / "run"
+
+
+def _flat(path: Path, tmp: Path) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    pt = tmp / f"flat-{abs(hash(str(path)))}.pt"
+    dcp_to_torch_save(str(path), str(pt))
+
+    def flat(d, pre=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{pre}{k}.") if isinstance(v, dict) else {pre + k: v})
+        return out
+    return flat(torch.load(pt, weights_only=False))
+
+
+def _layer_of(entry: str) -> str | None:
+    """The layer key of a state-dict entry (the tiny Llama's names), None outside them."""
+    if m := re.search(r"layers\.(\d+)\.", entry):
+        return f"layers.{m.group(1)}"
+    for part, key in (("embed_tokens", "embed"), ("model.norm.", "norm"), ("lm_head", "lm_head")):
+        if part in entry:
+            return key
+    return None
+
+
+def _composite(saves: dict[int, Path], newest_of, tmp: Path) -> dict:
+    """The composite torch's reader assembles: entry by entry from the save newest_of(layer
+    key, or None outside the layers) names."""
+    flats = {step: _flat(p, tmp) for step, p in saves.items()}
+    full = flats[min(flats)]
+    return {key: flats[newest_of(_layer_of(key))][key] for key in full}
+
+
+def _equal(a: dict, b: dict) -> None:
+    import torch
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
+    for k, v in a.items():
+        same = torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k]
+        assert same, k
+
+
+def _parity_newest(layer: str | None) -> int:
+    return 4 if layer in ("layers.1", "layers.3") else 6
+
+
+def _killed_newest(layer: str | None) -> int:
+    return 2 if layer in ("layers.0", "layers.2") else 4
+
+
+def test_saves_hold_what_the_policy_chose_and_are_recorded(run):
+    full, odd, even = (read_dcp_save_record(run / f"step-{s}") for s in (2, 4, 6))
+    assert full.layers is None and full.lineage.chain == full.lineage.save_id
+    assert odd.layers == {"embed", "layers.1", "layers.3", "norm", "lm_head"}
+    assert even.layers == {"embed", "layers.0", "layers.2", "norm", "lm_head"}
+    assert odd.lineage.parent == full.lineage.save_id == odd.lineage.chain
+    assert even.lineage.parent == odd.lineage.save_id
+    names = {p.name for p in (run / "step-4").iterdir()}
+    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "mpitailor_save.json"}
+    assert set(odd.files) == names - {"mpitailor_save.json"}
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_recover_takes_every_layer_from_its_newest_save(run, tmp_path):
+    out = tmp_path / "out"
+    r = run_cli(["recover", str(run), "-o", str(out)], {})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "from step-4, step-6" in r.stdout  # the full save is superseded layer by layer
+    want = _composite({2: run / "step-2", 4: run / "step-4", 6: run / "step-6"},
+                      _parity_newest, tmp_path)
+    _equal(_flat(out, tmp_path), want)
+    two = tmp_path / "two"
+    r = run_cli(["recover", str(run), "-o", str(two)], {}, ranks=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for f in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        assert (out / f).read_bytes() == (two / f).read_bytes(), f
+
+
+def _oracle_dir(run: Path, tmp: Path, newest_of) -> Path:
+    import torch
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+    steps = sorted(int(p.name.split("-")[1]) for p in run.iterdir() if p.name.startswith("step"))
+    comp = _composite({s: run / f"step-{s}" for s in steps}, newest_of, tmp)
+    torch.save(comp, tmp / "oracle.pt")
+    torch_save_to_dcp(str(tmp / "oracle.pt"), str(tmp / "oracle"))
+    return tmp / "oracle"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_requeued_job_resumes_exactly_as_from_torchs_composite(run, tmp_path, world_size):
+    saves = tmp_path / "run"
+    shutil.copytree(run, saves)
+    oracle = _oracle_dir(run, tmp_path, _parity_newest)
+    common = dict(world_size=world_size, steps=3, save_at=())
+    want = _train(tmp_path, "oracle", save_dir=str(tmp_path / "o"), load_dir=str(oracle),
+                  extra={**FLAT, "first_step": 6}, **common)
+    got = _train(tmp_path, "resumed", save_dir=str(tmp_path / "m"), load_dir=str(saves),
+                 extra={**FLAT, "recover": True}, **common)
+    assert got["losses"] == want["losses"]
+    if world_size == 2:  # requeued once more: the composite is written once, then reused
+        again = _train(tmp_path, "again", save_dir=str(tmp_path / "m2"), load_dir=str(saves),
+                       extra={**FLAT, "recover": True}, **common)
+        assert again["losses"] == want["losses"]
+    assert len(list((saves / ".mpitailor-resume").iterdir())) == 1
+
+
+def test_a_run_killed_publishing_a_save_leaves_no_trace_of_it(tmp_path):
+    env = {"MPITAILOR_FAILPOINT": "commit/step-6:0"}
+    with pytest.raises(TrainFailed):
+        _train(tmp_path, "killed", save_dir=str(tmp_path / "run"), world_size=2, steps=6,
+               save_at=(2, 4, 6), policy={"name": "parity"}, extra={**FLAT, "env": env})
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == \
+        ["step-2", "step-4"]
+    out = tmp_path / "out"
+    r = run_cli(["recover", str(run), "-o", str(out)], {})
+    assert r.returncode == 0, r.stdout + r.stderr
+    want = _composite({2: run / "step-2", 4: run / "step-4"},
+                      _killed_newest, tmp_path)
+    _equal(_flat(out, tmp_path), want)
+    # the requeued job resumes from the same state, and tidies what the kill left
+    oracle = _oracle_dir(run, tmp_path, _killed_newest)
+    common = dict(world_size=2, steps=2, save_at=())
+    want = _train(tmp_path, "oracle", save_dir=str(tmp_path / "o"), load_dir=str(oracle),
+                  extra={**FLAT, "first_step": 4}, **common)
+    got = _train(tmp_path, "resumed", save_dir=str(tmp_path / "m"), load_dir=str(run),
+                 extra={**FLAT, "recover": True}, **common)
+    assert got["losses"] == want["losses"]
+    assert not [p for p in run.iterdir() if "mpitailor-staging" in p.name]
+
+
+def _damaged(run: Path, tmp_path: Path, how) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    how(copy / "step-6" / "__1_0.distcp")
+    return copy
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda p: os.truncate(p, p.stat().st_size - 10), "truncated"),
+    (lambda p: _flip(p, p.stat().st_size // 2), "CRC-32"),
+])
+def test_a_damaged_save_is_skipped_and_said(run, tmp_path, damage, why):
+    copy = _damaged(run, tmp_path, damage)
+    out = tmp_path / "out"
+    r = run_cli(["recover", str(copy), "-o", str(out)], {})
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = r.stdout + r.stderr
+    assert "skipped step-6" in said and why in said and "__1_0.distcp" in said
+    want = _composite({2: run / "step-2", 4: run / "step-4"},
+                      _killed_newest, tmp_path)
+    _equal(_flat(out, tmp_path), want)
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_an_unreadable_newest_save_stops_the_recovery(run, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root reads any file: no permission to take away")
+    copy = _damaged(run, tmp_path, lambda p: os.chmod(p, 0))
+    r = run_cli(["recover", str(copy), "-o", str(tmp_path / "out")], {})
+    assert r.returncode != 0 and "cannot be read now" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda d: d.update(format="mpitailor-save"), "format"),
+    (lambda d: d.update(global_steps=-1), "global_steps"),
+    (lambda d: d.update(layers=[]), "layers"),
+    (lambda d: d.update(layers="layers.1"), "layers"),
+    (lambda d: d["files"].update({"../x": {"bytes": 1, "crc32": "00000000"}}), "../x"),
+    (lambda d: d["files"]["__0_0.distcp"].update(bytes=True), "record of"),
+    (lambda d: d["files"]["__0_0.distcp"].update(crc32="xyz"), "record of"),
+    (lambda d: d.update(save_id=7), "lineage"),
+    (lambda d: d.pop("files"), "files"),
+])
+def test_a_malformed_record_is_one_line_naming_the_file(run, tmp_path, edit, says):
+    save = tmp_path / "step-4"
+    shutil.copytree(run / "step-4", save)
+    doc = json.loads((save / "mpitailor_save.json").read_text())
+    edit(doc)
+    (save / "mpitailor_save.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError) as e:
+        read_dcp_save_record(save)
+    assert str(e.value).startswith(str(save / "mpitailor_save.json")) and says in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_record_that_leaves_a_data_file_out_is_refused(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    rec = copy / "step-6" / "mpitailor_save.json"
+    doc = json.loads(rec.read_text())
+    del doc["files"]["__1_0.distcp"]
+    rec.write_text(json.dumps(doc))
+    r = run_cli(["recover", str(copy), "-o", str(tmp_path / "out")], {})
+    assert r.returncode == 0, r.stderr
+    assert "skipped step-6" in r.stdout + r.stderr and "does not record __1_0.distcp" in \
+        r.stdout + r.stderr
+
+
+def test_adaptive_saves_the_layers_that_moved_most(tmp_path):
+    root = tmp_path
+    _train(root, "adaptive", save_dir=str(root / "run"), world_size=2, steps=6,
+           save_at=(2, 4, 6), policy={"name": "adaptive", "top_fraction": 0.5}, extra=FLAT)
+    run = root / "run"
+    held = [read_dcp_save_record(run / f"step-{s}").layers for s in (4, 6)]
+    assert all(h is not None and 0 < len(h) < 7 for h in held)
+    out = root / "out"
+    r = run_cli(["recover", str(run), "-o", str(out)], {})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    def newest(layer):
+        if layer is None:
+            return 6
+        return 6 if layer in held[1] else 4 if layer in held[0] else 2
+    want = _composite({2: run / "step-2", 4: run / "step-4", 6: run / "step-6"}, newest, root)
+    _equal(_flat(out, root), want)
