@@ -222,3 +222,14 @@ def test_the_fixture_is_read_as_torch_chunks_it():
     for fqn, e in meta.tensors.items():
         if fqn.startswith("model."):
             assert len(runs_of(e)) == len(e.chunks), fqn
+
+
+def test_a_rank_killed_after_writing_publishes_nothing(tmp_path, config):
+    """Rank 1 dies once its share is written (the failpoint `export`): no output; the next
+    run reclaims what the killed one left and publishes."""
+    src = build(NAME) / "step-4"
+    args = ["export", str(src), "-o", str(tmp_path / "out"), "--config", str(config)]
+    r = run_cli(args, {"MPITAILOR_FAILPOINT": "export:1"}, ranks=2)
+    assert r.returncode != 0 and not (tmp_path / "out").exists(), r.stdout + r.stderr
+    out = _ok(run_cli(args, {}, ranks=2), tmp_path)
+    check_export(out, _torch_model(src, tmp_path))
