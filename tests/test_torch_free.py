@@ -174,6 +174,22 @@ def test_export(site, tmp_path, fmt, run):
     assert out.is_dir() and any(out.iterdir()) and r.stdout.strip(), r.stdout
 
 
+def test_export_of_a_dcp_checkpoint(site, tmp_path):
+    """A DCP checkpoint's model as HF weights (--config: the fixture's tiny config.json,
+    written by this process, which the witness does not watch)."""
+    from ckpt_fixtures import spec_for
+
+    from dev.tinytrain.model import tiny_config
+    run = build("dcp_w2_fsdp2")
+    tiny_config(spec_for("dcp_w2_fsdp2", run)).save_pretrained(tmp_path / "config")
+    out = tmp_path / "hf"
+    r, records = witnessed(site, tmp_path, ["export", str(run / "step-4"), "-o", str(out),
+                                            "--config", str(tmp_path / "config"),
+                                            "--dtype", "bf16"], RANKS)
+    assert_torch_free(r, records, RANKS)
+    assert (out / "model.safetensors").is_file() and r.stdout.strip(), r.stdout
+
+
 @pytest.mark.parametrize("a,b", [(("w2_parity", 2), ("w2_parity", 8)),
                                  # 16-bit weights in model.safetensors, compared too
                                  (("hf_w3_bf16_weights_tied", 10),
