@@ -9,7 +9,12 @@ at the defaults; built once into bench/out/dcp_pair). Then, interleaved, `--reps
 - `cp`: `cp -r step-2 OUT` and `sync` of OUT's files (the output's bytes made durable);
 - `merge 1 rank` / `merge 2 ranks`: `python -m mpitailor merge` of even layers from step-1,
   odd from step-2 (base step-2), as a whole process (start-up, planning, every item checked,
-  copied, fsynced, published), under `mpiexec -n 2` for two ranks.
+  copied, fsynced, published), under `mpiexec -n 2` for two ranks;
+- `link 1 rank` / `link 2 ranks`: the same merge with `--link` (hard links, a new
+  .metadata): over these plain dcp.save dirs each linked file is read once for the
+  manifest's CRC-32 (the ranks share them);
+- `link recorded`: `--link` over the same model's pair saved by mpitailor's DcpCheckpointer
+  (bench/out/dcp_pair_rec_*), whose records carry every file's CRC-32: metadata only.
 Prints each case's median wall seconds and the median of its ratios to `cp` in the same
 repetition (a repetition whose `cp` stalls on the writeback of what came before skews a
 mean); writes JSON with every row.
@@ -32,15 +37,18 @@ OUT = REPO / "bench" / "out"
 PY = REPO / ".venv" / "bin" / "python"
 
 
-def build_pair(hidden: int, layers: int) -> Path:
+def build_pair(hidden: int, layers: int, recorded: bool = False) -> Path:
+    """The pair: plain dcp.save dirs, or (recorded) full saves of mpitailor's
+    DcpCheckpointer, each with its record (every file's CRC-32)."""
     from dev.tinytrain import TrainSpec, launch
-    run = OUT / f"dcp_pair_h{hidden}_l{layers}"
+    run = OUT / f"dcp_pair{'_rec' if recorded else ''}_h{hidden}_l{layers}"
     if (run / "DONE").exists():
         return run
     shutil.rmtree(run, ignore_errors=True)
     launch(TrainSpec(save_dir=str(run), world_size=2, layers=layers, hidden=hidden,
                      intermediate=int(hidden * 2.75), heads=16, kv_heads=4, vocab=32000,
-                     steps=2, save_at=(1, 2), extra={"flatten_optimizer": True}),
+                     steps=2, save_at=(1, 2), extra={"flatten_optimizer": True},
+                     policy={"name": "parity", "full_every": 1} if recorded else None),
            module="dev.tinytrain.fsdp2_worker", timeout=3600)
     (run / "DONE").write_text("ok\n")
     return run
@@ -60,9 +68,10 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=OUT / "dcp_merge_bench.json")
     args = ap.parse_args()
     run = build_pair(args.hidden, args.layers)
-    recipe = OUT / "dcp_merge_bench.yml"
-    recipe.write_text(f"sources: {{s1: {run}/step-1, s2: {run}/step-2}}\n"
-                      f"layers: {{even: s1, odd: s2}}\nbase: s2\n")
+    recipe, recorded = OUT / "dcp_merge_bench.yml", OUT / "dcp_merge_bench_rec.yml"
+    for path, pair in ((recipe, run), (recorded, build_pair(args.hidden, args.layers, True))):
+        path.write_text(f"sources: {{s1: {pair}/step-1, s2: {pair}/step-2}}\n"
+                        f"layers: {{even: s1, odd: s2}}\nbase: s2\n")
     size = sum(p.stat().st_size for p in (run / "step-2").iterdir())
     target = OUT / "dcp_merge_bench_out"
     cases = {
@@ -73,6 +82,13 @@ def main() -> int:
         "merge 2 ranks": lambda: timed([str(PY.parent / "mpiexec"), "-n", "2", str(PY),
                                         "-m", "mpitailor", "merge", str(recipe), "-o",
                                         str(target), "-q"]),
+        "link 1 rank": lambda: timed([str(PY), "-m", "mpitailor", "merge", str(recipe),
+                                      "-o", str(target), "-q", "--link"]),
+        "link 2 ranks": lambda: timed([str(PY.parent / "mpiexec"), "-n", "2", str(PY), "-m",
+                                       "mpitailor", "merge", str(recipe), "-o", str(target),
+                                       "-q", "--link"]),
+        "link recorded": lambda: timed([str(PY), "-m", "mpitailor", "merge", str(recorded),
+                                        "-o", str(target), "-q", "--link"]),
     }
     rows = []
     for rep in range(args.reps):

@@ -260,3 +260,31 @@ def test_adaptive_saves_the_layers_that_moved_most(tmp_path):
         return 6 if layer in held[1] else 4 if layer in held[0] else 2
     want = _composite({2: run / "step-2", 4: run / "step-4", 6: run / "step-6"}, newest, root)
     _equal(_flat(out, root), want)
+
+
+def test_link_mode_gives_the_copy_modes_composite_and_outlives_its_sources(run, tmp_path):
+    saves = tmp_path / "run"
+    shutil.copytree(run, saves)
+    copied, linked = tmp_path / "copied", tmp_path / "linked"
+    for out, more in ((copied, []), (linked, ["--link"])):
+        r = run_cli(["recover", str(saves), "-o", str(out), *more], {})
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert "linked (hard links" in r.stdout
+    data = sorted(p.name for p in linked.iterdir() if p.name.endswith(".distcp"))
+    assert data == ["s0__0_0.distcp", "s0__1_0.distcp", "s1__0_0.distcp", "s1__1_0.distcp"]
+    assert (linked / data[0]).stat().st_ino == (saves / "step-4" / "__0_0.distcp").stat().st_ino
+    want = _flat(copied, tmp_path)
+    _equal(_flat(linked, tmp_path), want)
+    assert run_cli(["verify", str(linked)], {}).returncode == 0
+    shutil.rmtree(saves)  # the sources go: the composite's hard links keep their blocks
+    _equal(_flat(linked, tmp_path), want)
+
+
+def test_link_mode_refuses_another_file_system_in_one_line(run, tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second file system here")
+    out = shm / f"mpitailor-link-{os.getpid()}"
+    r = run_cli(["recover", str(run), "-o", str(out), "--link"], {})
+    assert r.returncode == 2 and "another file system" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()

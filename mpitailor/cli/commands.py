@@ -21,7 +21,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
     recipe = comm.root_step(load_recipe, args.recipe, args.output, args.world_size)
     if comm.root_step(_is_dcp, recipe):
         return _merge_dcp(comm, recipe, args)
+    _refuse_link(args)
     return run_planned(comm, plan_recipe(comm, recipe), args)
+
+
+def _refuse_link(args: argparse.Namespace) -> None:
+    if getattr(args, "link", False):
+        raise UserError("--link: hard links stand in for copies of PyTorch Distributed "
+                        "Checkpoint data files only; a DeepSpeed merge rewrites every rank's "
+                        "files: leave --link out")
 
 
 def _is_dcp(recipe) -> bool:
@@ -37,7 +45,7 @@ def _merge_dcp(comm: Comm, recipe, args: argparse.Namespace) -> int:
     from mpitailor.jobs.dcp_merge import run_dcp_merge
     _refuse_for_dcp(recipe.origin, args)
     t0 = time.perf_counter()
-    result = run_dcp_merge(comm, recipe)
+    result = run_dcp_merge(comm, recipe, args.link)
     _said_dcp(comm, args, "merged", result, time.perf_counter() - t0)
     return 0
 
@@ -62,6 +70,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
             patterns[regex] = key
     if comm.root_step(_holds_dcp, save_dir):
         return _recover_dcp(comm, save_dir, out, patterns, args)
+    _refuse_link(args)
     if args.emit_recipe:
         recipe = recover_chain(comm, save_dir, out, patterns, "--layer-pattern")[0]
         if comm.rank == 0:
@@ -96,7 +105,7 @@ def _recover_dcp(comm: Comm, save_dir: Path, out: Path | None, patterns,
         if comm.rank == 0:
             print(recipe.text, end="", flush=True)
         return 0
-    result = run_dcp_merge(comm, recipe)
+    result = run_dcp_merge(comm, recipe, args.link)
     _said_dcp(comm, args, "recovered", result, time.perf_counter() - t0,
               lambda: recovered_dcp(recipe, chain))
     return 0
@@ -120,8 +129,9 @@ def _said_dcp(comm: Comm, args: argparse.Namespace, verb: str, result, seconds: 
               more: Callable[[], str] | None = None) -> None:
     if comm.rank == 0 and not args.quiet:
         gb = result.bytes / 1e9
+        how = "linked (hard links: no byte copied)" if args.link else "written"
         print(f"mpitailor: {verb} a PyTorch Distributed Checkpoint into "
-              f"{shown(result.output)}: {result.files} files, {gb:.3f} GB written by "
+              f"{shown(result.output)}: {result.files} files, {gb:.3f} GB {how} by "
               f"{comm.size} rank(s) in {seconds:.2f} s", flush=True)
         if more is not None:
             print(f"mpitailor: {more()}", flush=True)

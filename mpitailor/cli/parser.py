@@ -7,8 +7,16 @@ import os
 import sys
 
 from mpitailor.cli.commands import cmd_export, cmd_merge, cmd_recover
-from mpitailor.cli.tools import (cmd_clean, cmd_diff, cmd_inspect, cmd_paths, cmd_prune,
-                                 cmd_slurm_prologue, cmd_stats_plot, cmd_verify)
+from mpitailor.cli.tools import (
+    cmd_clean,
+    cmd_diff,
+    cmd_inspect,
+    cmd_paths,
+    cmd_prune,
+    cmd_slurm_prologue,
+    cmd_stats_plot,
+    cmd_verify,
+)
 from mpitailor.errors import UserError
 
 
@@ -157,6 +165,10 @@ def merge_run_options(p: argparse.ArgumentParser, world_size_why: str) -> None:
     p.add_argument("--world-size", type=int, metavar="W2",
                    help=f"write the checkpoint for W2 ranks (reshard; {world_size_why})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--link", action="store_true",
+                   help="PyTorch Distributed Checkpoints: hard-link the sources' data files "
+                        "into the output and write only a new .metadata (no copy; the output "
+                        "on the sources' file system)")
     p.add_argument("--stats", metavar="FILE",
                    help="write per-rank timings, bytes read/written and peak RSS as JSON")
     p.add_argument("--verify", action="store_true",

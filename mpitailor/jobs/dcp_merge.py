@@ -22,6 +22,7 @@ from mpitailor.engine.copyio import Copier, copy_unchanged
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.dcp import (
     METADATA,
+    DcpMetadata,
     check_bytes_item,
     check_data_files,
     locate,
@@ -39,6 +40,8 @@ from mpitailor.formats.io import (
     read_upto,
 )
 from mpitailor.formats.manifest import Manifest
+from mpitailor.jobs.dcp_links import write_links
+from mpitailor.planning.dcp_link import plan_links
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
 from mpitailor.planning.recipe import Recipe
 from mpitailor.publish.staging import commit_on_leaders, staged
@@ -59,19 +62,24 @@ def read_dcp_sources(recipe: Recipe) -> dict:
     return metas
 
 
-def run_dcp_merge(comm: Comm, recipe: Recipe) -> DcpMergeResult:
-    """Collective: plan (rank 0), copy (every rank its files), publish (rank 0)."""
+def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False) -> DcpMergeResult:
+    """Collective: plan (rank 0), copy (every rank its files) or link (jobs/dcp_links.py),
+    publish (rank 0)."""
     plan = comm.bcast(comm.root_step(lambda: plan_dcp(recipe, read_dcp_sources(recipe))))
-    sizes = plan.files()
-    mine = _share(sizes, comm.size)[comm.rank]
+    linked = plan_links(plan) if link else None
     with staged(comm, recipe.output, [0]) as staging:
-        records = comm.step(_write_files, plan, recipe, staging.dir, mine)
+        if linked is not None:
+            files = write_links(comm, recipe, linked, staging.dir)
+        else:
+            mine = _share(plan.files(), comm.size)[comm.rank]
+            records = comm.step(_write_files, plan, recipe, staging.dir, mine)
+            files = {k: v for part in comm.allgather(records) for k, v in part.items()}
         failpoints.hit("write")
-        files = {k: v for part in comm.allgather(records) for k, v in part.items()}
 
         def manifest() -> Manifest:
-            files[METADATA] = _write_metadata(plan, staging.dir)
-            return _manifest(plan, recipe, files, comm.size)
+            files[METADATA] = _write_metadata(plan.output if linked is None else linked.output,
+                                              staging.dir)
+            return _manifest(plan, recipe, files, comm.size, link)
         written = commit_on_leaders(comm, staging, [0], manifest)
     return DcpMergeResult(recipe.output, len(files), written)
 
@@ -155,22 +163,22 @@ def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int, passed: set) -> N
     locate(folder, fd, c.item, plan.output.tensors[c.fqn], c.sizes)
 
 
-def _write_metadata(plan: DcpPlan, root: Path) -> dict:
+def _write_metadata(output: DcpMetadata, root: Path) -> dict:
     rec = FileRecord()
-    data = metadata_bytes(plan.output)
+    data = metadata_bytes(output)
     with created(root / METADATA) as f:
         rec.update(data)
         f.write(data)
     return rec.record()
 
 
-def _manifest(plan: DcpPlan, recipe: Recipe, files: dict, ranks: int) -> Manifest:
+def _manifest(plan: DcpPlan, recipe: Recipe, files: dict, ranks: int, link: bool) -> Manifest:
     metas = dict(plan.sources)
-    writers = len(plan.files())
+    writers = len({c.file for c in plan.copies})
     return Manifest("merge", files, {
         "recipe": recipe.text, "tag": "", "world_size": writers,
         "source_world_size": writers, "base": plan.base,
         "sources": {n: {"path": str(recipe.source_path(n)), "save_id": metas[n].save_id,
                         "format": "dcp"} for n, _ in plan.sources},
         "layers": {k: {"source": s} for k, s in plan.layer_source},
-        "subgroups": [], "mpi_ranks": ranks})
+        "subgroups": [], "mpi_ranks": ranks, **({"linked": True} if link else {})})

@@ -92,7 +92,8 @@ def _recover_dcp(comm: Comm, save_dir: Path, until_step: int | None,
                  output_root: str | os.PathLike | None) -> ResumePoint:
     """Collective: recover_in_job of a save dir of DCP saves. DCP reshards at load: the
     newest full save itself when no partial save follows it, else the composite of its
-    timeline at the saves' own world size (reused when already written)."""
+    timeline at the saves' own world size (reused when already written), its data files
+    hard links to the saves' (planning/dcp_link.py) unless output_root puts it elsewhere."""
     try:
         chain = dcp_chain(comm, save_dir, until_step)
     except NothingToRecover as e:
@@ -109,8 +110,9 @@ def _recover_dcp(comm: Comm, save_dir: Path, until_step: int | None,
     # (by path: the name holds the newest save's lineage id, and a DCP merge's manifest
     # records DCP's own save ids)
     reused = comm.root_step(_is_recovery_of, out, (base.path,), writers)
-    if not reused:
-        run_dcp_merge(comm, comm.root_step(recovery_recipe, save_dir, chain, out))
+    if not reused:  # linked where it lies beside the saves: a resume in metadata time
+        run_dcp_merge(comm, comm.root_step(recovery_recipe, save_dir, chain, out),
+                      link=output_root is None)
     return ResumePoint(out, f"resuming from {out} (step {base.step}), recovered"
                             f"{' before' if reused else ''} from {_origin(chain)}{tidied}")
 
