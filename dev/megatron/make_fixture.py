@@ -12,7 +12,8 @@ Runs with a SEPARATE venv that has megatron-core (never mpitailor's own .venv):
 
     /work/mcore-venv/bin/python dev/megatron/make_fixture.py OUT_ROOT [--tp 1 --pp 1 --dp 2]
         [--sharding dp_reshardable,fully_reshardable] [--steps 2]
-        [--seed 0] [--tag NAME] [--hidden 64] [--bucket-size N] [--untie]
+        [--seed 0] [--tag NAME] [--hidden 64] [--layers 4] [--vocab 128]
+        [--bucket-size N] [--untie]
         [--singleton-local-shards] [--no-lm-extras]
     /work/mcore-venv/bin/python dev/megatron/make_fixture.py describe CKPT_DIR
 
@@ -132,21 +133,16 @@ def _cpu_patches():
     return torch
 
 
-def _worker(rank: int, world: int, args):
-    global HIDDEN
-    HIDDEN = args.hidden
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(args.port))
-    os.environ["RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world)
-    os.environ["LOCAL_RANK"] = str(rank)
-    torch = _cpu_patches()
-    torch.set_num_threads(1)
-    import torch.distributed as dist
+def _sizes(args):
+    global HIDDEN, LAYERS, VOCAB
+    HIDDEN, LAYERS, VOCAB = args.hidden, args.layers, args.vocab
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
 
-    from megatron.core import dist_checkpointing, parallel_state
+def _build(args):
+    """The model, DDP and DistributedOptimizer a worker trains (after init; also used by
+    load_check.py to load a checkpoint into the same objects)."""
+    import torch
+    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -154,14 +150,7 @@ def _worker(rank: int, world: int, args):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
-    )
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
 
     cfg = TransformerConfig(
         num_layers=LAYERS,
@@ -196,6 +185,32 @@ def _worker(rank: int, world: int, args):
         OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True),
         [ddp],
     )
+    return cfg, model, ddp, opt
+
+
+def _worker(rank: int, world: int, args):
+    _sizes(args)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(args.port))
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch = _cpu_patches()
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+    )
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+
+    cfg, model, ddp, opt = _build(args)
     config_fwd = model.config
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -402,6 +417,8 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=29517)
     p.add_argument("--tag", default=None)
     p.add_argument("--hidden", type=int, default=HIDDEN)
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--untie", action="store_true",
                    help="separate output_layer.weight (Megatron-LM --untie-embeddings-...)")
     p.add_argument("--singleton-local-shards", action="store_true",

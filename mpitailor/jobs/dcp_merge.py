@@ -37,6 +37,7 @@ from mpitailor.formats.io import (
     created,
     fsync_close,
     open_regular,
+    read_small,
     read_upto,
 )
 from mpitailor.formats.manifest import Manifest
@@ -79,6 +80,7 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False) -> DcpMergeRes
         def manifest() -> Manifest:
             files[METADATA] = _write_metadata(plan.output if linked is None else linked.output,
                                               staging.dir)
+            files.update(_copy_side_files(recipe.source_path(plan.base), staging.dir))
             return _manifest(plan, recipe, files, comm.size, link)
         written = commit_on_leaders(comm, staging, [0], manifest)
     return DcpMergeResult(recipe.output, len(files), written)
@@ -170,6 +172,25 @@ def _write_metadata(output: DcpMetadata, root: Path) -> dict:
         rec.update(data)
         f.write(data)
     return rec.record()
+
+
+# Small files a loader needs beside the DCP: Megatron's `metadata.json` (its backend name;
+# dist_checkpointing.load refuses a dir without it). Copied from the base.
+SIDE_FILES = ("metadata.json",)
+MAX_SIDE_BYTES = 1 << 20
+
+
+def _copy_side_files(base: Path, root: Path) -> dict:
+    out = {}
+    for name in SIDE_FILES:
+        if os.path.lexists(base / name):
+            data = read_small(base / name, MAX_SIDE_BYTES, "a checkpoint's side file")
+            rec = FileRecord()
+            with created(root / name) as f:
+                rec.update(data)
+                f.write(data)
+            out[name] = rec.record()
+    return out
 
 
 def _manifest(plan: DcpPlan, recipe: Recipe, files: dict, ranks: int, link: bool) -> Manifest:

@@ -6,7 +6,15 @@ import math
 import re
 from pathlib import Path
 
-from mpitailor.formats.dcp import DcpMetadata, split_key
+from mpitailor.formats.dcp import (
+    DcpMetadata,
+    is_megatron,
+    is_stacked,
+    layer_key,
+    optimizer_sharding,
+    split_key,
+    split_megatron,
+)
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
 _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -15,6 +23,8 @@ _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 def dcp_report(folder: Path, meta: DcpMetadata) -> dict:
     """A JSON-able summary: the writing world size, the key layout, and per layer the model
     tensors, their elements and bytes, and the optimizer state saved for them."""
+    if is_megatron(meta):
+        return megatron_report(folder, meta)
     classify = LayerClassifier({})
     layers: dict[str, dict] = {}
     other, dtypes = [], set()
@@ -57,3 +67,56 @@ def dcp_report(folder: Path, meta: DcpMetadata) -> dict:
 def _row() -> dict:
     return {"params": 0, "elements": 0, "model_bytes": 0, "optimizer_bytes": 0,
             "optimizer_state": set()}
+
+
+def megatron_report(folder: Path, meta: DcpMetadata) -> dict:
+    """dcp_report of a Megatron-Core torch_dist checkpoint (formats/dcp/megatron.py): a
+    stacked tensor counted in every layer, with the bytes of its chunks at that layer's
+    offset; dp_reshardable's flat buckets belong to no layer (their map is stored nowhere)."""
+    layers: dict[str, dict] = {}
+    other, dtypes, flat, stacked = [], set(), 0, set()
+    for fqn in meta.bytes_entries:
+        if split_megatron(fqn).role not in ("model", "optim_state"):
+            other.append(fqn)
+    for fqn, t in meta.tensors.items():
+        key = split_megatron(fqn)
+        if key.role not in ("model", "optim_state"):
+            flat += t.nbytes if key.role == "optim_flat" else 0
+            other += [] if key.role == "optim_flat" else [fqn]
+            continue
+        if is_stacked(key.param):
+            stacked.add(key.param)
+        seen: set[str] = set()  # layers this tensor was counted in (TP: several chunks)
+        for c in t.chunks:
+            layer = layer_key(fqn, c.offsets, t) or "other"
+            row = layers.setdefault(layer, _row())
+            nbytes = c.numel * (t.nbytes // max(1, math.prod(t.size)))
+            if key.role == "model":
+                row["params"] += layer not in seen
+                row["elements"] += c.numel
+                row["model_bytes"] += nbytes
+                dtypes.add(t.dtype)
+            else:
+                row["optimizer_state"].add(key.field)
+                row["optimizer_bytes"] += nbytes
+            seen.add(layer)
+    sharding = optimizer_sharding(meta)
+    keys = "stacked layers (decoder.layers.*, a leading layer axis)" if stacked else \
+        "per-layer keys (decoder.layers.<i>.*)"
+    ranks = {int(m.group(1)) for f in meta.files if (m := _DATA_FILE.fullmatch(f))}
+    return {
+        "path": str(folder), "kind": "dcp", "producer": "Megatron-Core",
+        "layout": f"Megatron-Core torch_dist; {keys}; optimizer {sharding or 'not saved'}",
+        "stacked_layers": bool(stacked), "optimizer_sharding": sharding,
+        # Megatron lists every rank's SavePlan: a rank holding only replicas writes no file
+        "world_size": meta.ranks or (max(ranks) + 1 if ranks else None),
+        "data_files": len(meta.files), "dtype": ",".join(sorted(dtypes)) or None,
+        "version": meta.version, "save_id": meta.save_id,
+        "param_groups": "in common_state" + (f" (plus {flat} bytes of dp_reshardable flat "
+                                             f"buckets, in no layer)" if flat else ""),
+        "optimizer_flat_bytes": flat,
+        "bytes": sum(t.nbytes for t in meta.tensors.values()),
+        "other_entries": sorted(other),
+        "layers": {k: {**layers[k], "optimizer_state": sorted(layers[k]["optimizer_state"])}
+                   for k in sort_keys(layers)},
+    }

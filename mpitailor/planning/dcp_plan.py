@@ -17,7 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpitailor.errors import UserError
-from mpitailor.formats.dcp import DcpMetadata, Item, TensorEntry, split_key
+from mpitailor.formats.dcp import (
+    DcpMetadata,
+    Item,
+    TensorEntry,
+    is_megatron,
+    layer_key,
+    optimizer_sharding,
+    split_key,
+)
 from mpitailor.planning.layers import AUX_KEYS, OTHER, LayerClassifier, sort_keys
 from mpitailor.planning.plan import count_layers, layer_sources
 from mpitailor.planning.recipe import Recipe
@@ -60,16 +68,14 @@ def plan_dcp(recipe: Recipe, metas: dict[str, DcpMetadata]) -> DcpPlan:
     # the first source in the recipe that does (a partial save holds some entries only)
     order = [base, *(n for n in names if n != base)]
     tensors, holder = _union(recipe, order, metas)
-    classify = LayerClassifier(dict(recipe.layer_patterns))
-    params = sorted({split_key(f).param for f in tensors if split_key(f).role == "model"})
-    if not params:
-        raise UserError(f"{recipe.origin}: {recipe.source_path(base)} holds no `model.` "
-                        f"entries (get_state_dict + dcp.save writes model.<param>); mpitailor "
-                        f"merges DCP checkpoints of that layout only")
-    keys = {p: classify(p) for p in params}
-    key_source = layer_sources(recipe, count_layers(recipe, keys))
+    if is_megatron(metas[base]):
+        layer_of = _megatron_layers(recipe, metas, tensors, holder)
+    else:
+        layer_of = _param_layers(recipe, base, tensors, holder)
+    key_source = layer_sources(recipe, count_layers(
+        recipe, {i: k for i, k in layer_of.items() if k is not None}))
     aux = dict(recipe.aux)
-    for k in set(keys.values()):
+    for k in set(layer_of.values()) - {None}:
         if k in AUX_KEYS or k == OTHER:
             key_source[k] = aux.get(k, base)
     sizes = {(fqn, c.offsets): c.sizes for fqn, t in tensors.items() for c in t.chunks}
@@ -79,9 +85,7 @@ def plan_dcp(recipe: Recipe, metas: dict[str, DcpMetadata]) -> DcpPlan:
         return item.file, order.index(holder[index]), item.offset
     copies, items, ends = [], {}, {}
     for index in sorted(holder, key=placed):
-        key = split_key(index[0])
-        layer = keys.get(key.param) if key.role in ("model", "optim_state",
-                                                    "param_group") else None
+        layer = layer_of[index]
         src = key_source.get(layer, base) if layer is not None else base
         item = metas[src].items.get(index)
         if item is None:
@@ -102,6 +106,47 @@ def plan_dcp(recipe: Recipe, metas: dict[str, DcpMetadata]) -> DcpPlan:
     return DcpPlan(base, tuple((n, metas[n]) for n in names if n in used),
                    tuple((k, key_source[k]) for k in sort_keys(key_source)), tuple(copies),
                    output)
+
+
+def _param_layers(recipe: Recipe, base: str, tensors: dict, holder: dict) -> dict:
+    """get_state_dict's keys: each item's layer key by its parameter's name (None: the
+    base's)."""
+    classify = LayerClassifier(dict(recipe.layer_patterns))
+    params = sorted({split_key(f).param for f in tensors if split_key(f).role == "model"})
+    if not params:
+        raise UserError(f"{recipe.origin}: {recipe.source_path(base)} holds no `model.` "
+                        f"entries (get_state_dict + dcp.save writes model.<param>); mpitailor "
+                        f"merges DCP checkpoints of that layout only")
+    keys = {p: classify(p) for p in params}
+    out = {}
+    for index in holder:
+        key = split_key(index[0])
+        out[index] = keys.get(key.param) if key.role in ("model", "optim_state",
+                                                         "param_group") else None
+    return out
+
+
+def _megatron_layers(recipe: Recipe, metas: dict, tensors: dict, holder: dict) -> dict:
+    """Megatron-Core torch_dist keys (formats/dcp/megatron.py): each item's layer key, a
+    stacked tensor's by its chunk's offset on the layer axis (None: the base's)."""
+    for name, path in recipe.sources:
+        if optimizer_sharding(metas[name]) == "dp_reshardable":
+            raise UserError(f"{recipe.origin}: {path}: its optimizer state is Megatron's "
+                            f"dp_reshardable flat buffers, whose parameter map is stored "
+                            f"nowhere, so its layers cannot be told apart; save with "
+                            f"fully_reshardable (Megatron-LM --dist-ckpt-optim-fully-reshardable) "
+                            f"and merge those")
+        if not is_megatron(metas[name]):
+            raise UserError(f"{recipe.origin}: {path} is not a Megatron-Core torch_dist "
+                            f"checkpoint (no common_state), the base is; merge saves of one run")
+    out = {}
+    for index in holder:
+        try:
+            out[index] = layer_key(index[0], index[1], tensors.get(index[0]))
+        except ValueError as e:
+            raise UserError(f"{recipe.origin}: {e}; mpitailor merges stacked layers saved one "
+                            f"layer a chunk (Megatron's own layout)") from None
+    return out
 
 
 def _union(recipe: Recipe, order: list[str], metas: dict[str, DcpMetadata]) -> tuple[dict, dict]:

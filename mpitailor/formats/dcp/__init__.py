@@ -13,6 +13,8 @@ EXPORTS = {
     "Located": "items", "check_bytes_item": "items", "check_data_files": "items",
     "locate": "items",
     "Key": "keys", "split_key": "keys",
+    "COMMON_STATE": "megatron", "is_megatron": "megatron", "layer_key": "megatron",
+    "optimizer_sharding": "megatron", "split_megatron": "megatron", "is_stacked": "megatron",
     "metadata_bytes": "metadata_write",
     "DCP_SAVE_FORMAT": "save_record", "DcpSaveMeta": "save_record",
     "DcpSaveRecord": "save_record", "read_dcp_save_record": "save_record",

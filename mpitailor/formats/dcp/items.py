@@ -61,7 +61,9 @@ def check_bytes_item(folder: Path, fd: int, item: Item) -> None:
         raise CheckpointError(f"{shown(path)} (item {item.fqn!r:.80} at byte {item.offset}): "
                               f"written through stream transforms; mpitailor reads "
                               f"untransformed items only")
-    load(path, fd=fd, window=(item.offset, item.length))
+    # ("client": argparse.Namespace and numpy, what a trainer's own state holds: Megatron's
+    # common_state carries Megatron-LM's args)
+    load(path, fd=fd, window=(item.offset, item.length), allow=("deepspeed", "client"))
 
 
 def locate(folder: Path, fd: int, item: Item, entry: TensorEntry,

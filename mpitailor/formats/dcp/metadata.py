@@ -82,6 +82,9 @@ class DcpMetadata:
     # the save planner's map of each flattened key to its path in the nested state dict
     # (DefaultSavePlanner's), carried into what mpitailor writes; {} where there is none
     planner_data: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
+    # the ranks that saved, where the metadata says (Megatron's `all_local_plans`: one
+    # SavePlan per rank, also those that wrote no data file); None where it does not
+    ranks: int | None = None
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -156,7 +159,7 @@ def _fields(x, kind: str, names: tuple[str, ...]) -> dict:
 def _checked(raw) -> DcpMetadata:
     top = _fields(raw, "metadata.Metadata",
                   ("state_dict_metadata", "storage_data", "storage_meta", "version",
-                   "planner_data"))
+                   "planner_data", "all_local_plans"))
     entries, storage = top["state_dict_metadata"], top["storage_data"]
     if type(entries) is not dict or type(storage) is not dict:
         raise _Bad("state_dict_metadata and storage_data are not mappings")
@@ -175,7 +178,19 @@ def _checked(raw) -> DcpMetadata:
                                                              or type(save_id) is str):
         raise _Bad("version or save_id is not a string")
     return DcpMetadata(tensors, tuple(blobs), items, version, save_id,
-                       _planner_data(top["planner_data"], set(tensors) | set(blobs)))
+                       _planner_data(top["planner_data"], set(tensors) | set(blobs)),
+                       _ranks(top["all_local_plans"]))
+
+
+def _ranks(plans) -> int | None:
+    """How many SavePlans Megatron's `all_local_plans` lists (one per rank); their contents
+    are not read (what was stored is storage_data's word)."""
+    if plans is None:
+        return None
+    if type(plans) is not list or not plans or not all(
+            type(p) is Rec and p.kind == _PREFIX + "planner.SavePlan" for p in plans):
+        raise _Bad("all_local_plans is not a list of SavePlans")
+    return len(plans)
 
 
 def _planner_data(raw, keys: set[str]) -> dict:

@@ -20,7 +20,10 @@ RECORD_CLASSES = frozenset({
     f"{_DCP}.metadata.Metadata", f"{_DCP}.metadata.TensorStorageMetadata",
     f"{_DCP}.metadata.ChunkStorageMetadata", f"{_DCP}.metadata.BytesStorageMetadata",
     f"{_DCP}.metadata.TensorProperties", f"{_DCP}.metadata.StorageMeta",
-    f"{_DCP}.metadata.MetadataIndex", f"{_DCP}.filesystem._StorageInfo"})
+    f"{_DCP}.metadata.MetadataIndex", f"{_DCP}.filesystem._StorageInfo",
+    # Megatron-Core's torch_dist adds `all_local_plans` to its Metadata, every rank's SavePlan
+    # (kept to reuse the metadata on its next save): records here, never looked into.
+    f"{_DCP}.planner.SavePlan", f"{_DCP}.planner.WriteItem", f"{_DCP}.planner.TensorWriteData"})
 # torch's dtypes as DCP names them (globals `torch.float32`, ...): values, never called.
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
           "uint8", "bool", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
@@ -86,6 +89,13 @@ def _memory_format(code):
     return code
 
 
+def _write_item_type(value):
+    """`WriteItemType(value)` (an Enum: TENSOR 1, SHARD 2, BYTE_IO 3): the int."""
+    if type(value) is not int or value not in (1, 2, 3):
+        raise pickle.UnpicklingError("a WriteItemType other than 1, 2 or 3")
+    return value
+
+
 MAX_PATH = 4096  # characters in a path a pickle may build (a file system's PATH_MAX)
 
 
@@ -102,6 +112,7 @@ def _path(*parts):
 
 _CALLS = {"torch.Size": _size, "torch.serialization._get_layout": _layout,
           f"{_DCP}.metadata._MEM_FORMAT_ENCODING": _memory_format,
+          f"{_DCP}.planner.WriteItemType": _write_item_type,
           **{f"{m}.{c}": _path for m in ("pathlib", "pathlib._local")  # 3.13: _local
              for c in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}}
 _DTYPE_VALUES = {f"torch.{d}": DType(d) for d in DTYPES}
