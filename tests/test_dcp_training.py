@@ -288,3 +288,14 @@ def test_link_mode_refuses_another_file_system_in_one_line(run, tmp_path):
     r = run_cli(["recover", str(run), "-o", str(out), "--link"], {})
     assert r.returncode == 2 and "another file system" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_inspect_says_what_a_save_holds(run):
+    r = run_cli(["inspect", str(run / "step-4"), "--json"], {})
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["save"]["kind"] == "partial" and rep["save"]["step"] == 4
+    assert rep["save"]["layers"] == ["embed", "layers.1", "layers.3", "norm", "lm_head"]
+    assert set(rep["layers"]) == set(rep["save"]["layers"])  # what the metadata holds
+    r = run_cli(["inspect", str(run / "step-2")], {})
+    assert "full save, step 2" in r.stdout, r.stdout

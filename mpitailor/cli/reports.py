@@ -46,6 +46,11 @@ def format_dcp_table(rep: dict) -> str:
         f"{rep['dtype']}   {human(rep['bytes'])} of tensors   DCP {rep['version']}",
         f"optimizer    param groups {rep['param_groups']}",
     ]
+    if rep.get("save"):
+        save = rep["save"]
+        held = f" of {', '.join(shown(k) for k in save['layers'])}" if save["layers"] else ""
+        lines.insert(2, f"save         {save['kind']} save{held}, step {save['step']} "
+                        f"(mpitailor's DcpCheckpointer)")
     if rep["other_entries"]:
         lines.append(f"other        {len(rep['other_entries'])} entries (the trainer's own): "
                      + ", ".join(shown(e) for e in rep["other_entries"][:6])

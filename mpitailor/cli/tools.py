@@ -14,15 +14,21 @@ from mpitailor.errors import MpitailorError
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from mpitailor.cli.reports import format_dcp_table, format_table
-    from mpitailor.formats.dcp import check_data_files, is_dcp_dir, read_metadata
+    from mpitailor.formats.dcp import (
+        check_data_files,
+        is_dcp_dir,
+        read_dcp_save_record,
+        read_metadata,
+    )
     from mpitailor.formats.zero import open_all_shards, read_meta
     from mpitailor.jobs.inspect import composite_manifest, newer_saves, report
 
     if is_dcp_dir(Path(args.checkpoint)):  # a PyTorch Distributed Checkpoint (issue 43)
-        from mpitailor.jobs.inspect_dcp import dcp_report
+        from mpitailor.jobs.inspect_dcp import dcp_report, saved_as
         meta = read_metadata(Path(args.checkpoint))
         check_data_files(Path(args.checkpoint), meta)  # as a ZeRO inspect opens every shard
         rep = dcp_report(Path(args.checkpoint), meta)
+        rep["save"] = saved_as(read_dcp_save_record(Path(args.checkpoint)))
         print(json.dumps(rep, indent=2) if args.json else format_dcp_table(rep))
         return 0
 

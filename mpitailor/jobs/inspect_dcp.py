@@ -17,7 +17,8 @@ from mpitailor.formats.dcp import (
 )
 from mpitailor.planning.layers import LayerClassifier, sort_keys
 
-_DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+# DCP's data file names; `s<i>` before one: a link mode composite's (planning/dcp_link.py)
+_DATA_FILE = re.compile(r"(?:s\d+)?__(\d+)_(\d+)\.distcp")
 
 
 def dcp_report(folder: Path, meta: DcpMetadata) -> dict:
@@ -120,3 +121,13 @@ def megatron_report(folder: Path, meta: DcpMetadata) -> dict:
         "layers": {k: {**layers[k], "optimizer_state": sorted(layers[k]["optimizer_state"])}
                    for k in sort_keys(layers)},
     }
+
+
+def saved_as(record) -> dict | None:
+    """What mpitailor's record of a DCP save says (None: no record, not a save of its
+    DcpCheckpointer): full or partial, its step, the layers a partial one holds, its chain."""
+    if record is None:
+        return None
+    return {"kind": "partial" if record.partial else "full", "step": record.global_steps,
+            "layers": sort_keys(record.layers) if record.partial else None,
+            "chain": record.lineage.chain, "save_id": record.lineage.save_id}
