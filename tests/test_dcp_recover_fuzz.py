@@ -105,3 +105,34 @@ def test_a_step_beyond_int64_is_refused(base, tmp_path):
     _edit(run / "step-6", global_steps=10 ** 30)
     outcome, line = fz.recover(run, tmp_path / "out")
     assert "skipped step-6" in line and "global_steps" in line, line
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    from dev.tinytrain.model import tiny_config
+    d = tmp_path_factory.mktemp("config")
+    tiny_config(TrainSpec(save_dir=str(d / "unused"), world_size=2)).save_pretrained(d)
+    return d
+
+
+def _export(src: Path, out: Path, config: Path):
+    from merging import run_cli
+    return run_cli(["export", str(src), "-o", str(out), "--format", "hf", "--config",
+                    str(config)], {})
+
+
+def test_export_of_a_partial_save_is_refused(base, tmp_path, config):
+    r = _export(base / "step-4", tmp_path / "out", config)
+    assert r.returncode != 0 and "a partial save" in r.stderr, r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_export_checks_the_crcs_a_save_recorded(base, tmp_path, config):
+    run = _case(base, tmp_path)
+    f = run / "step-2" / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside a tensor's elements: only the CRC sees it
+    f.write_bytes(bytes(data))
+    r = _export(run / "step-2", tmp_path / "out", config)
+    assert r.returncode != 0 and "CRC-32" in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()

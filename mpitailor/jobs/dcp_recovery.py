@@ -235,6 +235,13 @@ def check_crcs(comm: Comm, saves: list[Save], names: set[str]) -> list[Save]:
             if s.name in found else s for s in saves]
 
 
+def check_recorded(folder: Path, record, meta) -> None:
+    """Every file of a save at the size and CRC-32 its record took (one process)."""
+    _check_sizes(folder, record.files, meta)
+    for name, rec in sorted(record.files.items()):
+        _check_crc(folder / name, rec)
+
+
 def _check_crc(path: Path, rec: dict) -> None:
     fd = open_regular(path, "a file the save's record names")
     try:
