@@ -34,7 +34,12 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.engine.copyio import join_crcs
 from mpitailor.engine.dcp_weights import write_share
 from mpitailor.errors import UserError
-from mpitailor.formats.dcp import DcpMetadata, check_data_files, read_metadata
+from mpitailor.formats.dcp import (
+    DcpMetadata,
+    check_data_files,
+    read_dcp_save_record,
+    read_metadata,
+)
 from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.hf import read_config, side_files, warn_if_another_model
 from mpitailor.formats.io import (
@@ -117,7 +122,24 @@ def _plan(source: Path, dtype: str | None, shard: int) -> tuple[DcpMetadata, Dcp
     and the plan."""
     meta = read_metadata(source)
     check_data_files(source, meta)
+    _check_record(source, meta)
     return meta, plan_dcp_hf(meta, shown(source), dtype, shard)
+
+
+def _check_record(source: Path, meta: DcpMetadata) -> None:
+    """A save of mpitailor's DCP checkpointer: a partial one holds some layers only (an HF
+    model of them would lack the rest: refused), and a full one's files are checked against
+    the sizes and CRC-32s its record took (a damaged file is not exported)."""
+    from mpitailor.jobs.dcp_recovery import check_recorded
+    record = read_dcp_save_record(source)
+    if record is None:
+        return
+    if record.partial:
+        layers = ", ".join(sorted(record.layers))[:120]
+        raise UserError(f"{shown(source)}: a partial save (layers {layers}), "
+                        f"not a whole model; recover the save dir first (mpitailor recover "
+                        f"{shown(source.parent)}) and export the composite")
+    check_recorded(source, record, meta)
 
 
 def _lay_out(plan: DcpHfPlan, config: Path, root: Path) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
@@ -31,12 +32,13 @@ from mpitailor.formats.dcp import (
     check_data_files,
     read_dcp_save_record,
     read_metadata,
+    split_key,
 )
 from mpitailor.formats.io import crc32_range, open_regular
 from mpitailor.formats.manifest import MANIFEST, SAVE_RECORD
-from mpitailor.jobs.readable import cannot_read, refuse_unreadable
+from mpitailor.jobs.readable import cannot_read, odd_entry, refuse_unreadable
 from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe
-from mpitailor.planning.layers import check_patterns
+from mpitailor.planning.layers import LayerClassifier, check_patterns
 from mpitailor.planning.recipe import Recipe
 
 
@@ -61,14 +63,20 @@ def find_dcp_saves(save_dir: Path) -> list[Save]:
     found = []
     for name in sorted(os.listdir(save_dir)):
         child = save_dir / name
-        if name.startswith(".") or child.is_symlink() or not child.is_dir():
+        if name.startswith(".") or not child.is_dir():
             continue
         if not (os.path.lexists(child / METADATA) or os.path.lexists(child / SAVE_RECORD)):
+            continue
+        if child.is_symlink():  # never read through (it leads outside the save dir), but
+            # it may be the newest save: not absent, cannot be read (refused by its step)
+            found.append(Save(name, child, None, None, "a symbolic link to a save, which "
+                              "mpitailor does not read through; put the save itself there",
+                              unreadable=True))
             continue
         if os.path.lexists(child / MANIFEST) and not os.path.lexists(child / SAVE_RECORD):
             continue  # an earlier merge's output, not a save
         found.append(_read_save(name, child))
-    return sorted(found, key=lambda s: (s.step, s.name))
+    return _record_less_checked(sorted(found, key=lambda s: (s.step, s.name)))
 
 
 def _read_save(name: str, child: Path) -> Save:
@@ -77,14 +85,97 @@ def _read_save(name: str, child: Path) -> Save:
         record = read_dcp_save_record(child)
         lineage = None if record is None else record.lineage
         meta = read_metadata(child)
+        _check_planner_data(child, meta)
         check_data_files(child, meta)
         if record is not None:
             _check_sizes(child, record.files, meta)
+            _check_layers(child, record, meta)
         step = record.global_steps if record is not None else _step_of(name)
         return Save(name, child, DcpSaveMeta(meta, record, step), lineage)
     except (CheckpointError, OSError) as e:
         return Save(name, child, None, lineage, str(e).split("\n")[0],
-                    unreadable=cannot_read(e) is not None)
+                    unreadable=unreadable_now(e, child))
+
+
+def unreadable_now(e: BaseException, save: Path) -> bool:
+    """Does e (or the save's tree as it is now) say the save cannot be read now, rather
+    than that it is incomplete? The readers refuse a FIFO, a dir or a link where a file
+    should be with no OSError behind it: without this look it would be skipped as damaged
+    and older copies of its layers taken, silently."""
+    return cannot_read(e) is not None or odd_entry(save) is not None or \
+        _odd_file(save) is not None
+
+
+def _odd_file(save: Path) -> str | None:
+    """The first of the save's own file names (.metadata, the record, a data file) that is
+    there but not a regular file (readable.odd_entry passes a dir by these names)."""
+    try:
+        names = os.listdir(save)
+    except OSError as e:
+        return f"{save}: cannot be listed ({e.strerror})"
+    for name in names:
+        if name in (METADATA, SAVE_RECORD) or name.endswith(".distcp"):
+            try:
+                mode = os.lstat(save / name).st_mode
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                return f"{save / name}: cannot be looked at ({e.strerror})"
+            if not stat.S_ISREG(mode):
+                return f"{save / name}: not a regular file"
+    return None
+
+
+def _check_planner_data(folder: Path, meta) -> None:
+    """Each planner_data path joins to its key (DCP flattens the state dict so): one that
+    does not makes torch's loader look for an entry no one saved, and an output made from
+    it does not load. (Belongs in formats/dcp/metadata.py's reader; checked here meanwhile.)"""
+    for key, path in meta.planner_data.items():
+        if ".".join(map(str, path)) != key:
+            raise CheckpointError(f"{folder / METADATA}: planner data maps {key!r:.80} to "
+                                  f"{path!r:.80}, which is not its path; the .metadata is "
+                                  f"damaged")
+
+
+def _check_layers(folder: Path, record, meta) -> None:
+    """A partial save's record names exactly the layers its metadata holds (with the
+    patterns it was saved with): a layer claimed but not held, or held but not claimed,
+    is a damaged record, and recovery would take the wrong copy of that layer."""
+    if record.layers is None:
+        return
+    try:
+        held = DcpSaveMeta(meta, record, record.global_steps).layer_keys(
+            LayerClassifier(dict(record.layer_patterns)))
+    except UserError as e:  # the record's own patterns: a damaged record, not a user's
+        raise CheckpointError(f"{folder / SAVE_RECORD}: {str(e).splitlines()[0]}") from None
+    odd = sorted(record.layers ^ held)
+    if odd:
+        claimed = odd[0] in record.layers
+        raise CheckpointError(
+            f"{folder / SAVE_RECORD}: {'claims' if claimed else 'leaves out'} layer "
+            f"{odd[0]!r:.80}, which the save's .metadata "
+            f"{'does not hold' if claimed else 'holds'}; the record is damaged")
+
+
+def _record_less_checked(saves: list[Save]) -> list[Save]:
+    """A save without a record counts as a full save: one whose metadata lacks parameters
+    another full save holds is not one (a partial save whose record was lost), and taken as
+    full it would be recovered from with those layers missing. Skipped, said."""
+    full = [s for s in saves if s.meta is not None and not s.partial]
+    params = [{k.param for f in s.meta.metadata.tensors if (k := split_key(f)).role == "model"}
+              for s in full]
+    union = set().union(*params) if params else set()
+    out = []
+    for s, held in zip(full, params):
+        if s.meta.record is None and held != union:
+            lacks = sorted(union - held)[0]
+            s = dataclasses.replace(s, meta=None, problem=(
+                f"{s.path}: no save record, and its .metadata lacks {lacks!r:.80}, "
+                f"which other full saves hold; not a full save (a partial save whose record "
+                f"was lost?)"))
+        out.append(s)
+    keep = {s.name: s for s in out}
+    return [keep.get(s.name, s) for s in saves]
 
 
 def _step_of(name: str) -> int:
@@ -132,7 +223,7 @@ def check_crcs(comm: Comm, saves: list[Save], names: set[str]) -> list[Save]:
             try:
                 _check_crc(s.path / f, s.meta.record.files[f])
             except (CheckpointError, OSError) as e:
-                bad.append((save, str(e).split("\n")[0], cannot_read(e) is not None))
+                bad.append((save, str(e).split("\n")[0], unreadable_now(e, s.path)))
         return bad
 
     found = {}
@@ -142,6 +233,13 @@ def check_crcs(comm: Comm, saves: list[Save], names: set[str]) -> list[Save]:
                 found[save] = (why, now)
     return [dataclasses.replace(s, problem=found[s.name][0], unreadable=found[s.name][1])
             if s.name in found else s for s in saves]
+
+
+def check_recorded(folder: Path, record, meta) -> None:
+    """Every file of a save at the size and CRC-32 its record took (one process)."""
+    _check_sizes(folder, record.files, meta)
+    for name, rec in sorted(record.files.items()):
+        _check_crc(folder / name, rec)
 
 
 def _check_crc(path: Path, rec: dict) -> None:

@@ -28,6 +28,7 @@ from mpitailor.formats.manifest import SAVE_RECORD, Lineage, brief, is_id
 
 DCP_SAVE_FORMAT = "mpitailor-dcp-save"
 _CRC = re.compile(r"[0-9a-f]{8}")
+MAX_INT = (1 << 63) - 1  # a step or a size beyond int64 is no value a run ever wrote
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +82,7 @@ def _record(raw) -> DcpSaveRecord:
         raise ValueError(f"format {brief(got)}, not {DCP_SAVE_FORMAT!r}")
     lineage = Lineage.from_json(raw)
     step = raw.get("global_steps")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
         raise ValueError(f"global_steps {brief(step)} is not a step (an integer >= 0)")
     layers = raw.get("layers")
     if layers is not None and (not isinstance(layers, list) or not layers
@@ -98,7 +99,7 @@ def _record(raw) -> DcpSaveRecord:
         if not is_id(name) or "/" in name or "\0" in name or name in (".", ".."):
             raise ValueError(f"files names {brief(name)}, not a file of the save's dir")
         if not isinstance(rec, dict) or isinstance(rec.get("bytes"), bool) or not isinstance(
-                rec.get("bytes"), int) or rec["bytes"] < 0 or not isinstance(
+                rec.get("bytes"), int) or not 0 <= rec["bytes"] <= MAX_INT or not isinstance(
                 rec.get("crc32"), str) or not _CRC.fullmatch(rec["crc32"]):
             raise ValueError(f"the record of {brief(name)} is {brief(rec)}, not "
                              f"{{\"bytes\": n, \"crc32\": \"8 hex digits\"}}")
