@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dcp_oracle import merged, torch_state
 from merging import run_cli
 
 from mpitailor.formats.dcp.metadata_pickle import unpickle
@@ -30,20 +31,6 @@ def _recipe(tmp_path: Path, a: Path = S0, b: Path = S1) -> Path:
     path.write_text(f"sources: {{a: {a}, b: {b}}}\nlayers: {{even: a, odd: b}}\n"
                     f"embed: b\nnorm: b\nbase: a\n")
     return path
-
-
-def _merge(tmp_path: Path, recipe: Path, out: str = "out", ranks: int = 1) -> Path:
-    r = run_cli(["merge", str(recipe), "-o", str(tmp_path / out)], {}, ranks=ranks)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return tmp_path / out
-
-
-def _flat(path: Path, tmp_path: Path) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    pt = tmp_path / f"{path.name}-{path.parent.name}.pt"
-    dcp_to_torch_save(str(path), str(pt))
-    return torch.load(pt, weights_only=False)
 
 
 def _same(x, y) -> bool:
@@ -81,8 +68,8 @@ def test_inspect_reads_stacked_layers_and_the_optimizer_sharding():
 
 def test_every_entry_comes_from_the_source_the_recipe_names(tmp_path):
     import torch
-    out = _merge(tmp_path, _recipe(tmp_path))
-    got, a, b = (_flat(p, tmp_path) for p in (out, S0, S1))
+    out = merged(tmp_path, _recipe(tmp_path))
+    got, a, b = (torch_state(p, tmp_path, flat=False) for p in (out, S0, S1))
     assert set(got) == set(a)
     assert (out / "metadata.json").read_bytes() == (S0 / "metadata.json").read_bytes()
     told_apart = stacked = 0
@@ -104,7 +91,7 @@ def test_every_entry_comes_from_the_source_the_recipe_names(tmp_path):
 
 def test_the_same_bytes_whatever_the_number_of_ranks(tmp_path):
     recipe = _recipe(tmp_path)
-    one, two = _merge(tmp_path, recipe, "one"), _merge(tmp_path, recipe, "two", ranks=2)
+    one, two = merged(tmp_path, recipe, "one"), merged(tmp_path, recipe, "two", ranks=2)
     names = sorted(p.name for p in one.iterdir() if p.name != "mpitailor_manifest.json")
     assert names == sorted(p.name for p in two.iterdir() if p.name != "mpitailor_manifest.json")
     assert "metadata.json" in names
@@ -148,7 +135,7 @@ def test_damaged_megatron_metadata_gives_one_line_or_a_checked_value(tmp_path):
                     reason="needs a megatron-core interpreter (MPITAILOR_MCORE_PYTHON) and "
                            "the fixtures' truth files (MPITAILOR_MCORE_TRUTH)")
 def test_megatron_loads_the_composite_with_every_tensor_from_its_source(tmp_path):
-    out = _merge(tmp_path, _recipe(tmp_path))
+    out = merged(tmp_path, _recipe(tmp_path))
     truth = Path(os.environ["MPITAILOR_MCORE_TRUTH"])
     s0, s1 = (str(truth / f"{p.name}.truth.pt") for p in (S0, S1))
     sources = tmp_path / "sources.json"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_fixtures import build, spec_for
+from dcp_oracle import merged, torch_state
 from merging import run_cli
 
 from mpitailor.formats.dcp import read_metadata
@@ -25,31 +26,11 @@ def _recipe(tmp_path: Path, even: int, odd: int, base: int) -> Path:
     return path
 
 
-def _merge(tmp_path: Path, recipe: Path, out: str = "out", ranks: int = 1) -> Path:
-    r = run_cli(["merge", str(recipe), "-o", str(tmp_path / out)], {}, ranks=ranks)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return tmp_path / out
-
-
-def _flat(path: Path, tmp_path: Path) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    pt = tmp_path / f"{path.name}-{path.parent.name}.pt"
-    dcp_to_torch_save(str(path), str(pt))
-
-    def flat(d, pre=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{pre}{k}.") if isinstance(v, dict) else {pre + k: v})
-        return out
-    return flat(torch.load(pt, weights_only=False))
-
-
 def test_every_entry_comes_from_the_source_the_recipe_names(tmp_path):
     import torch
-    out = _merge(tmp_path, _recipe(tmp_path, even=2, odd=4, base=4))
+    out = merged(tmp_path, _recipe(tmp_path, even=2, odd=4, base=4))
     run = build(NAME)
-    got, s2, s4 = (_flat(p, tmp_path) for p in (out, run / "step-2", run / "step-4"))
+    got, s2, s4 = (torch_state(p, tmp_path) for p in (out, run / "step-2", run / "step-4"))
     assert set(got) == set(s4)
     told_apart = 0
     for key, value in got.items():
@@ -66,8 +47,8 @@ def test_every_entry_comes_from_the_source_the_recipe_names(tmp_path):
 
 def test_the_same_bytes_whatever_the_number_of_ranks(tmp_path):
     recipe = _recipe(tmp_path, even=4, odd=2, base=4)
-    one = _merge(tmp_path, recipe, "one", ranks=1)
-    two = _merge(tmp_path, recipe, "two", ranks=2)
+    one = merged(tmp_path, recipe, "one", ranks=1)
+    two = merged(tmp_path, recipe, "two", ranks=2)
     names = sorted(p.name for p in one.iterdir() if p.name != "mpitailor_manifest.json")
     assert names == sorted(p.name for p in two.iterdir() if p.name != "mpitailor_manifest.json")
     for n in names:
@@ -85,7 +66,7 @@ def test_fsdp2_loads_the_composite_and_trains_as_from_the_save_it_copies(tmp_pat
     from dataclasses import replace
 
     from dev.tinytrain import launch
-    out = _merge(tmp_path, _recipe(tmp_path, even=4, odd=4, base=4))
+    out = merged(tmp_path, _recipe(tmp_path, even=4, odd=4, base=4))
     assert read_metadata(out).tensors == read_metadata(build(NAME) / "step-4").tensors
     losses = {}
     for name, source in (("composite", out), ("save", build(NAME) / "step-4")):

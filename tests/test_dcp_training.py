@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from dcp_oracle import torch_state
 from merging import run_cli
 
 from dev.tinytrain.launch import TrainFailed, launch
@@ -38,20 +39,6 @@ def run(tmp_path_factory) -> Path:
     return root / "run"
 
 
-def _flat(path: Path, tmp: Path) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    pt = tmp / f"flat-{abs(hash(str(path)))}.pt"
-    dcp_to_torch_save(str(path), str(pt))
-
-    def flat(d, pre=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{pre}{k}.") if isinstance(v, dict) else {pre + k: v})
-        return out
-    return flat(torch.load(pt, weights_only=False))
-
-
 def _layer_of(entry: str) -> str | None:
     """The layer key of a state-dict entry (the tiny Llama's names), None outside them."""
     if m := re.search(r"layers\.(\d+)\.", entry):
@@ -65,7 +52,7 @@ def _layer_of(entry: str) -> str | None:
 def _composite(saves: dict[int, Path], newest_of, tmp: Path) -> dict:
     """The composite torch's reader assembles: entry by entry from the save newest_of(layer
     key, or None outside the layers) names."""
-    flats = {step: _flat(p, tmp) for step, p in saves.items()}
+    flats = {step: torch_state(p, tmp) for step, p in saves.items()}
     full = flats[min(flats)]
     return {key: flats[newest_of(_layer_of(key))][key] for key in full}
 
@@ -106,7 +93,7 @@ def test_recover_takes_every_layer_from_its_newest_save(run, tmp_path):
     assert "from step-4, step-6" in r.stdout  # the full save is superseded layer by layer
     want = _composite({2: run / "step-2", 4: run / "step-4", 6: run / "step-6"},
                       _parity_newest, tmp_path)
-    _equal(_flat(out, tmp_path), want)
+    _equal(torch_state(out, tmp_path), want)
     two = tmp_path / "two"
     r = run_cli(["recover", str(run), "-o", str(two)], {}, ranks=2)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -155,7 +142,7 @@ def test_a_run_killed_publishing_a_save_leaves_no_trace_of_it(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     want = _composite({2: run / "step-2", 4: run / "step-4"},
                       _killed_newest, tmp_path)
-    _equal(_flat(out, tmp_path), want)
+    _equal(torch_state(out, tmp_path), want)
     # the requeued job resumes from the same state, and tidies what the kill left
     oracle = _oracle_dir(run, tmp_path, _killed_newest)
     common = dict(world_size=2, steps=2, save_at=())
@@ -187,7 +174,7 @@ def test_a_damaged_save_is_skipped_and_said(run, tmp_path, damage, why):
     assert "skipped step-6" in said and why in said and "__1_0.distcp" in said
     want = _composite({2: run / "step-2", 4: run / "step-4"},
                       _killed_newest, tmp_path)
-    _equal(_flat(out, tmp_path), want)
+    _equal(torch_state(out, tmp_path), want)
 
 
 def _flip(path: Path, at: int) -> None:
@@ -259,7 +246,7 @@ def test_adaptive_saves_the_layers_that_moved_most(tmp_path):
             return 6
         return 6 if layer in held[1] else 4 if layer in held[0] else 2
     want = _composite({2: run / "step-2", 4: run / "step-4", 6: run / "step-6"}, newest, root)
-    _equal(_flat(out, root), want)
+    _equal(torch_state(out, root), want)
 
 
 def test_link_mode_gives_the_copy_modes_composite_and_outlives_its_sources(run, tmp_path):
@@ -273,11 +260,11 @@ def test_link_mode_gives_the_copy_modes_composite_and_outlives_its_sources(run, 
     data = sorted(p.name for p in linked.iterdir() if p.name.endswith(".distcp"))
     assert data == ["s0__0_0.distcp", "s0__1_0.distcp", "s1__0_0.distcp", "s1__1_0.distcp"]
     assert (linked / data[0]).stat().st_ino == (saves / "step-4" / "__0_0.distcp").stat().st_ino
-    want = _flat(copied, tmp_path)
-    _equal(_flat(linked, tmp_path), want)
+    want = torch_state(copied, tmp_path)
+    _equal(torch_state(linked, tmp_path), want)
     assert run_cli(["verify", str(linked)], {}).returncode == 0
     shutil.rmtree(saves)  # the sources go: the composite's hard links keep their blocks
-    _equal(_flat(linked, tmp_path), want)
+    _equal(torch_state(linked, tmp_path), want)
 
 
 def test_link_mode_refuses_another_file_system_in_one_line(run, tmp_path):
