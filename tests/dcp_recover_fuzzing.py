@@ -254,8 +254,8 @@ def recover(run: Path, out: Path, seconds: int = 60) -> tuple[str, str]:
     signal.alarm(seconds)
     try:
         with injected():
-            recipe, chain = recover_dcp_chain(Comm(None), run, out)
-            run_dcp_merge(Comm(None), recipe)
+            recipe, chain, checked = recover_dcp_chain(Comm(None), run, out)
+            run_dcp_merge(Comm(None), recipe, checked=checked)
         return "ok", recovered_dcp(recipe, chain)
     except MpitailorError as e:
         return "error", str(e)

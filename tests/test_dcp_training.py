@@ -286,3 +286,24 @@ def test_inspect_says_what_a_save_holds(run):
     assert set(rep["layers"]) == set(rep["save"]["layers"])  # what the metadata holds
     r = run_cli(["inspect", str(run / "step-2")], {})
     assert "full save, step 2" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_a_file_swapped_after_the_checks_is_refused_not_merged(run, tmp_path, link):
+    """recover checks every file it takes layers from against its CRC-32 and remembers
+    which file it checked: one put in its place before the merge reads it (the same size,
+    another save's bytes) is refused in one line, nothing published."""
+    from mpitailor.cluster.comm import Comm
+    from mpitailor.jobs.dcp_merge import run_dcp_merge
+    from mpitailor.jobs.dcp_recovery import recover_dcp_chain
+    saves = tmp_path / "run"
+    shutil.copytree(run, saves)
+    out = tmp_path / "out"
+    recipe, _, checked = recover_dcp_chain(Comm(None), saves, out)
+    twin = saves / "step-4" / "__0_0.distcp.new"
+    shutil.copyfile(saves / "step-6" / "__0_0.distcp", twin)
+    os.replace(twin, saves / "step-4" / "__0_0.distcp")
+    with pytest.raises(CheckpointError) as e:
+        run_dcp_merge(Comm(None), recipe, link, checked)
+    assert "step-4/__0_0.distcp" in str(e.value) and "\n" not in str(e.value)
+    assert not out.exists()

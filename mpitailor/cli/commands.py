@@ -100,12 +100,12 @@ def _recover_dcp(comm: Comm, save_dir: Path, out: Path | None, patterns,
     from mpitailor.jobs.dcp_recovery import recover_dcp_chain, recovered_dcp
     _refuse_for_dcp(str(save_dir), args)
     t0 = time.perf_counter()
-    recipe, chain = recover_dcp_chain(comm, save_dir, out, patterns)
+    recipe, chain, checked = recover_dcp_chain(comm, save_dir, out, patterns)
     if args.emit_recipe:
         if comm.rank == 0:
             print(recipe.text, end="", flush=True)
         return 0
-    result = run_dcp_merge(comm, recipe, args.link)
+    result = run_dcp_merge(comm, recipe, args.link, checked)
     _said_dcp(comm, args, "recovered", result, time.perf_counter() - t0,
               lambda: recovered_dcp(recipe, chain))
     return 0

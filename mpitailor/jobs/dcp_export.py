@@ -130,7 +130,7 @@ def _check_record(source: Path, meta: DcpMetadata) -> None:
     """A save of mpitailor's DCP checkpointer: a partial one holds some layers only (an HF
     model of them would lack the rest: refused), and a full one's files are checked against
     the sizes and CRC-32s its record took (a damaged file is not exported)."""
-    from mpitailor.jobs.dcp_recovery import check_recorded
+    from mpitailor.jobs.dcp_save_checks import check_recorded
     record = read_dcp_save_record(source)
     if record is None:
         return

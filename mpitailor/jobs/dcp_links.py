@@ -17,15 +17,17 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dcp import read_dcp_save_record
-from mpitailor.formats.io import crc32_range, open_regular
+from mpitailor.formats.io import FileIdentity, crc32_range, open_regular, require_same
 from mpitailor.planning.dcp_link import LinkPlan
 from mpitailor.planning.recipe import Recipe
 
 
-def write_links(comm: Comm, recipe: Recipe, plan: LinkPlan, root: Path) -> dict[str, dict]:
+def write_links(comm: Comm, recipe: Recipe, plan: LinkPlan, root: Path,
+                checked: dict | None = None) -> dict[str, dict]:
     """Collective: every link made (rank 0), then its record ({"bytes", "crc32"}): the source
-    save's recorded one, or the file's CRC-32 computed, files spread over the ranks by size."""
-    known = comm.bcast(comm.root_step(_link_all, recipe, plan, root))
+    save's recorded one, or the file's CRC-32 computed, files spread over the ranks by size.
+    checked: the identities of files a recovery checked: each linked only as that file."""
+    known = comm.bcast(comm.root_step(_link_all, recipe, plan, root, checked or {}))
     todo = sorted((n for n, rec in known.items() if "crc32" not in rec),
                   key=lambda n: (-known[n]["bytes"], n))
     load, mine = [0] * comm.size, []
@@ -40,7 +42,7 @@ def write_links(comm: Comm, recipe: Recipe, plan: LinkPlan, root: Path) -> dict[
     return known
 
 
-def _link_all(recipe: Recipe, plan: LinkPlan, root: Path) -> dict[str, dict]:
+def _link_all(recipe: Recipe, plan: LinkPlan, root: Path, checked: dict) -> dict[str, dict]:
     records: dict[str, dict] = {}
     saved: dict[str, dict] = {}
     for link in plan.links:
@@ -48,17 +50,20 @@ def _link_all(recipe: Recipe, plan: LinkPlan, root: Path) -> dict[str, dict]:
         if link.source not in saved:
             record = read_dcp_save_record(folder)
             saved[link.source] = dict(record.files) if record is not None else {}
-        size = _link(folder / link.file, root / link.name)
+        size = _link(folder / link.file, root / link.name, checked.get(str(folder / link.file)))
         rec = saved[link.source].get(link.file)
         records[link.name] = dict(rec) if rec is not None and rec["bytes"] == size else \
             {"bytes": size}
     return records
 
 
-def _link(src: Path, dst: Path) -> int:
-    """dst made a hard link to the regular file src; its size."""
+def _link(src: Path, dst: Path, identity: FileIdentity | None) -> int:
+    """dst made a hard link to the regular file src (the file `identity` recorded, where
+    given); its size."""
     fd = open_regular(src, "a DCP data file")
     try:
+        if identity is not None:
+            require_same(fd, src, identity)
         st = os.fstat(fd)
         try:
             os.link(src, dst, follow_symlinks=False)

@@ -30,6 +30,7 @@ from mpitailor.formats.dcp import (
     read_metadata,
 )
 from mpitailor.formats.io import (
+    FileIdentity,
     FileRecord,
     close_all,
     crc32_range,
@@ -39,6 +40,7 @@ from mpitailor.formats.io import (
     open_regular,
     read_small,
     read_upto,
+    require_same,
 )
 from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.dcp_links import write_links
@@ -46,6 +48,19 @@ from mpitailor.planning.dcp_link import plan_links
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
 from mpitailor.planning.recipe import Recipe
 from mpitailor.publish.staging import commit_on_leaders, staged
+
+Checked = dict[str, FileIdentity]  # a source file's path -> what it was when checked
+
+
+def _still(path: Path, checked: Checked) -> None:
+    """CheckpointError if the file at path is not what was checked (where it was)."""
+    if str(path) not in checked:
+        return
+    fd = open_regular(path, "a DCP .metadata file")
+    try:
+        require_same(fd, path, checked[str(path)])
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,25 +70,37 @@ class DcpMergeResult:
     bytes: int
 
 
-def read_dcp_sources(recipe: Recipe) -> dict:
-    """Every source's metadata, its data files checked to hold what it places in them."""
-    metas = {name: read_metadata(path) for name, path in recipe.sources}
+def read_dcp_sources(recipe: Recipe, checked: Checked | None = None) -> dict:
+    """Every source's metadata, its data files checked to hold what it places in them;
+    checked: the identities of files a recovery checked (jobs/dcp_save_checks.py): a
+    `.metadata` that is another file now is refused (looked at before and after it is
+    read)."""
+    checked = checked or {}
+    metas = {}
+    for name, path in recipe.sources:
+        _still(path / METADATA, checked)
+        metas[name] = read_metadata(path)
+        _still(path / METADATA, checked)
     for name, path in recipe.sources:
         check_data_files(path, metas[name])
     return metas
 
 
-def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False) -> DcpMergeResult:
+def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
+                  checked: Checked | None = None) -> DcpMergeResult:
     """Collective: plan (rank 0), copy (every rank its files) or link (jobs/dcp_links.py),
-    publish (rank 0)."""
-    plan = comm.bcast(comm.root_step(lambda: plan_dcp(recipe, read_dcp_sources(recipe))))
+    publish (rank 0). checked: the identities of the source files a recovery checked
+    against their CRC-32s (dcp_chain): each is opened again only as that very file."""
+    checked = checked or {}
+    plan = comm.bcast(comm.root_step(lambda: plan_dcp(recipe, read_dcp_sources(recipe,
+                                                                               checked))))
     linked = plan_links(plan) if link else None
     with staged(comm, recipe.output, [0]) as staging:
         if linked is not None:
-            files = write_links(comm, recipe, linked, staging.dir)
+            files = write_links(comm, recipe, linked, staging.dir, checked)
         else:
             mine = _share(plan.files(), comm.size)[comm.rank]
-            records = comm.step(_write_files, plan, recipe, staging.dir, mine)
+            records = comm.step(_write_files, plan, recipe, staging.dir, mine, checked)
             files = {k: v for part in comm.allgather(records) for k, v in part.items()}
         failpoints.hit("write")
 
@@ -97,7 +124,8 @@ def _share(sizes: dict[str, int], ranks: int) -> list[list[str]]:
     return out
 
 
-def _write_files(plan: DcpPlan, recipe: Recipe, root: Path, names: list[str]) -> dict:
+def _write_files(plan: DcpPlan, recipe: Recipe, root: Path, names: list[str],
+                 checked: Checked) -> dict:
     """This rank's output data files, each item copied from its source; their records."""
     by_file: dict[str, list[Copy]] = {}
     for c in plan.copies:
@@ -106,7 +134,7 @@ def _write_files(plan: DcpPlan, recipe: Recipe, root: Path, names: list[str]) ->
     fds: dict[tuple[str, str], int] = {}
     try:
         for name in names:
-            records[name] = _write_file(root / name, by_file[name], plan, recipe, fds)
+            records[name] = _write_file(root / name, by_file[name], plan, recipe, fds, checked)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -114,7 +142,7 @@ def _write_files(plan: DcpPlan, recipe: Recipe, root: Path, names: list[str]) ->
 
 
 def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
-                fds: dict) -> dict:
+                fds: dict, checked: Checked) -> dict:
     """One output data file: each item checked, the file's CRC-32 continued over its bytes
     in the source (a read of what was just checked, mostly from the page cache), the item
     copied inside the kernel (copy_file_range; through the copier's buffers where the file
@@ -128,6 +156,9 @@ def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
             folder = recipe.source_path(c.source)
             if key not in fds:
                 fds[key] = open_regular(folder / c.item.file, "a DCP data file")
+                if str(folder / c.item.file) in checked:
+                    require_same(fds[key], folder / c.item.file,
+                                 checked[str(folder / c.item.file)])
             _check_item(plan, c, folder, fds[key], passed)
             crc, got = crc32_range(fds[key], c.item.offset, c.item.length, crc)
             if got < c.item.length:

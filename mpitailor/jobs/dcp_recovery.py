@@ -18,13 +18,10 @@ any. Collective where it takes a comm.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-import stat
 from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
-from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
 from mpitailor.formats.dcp import (
     METADATA,
@@ -32,13 +29,20 @@ from mpitailor.formats.dcp import (
     check_data_files,
     read_dcp_save_record,
     read_metadata,
-    split_key,
 )
-from mpitailor.formats.io import crc32_range, open_regular
+from mpitailor.formats.io import FileIdentity
 from mpitailor.formats.manifest import MANIFEST, SAVE_RECORD
-from mpitailor.jobs.readable import cannot_read, odd_entry, refuse_unreadable
+from mpitailor.jobs.dcp_save_checks import (
+    check_crcs,
+    check_layers,
+    check_planner_data,
+    check_sizes,
+    record_less_checked,
+    unreadable_now,
+)
+from mpitailor.jobs.readable import refuse_unreadable
 from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe
-from mpitailor.planning.layers import LayerClassifier, check_patterns
+from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.recipe import Recipe
 
 
@@ -65,7 +69,12 @@ def find_dcp_saves(save_dir: Path) -> list[Save]:
         child = save_dir / name
         if name.startswith(".") or not child.is_dir():
             continue
-        if not (os.path.lexists(child / METADATA) or os.path.lexists(child / SAVE_RECORD)):
+        try:
+            if not (_there(child / METADATA) or _there(child / SAVE_RECORD)):
+                continue
+        except OSError as e:  # a dir that cannot be searched: it may be the newest save
+            found.append(Save(name, child, None, None, f"{child}: cannot be looked into "
+                              f"({e.strerror})", unreadable=True))
             continue
         if child.is_symlink():  # never read through (it leads outside the save dir), but
             # it may be the newest save: not absent, cannot be read (refused by its step)
@@ -76,7 +85,17 @@ def find_dcp_saves(save_dir: Path) -> list[Save]:
         if os.path.lexists(child / MANIFEST) and not os.path.lexists(child / SAVE_RECORD):
             continue  # an earlier merge's output, not a save
         found.append(_read_save(name, child))
-    return _record_less_checked(sorted(found, key=lambda s: (s.step, s.name)))
+    return record_less_checked(sorted(found, key=lambda s: (s.step, s.name)))
+
+
+def _there(path: Path) -> bool:
+    """Is there anything at path? OSError when it cannot be told (a dir without search
+    permission: os.path.lexists would say no)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _read_save(name: str, child: Path) -> Save:
@@ -85,11 +104,11 @@ def _read_save(name: str, child: Path) -> Save:
         record = read_dcp_save_record(child)
         lineage = None if record is None else record.lineage
         meta = read_metadata(child)
-        _check_planner_data(child, meta)
+        check_planner_data(child, meta)
         check_data_files(child, meta)
         if record is not None:
-            _check_sizes(child, record.files, meta)
-            _check_layers(child, record, meta)
+            check_sizes(child, record.files, meta)
+            check_layers(child, record, meta)
         step = record.global_steps if record is not None else _step_of(name)
         return Save(name, child, DcpSaveMeta(meta, record, step), lineage)
     except (CheckpointError, OSError) as e:
@@ -97,178 +116,29 @@ def _read_save(name: str, child: Path) -> Save:
                     unreadable=unreadable_now(e, child))
 
 
-def unreadable_now(e: BaseException, save: Path) -> bool:
-    """Does e (or the save's tree as it is now) say the save cannot be read now, rather
-    than that it is incomplete? The readers refuse a FIFO, a dir or a link where a file
-    should be with no OSError behind it: without this look it would be skipped as damaged
-    and older copies of its layers taken, silently."""
-    return cannot_read(e) is not None or odd_entry(save) is not None or \
-        _odd_file(save) is not None
-
-
-def _odd_file(save: Path) -> str | None:
-    """The first of the save's own file names (.metadata, the record, a data file) that is
-    there but not a regular file (readable.odd_entry passes a dir by these names)."""
-    try:
-        names = os.listdir(save)
-    except OSError as e:
-        return f"{save}: cannot be listed ({e.strerror})"
-    for name in names:
-        if name in (METADATA, SAVE_RECORD) or name.endswith(".distcp"):
-            try:
-                mode = os.lstat(save / name).st_mode
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                return f"{save / name}: cannot be looked at ({e.strerror})"
-            if not stat.S_ISREG(mode):
-                return f"{save / name}: not a regular file"
-    return None
-
-
-def _check_planner_data(folder: Path, meta) -> None:
-    """Each planner_data path joins to its key (DCP flattens the state dict so): one that
-    does not makes torch's loader look for an entry no one saved, and an output made from
-    it does not load. (Belongs in formats/dcp/metadata.py's reader; checked here meanwhile.)"""
-    for key, path in meta.planner_data.items():
-        if ".".join(map(str, path)) != key:
-            raise CheckpointError(f"{folder / METADATA}: planner data maps {key!r:.80} to "
-                                  f"{path!r:.80}, which is not its path; the .metadata is "
-                                  f"damaged")
-
-
-def _check_layers(folder: Path, record, meta) -> None:
-    """A partial save's record names exactly the layers its metadata holds (with the
-    patterns it was saved with): a layer claimed but not held, or held but not claimed,
-    is a damaged record, and recovery would take the wrong copy of that layer."""
-    if record.layers is None:
-        return
-    try:
-        held = DcpSaveMeta(meta, record, record.global_steps).layer_keys(
-            LayerClassifier(dict(record.layer_patterns)))
-    except UserError as e:  # the record's own patterns: a damaged record, not a user's
-        raise CheckpointError(f"{folder / SAVE_RECORD}: {str(e).splitlines()[0]}") from None
-    odd = sorted(record.layers ^ held)
-    if odd:
-        claimed = odd[0] in record.layers
-        raise CheckpointError(
-            f"{folder / SAVE_RECORD}: {'claims' if claimed else 'leaves out'} layer "
-            f"{odd[0]!r:.80}, which the save's .metadata "
-            f"{'does not hold' if claimed else 'holds'}; the record is damaged")
-
-
-def _record_less_checked(saves: list[Save]) -> list[Save]:
-    """A save without a record counts as a full save: one whose metadata lacks parameters
-    another full save holds is not one (a partial save whose record was lost), and taken as
-    full it would be recovered from with those layers missing. Skipped, said."""
-    full = [s for s in saves if s.meta is not None and not s.partial]
-    params = [{k.param for f in s.meta.metadata.tensors if (k := split_key(f)).role == "model"}
-              for s in full]
-    union = set().union(*params) if params else set()
-    out = []
-    for s, held in zip(full, params):
-        if s.meta.record is None and held != union:
-            lacks = sorted(union - held)[0]
-            s = dataclasses.replace(s, meta=None, problem=(
-                f"{s.path}: no save record, and its .metadata lacks {lacks!r:.80}, "
-                f"which other full saves hold; not a full save (a partial save whose record "
-                f"was lost?)"))
-        out.append(s)
-    keep = {s.name: s for s in out}
-    return [keep.get(s.name, s) for s in saves]
-
-
 def _step_of(name: str) -> int:
     digits = name.rpartition("-")[2].removeprefix("global_step")
     return int(digits) if digits.isdigit() else -1
 
 
-def _check_sizes(folder: Path, files: dict, meta) -> None:
-    """Every file the record names is there at its recorded size, and the record names
-    `.metadata` and every data file the metadata places items in (a record that leaves one
-    out would leave it unchecked)."""
-    missing = sorted({METADATA, *meta.files} - set(files))
-    if missing:
-        raise CheckpointError(f"{folder / SAVE_RECORD}: does not record {missing[0]}, which "
-                              f"the save holds; the record is damaged")
-    for name, rec in files.items():
-        fd = open_regular(folder / name, "a file the save's record names")
-        try:
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if size != rec["bytes"]:
-            raise CheckpointError(f"{folder / name}: {size} bytes, but the save wrote "
-                                  f"{rec['bytes']}; the file is truncated or damaged")
-
-
-def check_crcs(comm: Comm, saves: list[Save], names: set[str]) -> list[Save]:
-    """Collective: the recorded files of the saves named checked against their CRC-32s,
-    files spread over the ranks by size; the saves, a failed one with its problem."""
-    work = sorted(((s.name, f, rec["bytes"]) for s in saves if s.name in names
-                   and s.meta is not None and s.meta.record is not None
-                   for f, rec in s.meta.record.files.items()), key=lambda w: (-w[2], w[:2]))
-    load, mine = [0] * comm.size, []
-    for save, f, size in work:
-        r = load.index(min(load))
-        load[r] += size
-        if r == comm.rank:
-            mine.append((save, f))
-    by_name = {s.name: s for s in saves}
-
-    def check() -> list[tuple[str, str, bool]]:
-        bad = []
-        for save, f in mine:
-            s = by_name[save]
-            try:
-                _check_crc(s.path / f, s.meta.record.files[f])
-            except (CheckpointError, OSError) as e:
-                bad.append((save, str(e).split("\n")[0], unreadable_now(e, s.path)))
-        return bad
-
-    found = {}
-    for part in comm.allgather(comm.step(check)):
-        for save, why, now in part:
-            if save not in found or now:
-                found[save] = (why, now)
-    return [dataclasses.replace(s, problem=found[s.name][0], unreadable=found[s.name][1])
-            if s.name in found else s for s in saves]
-
-
-def check_recorded(folder: Path, record, meta) -> None:
-    """Every file of a save at the size and CRC-32 its record took (one process)."""
-    _check_sizes(folder, record.files, meta)
-    for name, rec in sorted(record.files.items()):
-        _check_crc(folder / name, rec)
-
-
-def _check_crc(path: Path, rec: dict) -> None:
-    fd = open_regular(path, "a file the save's record names")
-    try:
-        crc, n = crc32_range(fd, 0, rec["bytes"])
-    finally:
-        os.close(fd)
-    if n != rec["bytes"] or f"{crc:08x}" != rec["crc32"]:
-        raise CheckpointError(f"{shown(path)}: fails the CRC-32 its save recorded; the file "
-                              f"is corrupt")
-
-
-def dcp_chain(comm: Comm, save_dir: Path, until_step: int | None = None) -> Chain:
+def dcp_chain(comm: Comm, save_dir: Path, until_step: int | None = None
+              ) -> tuple[Chain, dict[str, FileIdentity]]:
     """Collective: find and check the saves, choose the timeline; the saves it takes layers
     from checked against their CRC-32s (a damaged one is skipped, the timeline chosen
-    again)."""
+    again). Also the identity of every file so checked: the merge refuses another file in
+    its place (one swapped in since)."""
     saves = comm.bcast(comm.root_step(find_dcp_saves, save_dir))
     if until_step is not None:
         saves = [s for s in saves if s.step <= until_step]
     while True:
         chain = comm.root_step(_timeline, save_dir, saves)
         names = {chain.full.name, *(s.name for s in chain.partials)}
-        checked = check_crcs(comm, saves, names)
+        checked, identities = check_crcs(comm, saves, names)
         if all(s.problem is None for s in checked if s.name in names):
             break
         saves = checked
     comm.root_step(refuse_unreadable, saves, chain)
-    return chain
+    return chain, identities
 
 
 def _timeline(save_dir: Path, saves: list[Save]) -> Chain:
@@ -286,14 +156,15 @@ def _timeline(save_dir: Path, saves: list[Save]) -> Chain:
 
 def recover_dcp_chain(comm: Comm, save_dir: Path, output: Path | None,
                       layer_patterns: dict[str, str] | None = None,
-                      until_step: int | None = None) -> tuple[Recipe, Chain]:
-    """Collective: the recipe `recover` merges (jobs/dcp_merge.py's run_dcp_merge), and the
-    chain it was made from."""
+                      until_step: int | None = None
+                      ) -> tuple[Recipe, Chain, dict[str, FileIdentity]]:
+    """Collective: the recipe `recover` merges (jobs/dcp_merge.py's run_dcp_merge), the
+    chain it was made from, and the identities of the files checked (dcp_chain)."""
     if layer_patterns:
         check_patterns(dict(layer_patterns), where="--layer-pattern")
-    chain = dcp_chain(comm, save_dir, until_step)
+    chain, identities = dcp_chain(comm, save_dir, until_step)
     recipe = comm.root_step(recovery_recipe, save_dir, chain, output, layer_patterns)
-    return recipe, chain
+    return recipe, chain, identities
 
 
 def recovered_dcp(recipe: Recipe, chain: Chain) -> str:

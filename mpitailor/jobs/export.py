@@ -33,9 +33,21 @@ from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.hf import given_dir_files, read_config
 from mpitailor.formats.io import shown
 from mpitailor.formats.manifest import ExportFields, Manifest
-from mpitailor.formats.zero import PARTIAL_MANIFEST, CheckpointMeta, extras_dir, is_tag_dir, resolve
+from mpitailor.formats.zero import (
+    PARTIAL_MANIFEST,
+    CheckpointMeta,
+    extras_dir,
+    is_tag_dir,
+    resolve,
+)
 from mpitailor.jobs.export_nodes import export_on_nodes
-from mpitailor.jobs.merge import MergeOptions, Planned, check_shard_size, plan_recipe, run_merge
+from mpitailor.jobs.merge import (
+    MergeOptions,
+    Planned,
+    check_shard_size,
+    plan_recipe,
+    run_merge,
+)
 from mpitailor.jobs.recovery import recover_chain
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE
 from mpitailor.planning.recipe import Recipe, recipe_from

@@ -95,7 +95,7 @@ def _recover_dcp(comm: Comm, save_dir: Path, until_step: int | None,
     timeline at the saves' own world size (reused when already written), its data files
     hard links to the saves' (planning/dcp_link.py) unless output_root puts it elsewhere."""
     try:
-        chain = dcp_chain(comm, save_dir, until_step)
+        chain, checked = dcp_chain(comm, save_dir, until_step)
     except NothingToRecover as e:
         return ResumePoint(None, f"{e}; training starts from scratch", logging.WARNING)
     tidied = comm.root_step(_tidy, save_dir)
@@ -112,7 +112,7 @@ def _recover_dcp(comm: Comm, save_dir: Path, until_step: int | None,
     reused = comm.root_step(_is_recovery_of, out, (base.path,), writers)
     if not reused:  # linked where it lies beside the saves: a resume in metadata time
         run_dcp_merge(comm, comm.root_step(recovery_recipe, save_dir, chain, out),
-                      link=output_root is None)
+                      link=output_root is None, checked=checked)
     return ResumePoint(out, f"resuming from {out} (step {base.step}), recovered"
                             f"{' before' if reused else ''} from {_origin(chain)}{tidied}")
 
