@@ -375,3 +375,27 @@ def test_locate_says_an_item_past_the_end_of_its_file(tmp_path):
             locate(folder, fd, item, t, t.chunks[0].sizes)
     finally:
         os.close(fd)
+
+
+def test_planner_data_off_its_paths_is_damage_not_dropped(tmp_path):
+    """A flipped byte that re-points a pickle memo makes DefaultSavePlanner's map send a key
+    to another path: torch's own reader then looks for entries nobody saved. Refused in one
+    line (recovery skips such a save, and says it), never silently dropped (found by
+    bench/dcp_recover_fuzz.py, seed 734)."""
+    import pickle
+    from mpitailor.errors import CheckpointError
+    from mpitailor.formats.dcp import metadata_bytes
+    src = _save("dcp_w2_fsdp2", 4)
+    meta = read_metadata(src)
+    key = next(iter(meta.planner_data))
+    bad = dict(meta.planner_data)
+    bad[key] = (("optim", "elsewhere"), *bad[key][1:])
+    import dataclasses
+    damaged = dataclasses.replace(meta, planner_data=bad)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(metadata_bytes(damaged))
+    assert pickle.loads((folder / ".metadata").read_bytes()).planner_data[key] == bad[key]
+    with pytest.raises(CheckpointError) as e:
+        read_metadata(folder)
+    assert "planner data maps" in str(e.value) and "\n" not in str(e.value)

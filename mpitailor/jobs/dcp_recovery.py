@@ -35,7 +35,6 @@ from mpitailor.formats.manifest import MANIFEST, SAVE_RECORD
 from mpitailor.jobs.dcp_save_checks import (
     check_crcs,
     check_layers,
-    check_planner_data,
     check_sizes,
     record_less_checked,
     unreadable_now,
@@ -104,7 +103,6 @@ def _read_save(name: str, child: Path) -> Save:
         record = read_dcp_save_record(child)
         lineage = None if record is None else record.lineage
         meta = read_metadata(child)
-        check_planner_data(child, meta)
         check_data_files(child, meta)
         if record is not None:
             check_sizes(child, record.files, meta)

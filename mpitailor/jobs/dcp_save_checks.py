@@ -52,17 +52,6 @@ def _odd_file(save: Path) -> str | None:
     return None
 
 
-def check_planner_data(folder: Path, meta) -> None:
-    """Each planner_data path joins to its key (DCP flattens the state dict so): one that
-    does not makes torch's loader look for an entry no one saved, and an output made from
-    it does not load. (Belongs in formats/dcp/metadata.py's reader; checked here meanwhile.)"""
-    for key, path in meta.planner_data.items():
-        if ".".join(map(str, path)) != key:
-            raise CheckpointError(f"{folder / METADATA}: planner data maps {key!r:.80} to "
-                                  f"{path!r:.80}, which is not its path; the .metadata is "
-                                  f"damaged")
-
-
 def check_layers(folder: Path, record, meta) -> None:
     """A partial save's record names exactly the layers its metadata holds (with the
     patterns it was saved with): a layer claimed but not held, or held but not claimed,

@@ -195,11 +195,17 @@ def _ranks(plans) -> int | None:
 
 def _planner_data(raw, keys: set[str]) -> dict:
     """DefaultSavePlanner's {flattened key: path of str and int} for the state dict's own
-    keys; {} for None or anything else a custom planner put there (not carried)."""
-    if type(raw) is not dict or not all(
-            k in keys and type(v) is tuple and v and all(type(p) in (str, int) for p in v)
-            for k, v in raw.items()):
+    keys, each path joining to its key (DCP flattens so); {} for None or a mapping of other
+    keys a custom planner put there (not carried). A mapping of the state dict's keys to
+    something else is damage (a flipped byte re-pointing a pickle memo gives one): torch's
+    own reader then looks for entries nobody saved."""
+    if type(raw) is not dict or not all(type(k) is str and k in keys for k in raw):
         return {}
+    for k, v in raw.items():
+        if type(v) is not tuple or not v or not all(type(p) in (str, int) for p in v) \
+                or ".".join(map(str, v)) != k:
+            raise _Bad(f"planner data maps {k!r:.80} to {v!r:.80}, which is not its path in "
+                       f"the state dict")
     return dict(raw)
 
 
