@@ -382,7 +382,9 @@ def test_planner_data_off_its_paths_is_damage_not_dropped(tmp_path):
     to another path: torch's own reader then looks for entries nobody saved. Refused in one
     line (recovery skips such a save, and says it), never silently dropped (found by
     bench/dcp_recover_fuzz.py, seed 734)."""
+    import dataclasses
     import pickle
+
     from mpitailor.errors import CheckpointError
     from mpitailor.formats.dcp import metadata_bytes
     src = _save("dcp_w2_fsdp2", 4)
@@ -390,7 +392,6 @@ def test_planner_data_off_its_paths_is_damage_not_dropped(tmp_path):
     key = next(iter(meta.planner_data))
     bad = dict(meta.planner_data)
     bad[key] = (("optim", "elsewhere"), *bad[key][1:])
-    import dataclasses
     damaged = dataclasses.replace(meta, planner_data=bad)
     folder = tmp_path / "ckpt"
     folder.mkdir()
