@@ -2,9 +2,20 @@
 oracle of the DCP tests, never mpitailor's reader; and a merge run through the real CLI."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from merging import run_cli
+
+
+def layer_of(entry: str) -> str | None:
+    """The layer key of a state-dict entry of the tiny Llama, None outside the layers."""
+    if m := re.search(r"layers\.(\d+)\.", entry):
+        return f"layers.{m.group(1)}"
+    for part, key in (("embed_tokens", "embed"), ("model.norm.", "norm"), ("lm_head", "lm_head")):
+        if part in entry:
+            return key
+    return None
 
 
 def torch_state(path: Path, tmp: Path, flat: bool = True) -> dict:
@@ -15,6 +26,7 @@ def torch_state(path: Path, tmp: Path, flat: bool = True) -> dict:
     pt = tmp / f"torch-{abs(hash(str(path)))}.pt"
     dcp_to_torch_save(str(path), str(pt))
     state = torch.load(pt, weights_only=False)
+    pt.unlink()
     return _flattened(state) if flat else state
 
 

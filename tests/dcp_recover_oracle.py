@@ -4,38 +4,12 @@ many seeded inputs with every outcome sorted."""
 from __future__ import annotations
 
 import random
-import re
 import shutil
 import traceback
 from pathlib import Path
 
 import dcp_recover_fuzzing as fz
-
-
-def layer_of(entry: str) -> str | None:
-    """The layer key of a state-dict entry of the tiny Llama, None outside the layers."""
-    if m := re.search(r"layers\.(\d+)\.", entry):
-        return f"layers.{m.group(1)}"
-    for part, key in (("embed_tokens", "embed"), ("model.norm.", "norm"), ("lm_head", "lm_head")):
-        if part in entry:
-            return key
-    return None
-
-
-def flat(path: Path, tmp: Path) -> dict:
-    """torch's reading of a DCP checkpoint, flattened to dotted keys."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    pt = tmp / "flat.pt"
-    dcp_to_torch_save(str(path), str(pt))
-    out: dict = {}
-
-    def walk(d, pre=""):
-        for k, v in d.items():
-            walk(v, f"{pre}{k}.") if isinstance(v, dict) else out.__setitem__(pre + k, v)
-    walk(torch.load(pt, weights_only=False))
-    pt.unlink()
-    return out
+from dcp_oracle import layer_of, torch_state
 
 
 class Oracle:
@@ -49,7 +23,7 @@ class Oracle:
         self.base, self.tmp = base, tmp
         self.names = fz.saves_of(base)
         self.layers = {n: read_dcp_save_record(base / n).layers for n in self.names}
-        self.clean = {n: flat(base / n, tmp) for n in self.names}
+        self.clean = {n: torch_state(base / n, tmp) for n in self.names}
         self.known: dict[bytes, frozenset] = {}  # verified output -> the saves skipped
 
     def wrong(self, run: Path, out: Path, skipped: set[str], damaged: str) -> str | None:
@@ -59,12 +33,12 @@ class Oracle:
             return None
         used = [n for n in self.names if n not in skipped]
         try:
-            saves = {n: (flat(run / n, self.tmp) if n == damaged else self.clean[n])
+            saves = {n: (torch_state(run / n, self.tmp) if n == damaged else self.clean[n])
                      for n in used}
         except BaseException as e:  # noqa: BLE001 - torch cannot read a save used (its
             # CheckpointException is a BaseException)
             return f"used {damaged}, which torch's reader cannot read ({type(e).__name__})"
-        got = flat(out, self.tmp)
+        got = torch_state(out, self.tmp)
         want = {}
         for key in self.clean[self.names[0]]:
             layer = layer_of(key)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import pytest
-from dcp_oracle import torch_state
+from dcp_oracle import layer_of, torch_state
 from merging import run_cli
 
 from dev.tinytrain.launch import TrainFailed, launch
@@ -39,22 +38,12 @@ def run(tmp_path_factory) -> Path:
     return root / "run"
 
 
-def _layer_of(entry: str) -> str | None:
-    """The layer key of a state-dict entry (the tiny Llama's names), None outside them."""
-    if m := re.search(r"layers\.(\d+)\.", entry):
-        return f"layers.{m.group(1)}"
-    for part, key in (("embed_tokens", "embed"), ("model.norm.", "norm"), ("lm_head", "lm_head")):
-        if part in entry:
-            return key
-    return None
-
-
 def _composite(saves: dict[int, Path], newest_of, tmp: Path) -> dict:
     """The composite torch's reader assembles: entry by entry from the save newest_of(layer
     key, or None outside the layers) names."""
     flats = {step: torch_state(p, tmp) for step, p in saves.items()}
     full = flats[min(flats)]
-    return {key: flats[newest_of(_layer_of(key))][key] for key in full}
+    return {key: flats[newest_of(layer_of(key))][key] for key in full}
 
 
 def _equal(a: dict, b: dict) -> None:
