@@ -305,3 +305,19 @@ def is_id(x) -> bool:
     """A save id, tag or layer key as records hold them: a non-empty string no longer than a
     file name."""
     return isinstance(x, str) and 0 < len(x) <= MAX_ID_BYTES
+
+
+_CRC32 = re.compile(r"[0-9a-f]{8}")  # a record's CRC-32 as mpitailor writes it
+MAX_FILE_BYTES = (1 << 63) - 1       # no file is larger (st_size is an int64)
+
+
+def is_file_name(name) -> bool:
+    """A name a record may give a file of the save's own dir: no path, no `..`."""
+    return is_id(name) and "/" not in name and "\0" not in name and name not in (".", "..")
+
+
+def is_file_record(rec) -> bool:
+    """A file's record as mpitailor writes it: {"bytes": a size, "crc32": 8 hex digits}."""
+    return isinstance(rec, dict) and type(rec.get("bytes")) is int \
+        and 0 <= rec["bytes"] <= MAX_FILE_BYTES and isinstance(rec.get("crc32"), str) \
+        and _CRC32.fullmatch(rec["crc32"]) is not None

@@ -17,7 +17,7 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dcp import read_dcp_save_record
-from mpitailor.formats.io import FileIdentity, crc32_range, open_regular, require_same
+from mpitailor.formats.io import FileIdentity, open_regular, require_same, synced_record
 from mpitailor.planning.dcp_link import LinkPlan
 from mpitailor.planning.recipe import Recipe
 
@@ -36,7 +36,7 @@ def write_links(comm: Comm, recipe: Recipe, plan: LinkPlan, root: Path,
         load[r] += known[name]["bytes"]
         if r == comm.rank:
             mine.append(name)
-    computed = comm.step(lambda: {n: _crc(root / n, known[n]["bytes"]) for n in mine})
+    computed = comm.step(lambda: {n: synced_record(root / n) for n in mine})
     for part in comm.allgather(computed):
         known.update(part)
     return known
@@ -85,12 +85,3 @@ def _link(src: Path, dst: Path, identity: FileIdentity | None) -> int:
     finally:
         os.close(fd)
     return st.st_size
-
-
-def _crc(path: Path, size: int) -> dict:
-    fd = open_regular(path, "a linked DCP data file")
-    try:
-        crc, n = crc32_range(fd, 0, size)
-    finally:
-        os.close(fd)
-    return {"bytes": n, "crc32": f"{crc:08x}"}

@@ -40,7 +40,7 @@ from mpitailor.jobs.dcp_save_checks import (
     unreadable_now,
 )
 from mpitailor.jobs.readable import refuse_unreadable
-from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe
+from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe, step_of_name
 from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.recipe import Recipe
 
@@ -107,16 +107,11 @@ def _read_save(name: str, child: Path) -> Save:
         if record is not None:
             check_sizes(child, record.files, meta)
             check_layers(child, record, meta)
-        step = record.global_steps if record is not None else _step_of(name)
+        step = record.global_steps if record is not None else step_of_name(name)
         return Save(name, child, DcpSaveMeta(meta, record, step), lineage)
     except (CheckpointError, OSError) as e:
         return Save(name, child, None, lineage, str(e).split("\n")[0],
                     unreadable=unreadable_now(e, child))
-
-
-def _step_of(name: str) -> int:
-    digits = name.rpartition("-")[2].removeprefix("global_step")
-    return int(digits) if digits.isdigit() else -1
 
 
 def dcp_chain(comm: Comm, save_dir: Path, until_step: int | None = None

@@ -39,10 +39,13 @@ class Save:
 
     @property
     def step(self) -> int:
-        if self.meta is not None:
-            return self.meta.global_steps
-        digits = self.name.rpartition("-")[2].removeprefix("global_step")
-        return int(digits) if digits.isdigit() else -1
+        return self.meta.global_steps if self.meta is not None else step_of_name(self.name)
+
+
+def step_of_name(name: str) -> int:
+    """The step a save's name says (global_stepN, checkpoint-N, step-N); -1 for none."""
+    digits = name.rpartition("-")[2].removeprefix("global_step")
+    return int(digits) if digits.isdigit() else -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,17 +55,14 @@ def chosen_part(state: dict, layers: frozenset[str], classify: Callable[[str], s
 
 
 def _flat_kept(key: str, chosen: Callable[[str], bool]) -> bool:
+    """A flattened optimizer key is kept unless it is a parameter's (`state.<param>.<field>`,
+    `param_groups.<param>.<field>`) of a layer not chosen; a group's index (torch's nested
+    groups flattened: `param_groups.0.lr`) is no parameter's name."""
     head, _, rest = key.partition(".")
     if head not in ("state", "param_groups"):
         return True
     param = rest.rpartition(".")[0]
-    return not param or not _is_param_name(param) or chosen(param)
-
-
-def _is_param_name(name: str) -> bool:
-    """A param group's index (`param_groups.0.lr`, torch's nested groups flattened) is not a
-    parameter's name."""
-    return not name.isdigit()
+    return not param or param.isdigit() or chosen(param)
 
 
 def save(state: dict, path: Path) -> None:

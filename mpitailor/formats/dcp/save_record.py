@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +23,17 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.dcp.keys import split_key
 from mpitailor.formats.dcp.metadata import DcpMetadata
 from mpitailor.formats.io import MAX_MANIFEST_BYTES, loads, read_small, shown
-from mpitailor.formats.manifest import SAVE_RECORD, Lineage, brief, is_id
+from mpitailor.formats.manifest import (
+    SAVE_RECORD,
+    Lineage,
+    brief,
+    is_file_name,
+    is_file_record,
+    is_id,
+)
 
 DCP_SAVE_FORMAT = "mpitailor-dcp-save"
-_CRC = re.compile(r"[0-9a-f]{8}")
-MAX_INT = (1 << 63) - 1  # a step or a size beyond int64 is no value a run ever wrote
+MAX_STEP = (1 << 63) - 1  # a step beyond int64 is no value a run ever wrote
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +87,7 @@ def _record(raw) -> DcpSaveRecord:
         raise ValueError(f"format {brief(got)}, not {DCP_SAVE_FORMAT!r}")
     lineage = Lineage.from_json(raw)
     step = raw.get("global_steps")
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
         raise ValueError(f"global_steps {brief(step)} is not a step (an integer >= 0)")
     layers = raw.get("layers")
     if layers is not None and (not isinstance(layers, list) or not layers
@@ -96,11 +101,9 @@ def _record(raw) -> DcpSaveRecord:
     if not isinstance(files, dict) or not files:
         raise ValueError(f"files {brief(files)} is not a mapping of the save's files")
     for name, rec in files.items():
-        if not is_id(name) or "/" in name or "\0" in name or name in (".", ".."):
+        if not is_file_name(name):
             raise ValueError(f"files names {brief(name)}, not a file of the save's dir")
-        if not isinstance(rec, dict) or isinstance(rec.get("bytes"), bool) or not isinstance(
-                rec.get("bytes"), int) or not 0 <= rec["bytes"] <= MAX_INT or not isinstance(
-                rec.get("crc32"), str) or not _CRC.fullmatch(rec["crc32"]):
+        if not is_file_record(rec):
             raise ValueError(f"the record of {brief(name)} is {brief(rec)}, not "
                              f"{{\"bytes\": n, \"crc32\": \"8 hex digits\"}}")
     return DcpSaveRecord(lineage, step, None if layers is None else frozenset(layers),

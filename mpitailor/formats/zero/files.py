@@ -33,6 +33,8 @@ from mpitailor.formats.manifest import (
     Manifest,
     PartialFields,
     brief,
+    is_file_name,
+    is_file_record,
     is_id,
     read_manifest,
 )
@@ -259,7 +261,6 @@ def hf_checkpoint_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 PARTIAL_MODEL_RE = re.compile(r"rank_(\d+)_model_states\.pt")
 PARTIAL_DTYPES = ("fp32", "bf16", "fp16")
-_CRC_RE = re.compile(r"[0-9a-f]{8}")
 
 
 def partial_fields(m: Manifest, where: str, names: list[str]) -> tuple[int, str, int]:
@@ -320,11 +321,10 @@ def _check_records(m: Manifest, where: str, names: list[str]) -> None:
         raise CheckpointError(f"{where}: files records {len(m.files)} files, but the dir holds "
                               f"{len(names)}; the manifest is damaged")
     for name, rec in m.files.items():
-        if not is_id(name) or "/" in name or "\0" in name or name in (".", ".."):
+        if not is_file_name(name):
             raise CheckpointError(f"{where}: files: {brief(name)} is not the name of a file in "
                                   f"the save's dir; the manifest is damaged")
-        if not isinstance(rec, dict) or not _whole(rec.get("bytes"), 0) or \
-                not isinstance(rec.get("crc32"), str) or not _CRC_RE.fullmatch(rec["crc32"]):
+        if not is_file_record(rec):
             raise CheckpointError(f"{where}: files: the record of {brief(name)} is "
                                   f"{brief(rec)}, not a file's size and CRC-32; the manifest "
                                   f"is damaged")
