@@ -71,6 +71,7 @@ class Job:
     argv: list[str]
     env: dict = field(default_factory=dict)
     changes_input: bool = False   # prune: judged by what the save dir recovers to
+    saves: str = "w2_parity"      # the fixture {SAVES} copies
 
 
 def jobs() -> dict[str, Job]:
@@ -86,6 +87,9 @@ def jobs() -> dict[str, Job]:
         "export": Job("export", ["export", str(hf_parity), "-o", "{OUT}", "--format", "hf",
                                  "--no-progress", "-q"]),
         "prune": Job("prune", ["prune", "{SAVES}", "--keep-last", "0"], changes_input=True),
+        # DCP saves (DcpCheckpointer, Parity): the same prune through the DCP survey
+        "prune-dcp": Job("prune-dcp", ["prune", "{SAVES}", "--keep-last", "0"],
+                         changes_input=True, saves="dcp_w2_parity"),
     }
 
 
@@ -151,7 +155,7 @@ class Study:
         (self.work / "out").mkdir(parents=True)
         if self.job.changes_input:
             shutil.rmtree(self.saves, ignore_errors=True)
-            shutil.copytree(ckpt_fixtures.build("w2_parity"), self.saves, symlinks=True)
+            shutil.copytree(ckpt_fixtures.build(self.job.saves), self.saves, symlinks=True)
 
     def result(self) -> str | None:
         """The digest that judges a run: of its output, or (prune) of the checkpoint the
@@ -394,7 +398,7 @@ def study(name: str, work: Path, stride: int = 1, offset: int = 1, mode: str = "
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", default=",".join(["merge", "export", "recover", "prune",
-                                                *TRAIN_JOBS]))
+                                                "prune-dcp", *TRAIN_JOBS]))
     ap.add_argument("--stride", type=int, default=1, help="every STRIDE-th step only")
     ap.add_argument("--strides", default="",
                     help="per job, JOB=STRIDE[+OFFSET],... (over --stride)")

@@ -96,6 +96,10 @@ DCP_VARIANTS = {
     "dcp_w2_fsdp2": (dict(world_size=2, steps=4, save_at=(2, 4),
                           extra={"flatten_optimizer": True}), DCP_MODULE),
     "dcp_w3_fsdp2_groups": (dict(world_size=3, steps=4, save_at=(2, 4)), DCP_MODULE),
+    # layer-wise saves (DcpCheckpointer, Parity): full 2, odd layers 4, even 6, odd 8
+    "dcp_w2_parity": (dict(world_size=2, steps=8, save_at=(2, 4, 6, 8),
+                           policy={"name": "parity"}, extra={"flatten_optimizer": True}),
+                      DCP_MODULE),
 }
 VARIANTS.update(DCP_VARIANTS)
 # Saved before the first optimizer step (accelerate's save_state before training): one rank,

@@ -125,10 +125,47 @@ def damage_on_disk(run: Path, rng: random.Random) -> list[Swap]:
     return swaps
 
 
-def _tombstones(run: Path, rng: random.Random) -> None:
+def damage_dcp_on_disk(run: Path, rng: random.Random) -> list[Swap]:
+    """damage_on_disk for a save dir of DCP saves (DcpCheckpointer's step-N/): a record
+    lost or a `.metadata` garbled (incomplete), a data file cut short or one byte of it
+    changed (fails its size, its CRC-32), a FIFO where a file should be (cannot be read
+    now), a save copied under another name, tombstones, mpitailor's dirs linked away."""
+    names = sorted((p.name for p in run.iterdir() if p.name.startswith("step-")),
+                   key=lambda n: int(n[5:]))
+    swaps = []
+    if rng.random() < 0.15 and names:  # a save copied under another name, its id kept
+        shutil.copytree(run / rng.choice(names), run / f"{rng.choice(names)}0")
+    _tombstones(run, rng, "step-2")
+    for name in names:
+        save, roll = run / name, rng.random()
+        data = sorted(save.glob("__*.distcp"))
+        if roll < 0.05:
+            (save / "mpitailor_save.json").unlink()
+        elif roll < 0.10:
+            (save / ".metadata").write_bytes(b"\x80\x04garbage")
+        elif roll < 0.15:
+            victim = rng.choice(data)
+            os.truncate(victim, victim.stat().st_size // 2)
+        elif roll < 0.20:
+            victim = rng.choice(data)
+            blob = bytearray(victim.read_bytes())
+            blob[rng.randrange(len(blob))] ^= 0x40
+            victim.write_bytes(bytes(blob))
+    if rng.random() < 0.4 and names:  # a file that cannot be read now
+        save = run / rng.choice(names)
+        victim = rng.choice(sorted(p for p in save.iterdir() if p.is_file()))
+        swaps.append(Swap(victim, run.parent / "aside", "fifo"))  # outside the save dir
+    if rng.random() < 0.15:  # mpitailor's own dirs, links to another run's
+        _link_away(run, rng.choice([PRUNED, ".mpitailor-resume"]))
+    for swap in swaps:
+        swap.swap_in()
+    return swaps
+
+
+def _tombstones(run: Path, rng: random.Random, full_save: str = "global_step2") -> None:
     """Forged, looping and garbage tombstones; the tombstone dir lost."""
-    full = sid_of(run, "global_step2") if (run / "global_step2" /
-                                           "mpitailor_save.json").exists() else "e0" * 8
+    full = sid_of(run, full_save) if (run / full_save /
+                                      "mpitailor_save.json").exists() else "e0" * 8
     if rng.random() < 0.3:  # forged: newer than anything, on the full save
         tombstone(run, "f0" * 8, 99, full, full)
     if rng.random() < 0.3:  # a loop nobody builds on

@@ -1,5 +1,5 @@
 """A short sample of the crash-point study (bench/crash_points.py, issue 44): a merge and a
-prune killed (SIGKILL) before every k-th step of the I/O seam; after each kill nothing
+prune (of ZeRO saves, and of DCP saves) killed (SIGKILL) before every k-th step of the I/O seam; after each kill nothing
 incomplete is visible, and the rerun gives the clean run's bytes with nothing left behind.
 A prune is also killed with the machine (bench/power_loss.py: what was not made durable
 dropped), every rank is killed at once (MPITAILOR_CRASH_AT=N:all), and the emulation itself
@@ -22,7 +22,8 @@ from bench.crash_points import study  # noqa: E402
 from bench.power_loss import PAGE, FileState, lose_data, power_loss  # noqa: E402
 
 
-@pytest.mark.parametrize("job,stride,offset", [("merge", 37, 5), ("prune", 3, 2)])
+@pytest.mark.parametrize("job,stride,offset", [("merge", 37, 5), ("prune", 3, 2),
+                                               ("prune-dcp", 4, 1)])
 def test_killed_at_sampled_io_steps_nothing_is_lost_or_half_visible(tmp_path, job, stride,
                                                                      offset):
     got = study(job, tmp_path, stride, offset)

@@ -27,6 +27,7 @@ from mpitailor.formats.dcp import (
     check_data_files,
     locate,
     metadata_bytes,
+    read_dcp_save_record,
     read_metadata,
 )
 from mpitailor.formats.io import (
@@ -44,6 +45,7 @@ from mpitailor.formats.io import (
 )
 from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.dcp_links import write_links
+from mpitailor.planning.chain import step_of_name
 from mpitailor.planning.dcp_link import plan_links
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
 from mpitailor.planning.recipe import Recipe
@@ -92,8 +94,8 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     publish (rank 0). checked: the identities of the source files a recovery checked
     against their CRC-32s (dcp_chain): each is opened again only as that very file."""
     checked = checked or {}
-    plan = comm.bcast(comm.root_step(lambda: plan_dcp(recipe, read_dcp_sources(recipe,
-                                                                               checked))))
+    plan, saves = comm.bcast(comm.root_step(lambda: (
+        plan_dcp(recipe, read_dcp_sources(recipe, checked)), _saves_of(recipe))))
     linked = plan_links(plan) if link else None
     with staged(comm, recipe.output, [0]) as staging:
         if linked is not None:
@@ -108,7 +110,7 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
             files[METADATA] = _write_metadata(plan.output if linked is None else linked.output,
                                               staging.dir)
             files.update(_copy_side_files(recipe.source_path(plan.base), staging.dir))
-            return _manifest(plan, recipe, files, comm.size, link)
+            return _manifest(plan, recipe, saves, files, comm.size, link)
         written = commit_on_leaders(comm, staging, [0], manifest)
     return DcpMergeResult(recipe.output, len(files), written)
 
@@ -224,13 +226,26 @@ def _copy_side_files(base: Path, root: Path) -> dict:
     return out
 
 
-def _manifest(plan: DcpPlan, recipe: Recipe, files: dict, ranks: int, link: bool) -> Manifest:
-    metas = dict(plan.sources)
+def _saves_of(recipe: Recipe) -> dict[str, dict]:
+    """Each source as the manifest names it: mpitailor's save id and step from its save
+    record (formats/dcp/save_record.py), for a plain DCP checkpoint none and the step of its
+    name (`step-N`). Retention (jobs/prune.py) tells the newest composite by them."""
+    out = {}
+    for name, path in recipe.sources:
+        record = read_dcp_save_record(path)
+        out[name] = {"save_id": None, "global_steps": step_of_name(path.name)} \
+            if record is None else {"save_id": record.lineage.save_id,
+                                    "global_steps": record.global_steps}
+    return out
+
+
+def _manifest(plan: DcpPlan, recipe: Recipe, saves: dict[str, dict], files: dict, ranks: int,
+              link: bool) -> Manifest:
     writers = len({c.file for c in plan.copies})
     return Manifest("merge", files, {
         "recipe": recipe.text, "tag": "", "world_size": writers,
         "source_world_size": writers, "base": plan.base,
-        "sources": {n: {"path": str(recipe.source_path(n)), "save_id": metas[n].save_id,
-                        "format": "dcp"} for n, _ in plan.sources},
+        "sources": {n: {"path": str(recipe.source_path(n)), **saves[n], "format": "dcp"}
+                    for n, _ in plan.sources},
         "layers": {k: {"source": s} for k, s in plan.layer_source},
         "subgroups": [], "mpi_ranks": ranks, **({"linked": True} if link else {})})

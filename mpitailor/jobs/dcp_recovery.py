@@ -18,6 +18,7 @@ any. Collective where it takes a comm.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -40,9 +41,14 @@ from mpitailor.jobs.dcp_save_checks import (
     unreadable_now,
 )
 from mpitailor.jobs.readable import refuse_unreadable
+from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe, step_of_name
 from mpitailor.planning.layers import check_patterns
+from mpitailor.planning.lineage import vet
 from mpitailor.planning.recipe import Recipe
+from mpitailor.planning.retention import PRUNED_DIR
+
+log = logging.getLogger(__name__)
 
 
 def holds_dcp_saves(save_dir: Path) -> bool:
@@ -116,26 +122,47 @@ def _read_save(name: str, child: Path) -> Save:
 
 def dcp_chain(comm: Comm, save_dir: Path, until_step: int | None = None
               ) -> tuple[Chain, dict[str, FileIdentity]]:
-    """Collective: find and check the saves, choose the timeline; the saves it takes layers
-    from checked against their CRC-32s (a damaged one is skipped, the timeline chosen
-    again). Also the identity of every file so checked: the merge refuses another file in
-    its place (one swapped in since)."""
-    saves = comm.bcast(comm.root_step(find_dcp_saves, save_dir))
-    if until_step is not None:
-        saves = [s for s in saves if s.step <= until_step]
-    while True:
-        chain = comm.root_step(_timeline, save_dir, saves)
-        names = {chain.full.name, *(s.name for s in chain.partials)}
-        checked, identities = check_crcs(comm, saves, names)
-        if all(s.problem is None for s in checked if s.name in names):
-            break
-        saves = checked
+    """Collective: find and check the saves, choose the timeline (survey_dcp_saves); a
+    save that cannot be read now and may hold the newest copy of a layer stops it. Also
+    the identity of every file checked: the merge refuses another file in its place (one
+    swapped in since)."""
+    saves, chain, identities = survey_dcp_saves(comm, save_dir, until_step)
     comm.root_step(refuse_unreadable, saves, chain)
     return chain, identities
 
 
+def survey_dcp_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
+                     crc: bool = True) -> tuple[list[Save], Chain, dict[str, FileIdentity]]:
+    """Collective: every save found (checked: `problem` says why one is not usable), the
+    timeline chosen, and the identities of the files checked against their CRC-32s: those
+    of the saves the timeline takes entries from (a damaged one is skipped, the timeline
+    chosen again). crc=False leaves the CRC pass out (the training side's retention after
+    each save: just written and read back). Prune needs all three; recovery refuses
+    what cannot be read now (dcp_chain)."""
+    saves = comm.bcast(comm.root_step(find_dcp_saves, save_dir))
+    if until_step is not None:
+        saves = [s for s in saves if s.step <= until_step]
+    identities: dict[str, FileIdentity] = {}
+    while True:
+        chain = comm.root_step(_timeline, save_dir, saves)
+        if not crc:
+            break
+        names = {chain.full.name, *(s.name for s in chain.partials)}
+        saves, identities = check_crcs(comm, saves, names)
+        if all(s.problem is None for s in saves if s.name in names):
+            break
+    return saves, chain, identities
+
+
 def _timeline(save_dir: Path, saves: list[Save]) -> Chain:
-    chain = choose(save_dir, saves, None)
+    """The timeline to recover, stepping across the saves prune removed where their
+    tombstones (jobs/tombstones.py) are right; or why there is none."""
+    found = read_tombstones(save_dir)
+    vetted = vet(save_dir / PRUNED_DIR, saves, found.good, found.bad, found.listed)
+    for save_id, why in vetted.skipped:
+        log.warning("ignoring %s: not a tombstone (%s); no save builds on it",
+                    save_dir / PRUNED_DIR / save_id, why)
+    chain = choose(save_dir, saves, None, vetted.pruned)
     if chain is not None:
         return chain
     reasons = "; ".join(f"{s.name}: {s.problem}" for s in saves if s.problem is not None)

@@ -107,9 +107,7 @@ def _recover_dcp(comm: Comm, save_dir: Path, until_step: int | None,
     out_root = Path(output_root) if output_root is not None else save_dir / RESUME_DIR
     out = out_root / f"recovered-{base.name}-{base.lineage.save_id[:12]}"
     writers = len(chain.full.meta.metadata.files)
-    # (by path: the name holds the newest save's lineage id, and a DCP merge's manifest
-    # records DCP's own save ids)
-    reused = comm.root_step(_is_recovery_of, out, (base.path,), writers)
+    reused = comm.root_step(_is_recovery_of, out, base, writers)
     if not reused:  # linked where it lies beside the saves: a resume in metadata time
         run_dcp_merge(comm, comm.root_step(recovery_recipe, save_dir, chain, out),
                       link=output_root is None, checked=checked)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +27,11 @@ from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import escaped, shown
 from mpitailor.errors import CheckpointError, MpitailorError, UserError
-from mpitailor.formats.io import fsync_dir
+from mpitailor.formats.io import LOCAL, fsync_dir
 from mpitailor.formats.manifest import MANIFEST, read_manifest
 from mpitailor.jobs import readlocks
 from mpitailor.jobs.clean import not_a_dir
+from mpitailor.jobs.dcp_recovery import holds_dcp_saves, survey_dcp_saves
 from mpitailor.jobs.recovery import survey_saves
 from mpitailor.jobs.tombstones import (
     RECORD,
@@ -160,21 +162,26 @@ def plan_prune(comm: Comm, save_dir: Path, keep_last: int, composites: Path | No
                         f"where the in-job resume keeps this save dir's composites; prune "
                         f"follows no link in a save dir: replace it with the dir itself, or "
                         f"give the dir it points to as --composites DIR")
-    saves, chain, place = survey_saves(comm, save_dir, crc=crc, prune=True)
+    if comm.root_step(holds_dcp_saves, save_dir):  # (DCP saves lie on a shared disk)
+        saves, chain, _ = survey_dcp_saves(comm, save_dir, crc=crc)
+        view, node_local = LOCAL, False
+    else:
+        saves, chain, place = survey_saves(comm, save_dir, crc=crc, prune=True)
+        view, node_local = place.fs(), place.node_local
     folders = [resume] + ([composites] if composites is not None else [])
 
     def decide() -> tuple[RetentionPlan, dict[str, tuple[int, int]]]:
         found = [c for f in folders for c in find_composites(f)]
         busy = {str(s.path): why for s in saves if (why := _busy(s.path)) is not None}
         busy.update({str(c.path): why for c in found if (why := _busy(c.path)) is not None})
-        tombs = read_tombstones(save_dir, place.fs())
+        tombs = read_tombstones(save_dir, view)
         plan = plan_retention(save_dir, saves, chain, keep_last, tombs.good, tuple(found),
                               busy, tombs.bad, tombs.listed)
-        idents = {} if place.node_local else {
+        idents = {} if node_local else {
             str(v.path): ident for v in plan.removals if (ident := _ident(v.path))}
         return plan, idents
     plan, idents = comm.root_step(decide)
-    return plan, place.node_local, idents
+    return plan, node_local, idents
 
 
 def _ident(path: Path) -> tuple[int, int] | None:
@@ -346,6 +353,7 @@ def _apply(save_dir: Path, v: Verdict, ident: tuple[int, int] | None = None) -> 
             return f"kept {v.path}: not the dir that was judged (written again since)"
         if v.tombstone is not None:
             write_tombstone(save_dir, v.tombstone)
+        linked = _linked(v.path)
         gone = path_of(v.path, PRUNING)
         if os.path.lexists(gone):
             failpoints.io_step("remove", gone)
@@ -359,4 +367,23 @@ def _apply(save_dir: Path, v: Verdict, ident: tuple[int, int] | None = None) -> 
             os.close(held)
         drop_lock(lock, fd)
     return f"removed {v.path}: {v.why}" + ("; its tombstone lets recovery step across it"
-                                           if v.tombstone else "")
+                                           if v.tombstone else "") + linked
+
+
+def _linked(path: Path) -> str:
+    """What of path's files stays on disk when it goes, in words: files with another hard
+    link (a composite merged with --link shares its sources' data files; the file system
+    counts the links, and frees a file's blocks with its last name)."""
+    count = size = 0
+    for folder, _, names in os.walk(path):  # (follows no link)
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
+                count, size = count + 1, size + st.st_size
+    if not count:
+        return ""
+    return (f"; {count} of its files ({size / 1e9:.3f} GB) stay on disk, hard-linked "
+            f"elsewhere (a composite made with --link): freed when their last link goes")

@@ -1,0 +1,136 @@
+"""Retention of DCP saves (issue 43, part 2): `prune` of a save dir of DcpCheckpointer's saves
+removes what the newest composite no longer needs, leaves tombstones recovery steps across,
+and never takes a byte a composite made with `--link` still uses (the file system counts the
+hard links: a pruned save's linked files stay until their last name goes, and prune says so).
+
+The fixture is a real 2-rank FSDP2 run (`dcp_w2_parity`: a full save at step 2, odd layers at
+4, even layers at 6, odd layers at 8). The property of tests/test_retention_safety.py holds
+here too, on real DCP saves damaged at random: after any prune, recovery is what it was, or
+prune refused and changed nothing."""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from conftest import tree_digest
+from dcp_oracle import torch_state
+from merging import run_cli
+from retention_disk import damage_dcp_on_disk
+
+from mpitailor.cluster.comm import Comm
+from mpitailor.errors import MpitailorError
+from mpitailor.jobs.dcp_recovery import recover_dcp_chain
+from mpitailor.jobs.prune import prune
+
+FIXTURE = "dcp_w2_parity"
+
+
+def recipe_body(run: Path) -> str | None:
+    """What `recover` takes from where (the recipe less its comments); None: it refuses."""
+    try:
+        text = recover_dcp_chain(Comm(), run, None)[0].text
+    except MpitailorError:
+        return None
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+
+
+def composite_digest(out: Path) -> dict[str, str]:
+    digest = tree_digest(out)
+    digest.pop("mpitailor_manifest.json")  # (names the saves taken and their paths)
+    return digest
+
+
+def test_prune_removes_a_superseded_partial_save_and_recovery_writes_the_same_bytes(
+        ckpt_copy, tmp_path):
+    run = ckpt_copy(FIXTURE)
+    assert run_cli(["recover", str(run), "-o", str(tmp_path / "before")], {}).returncode == 0
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+    assert r.returncode == 0, r.stderr
+    assert "removed " + str(run / "step-4") in r.stdout, r.stdout
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-2", "step-6", "step-8"]
+    assert len(list((run / ".mpitailor-pruned").iterdir())) == 1  # step-4's tombstone
+    r = run_cli(["recover", str(run), "-o", str(tmp_path / "after")], {})
+    assert r.returncode == 0, r.stderr
+    assert composite_digest(tmp_path / "after") == composite_digest(tmp_path / "before")
+    # a second prune has nothing left to do
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+    assert r.returncode == 0 and "removed 0 save(s)" in r.stdout, r.stdout
+
+
+def test_keep_last_keeps_the_newest_saves_of_the_timeline(ckpt_copy):
+    run = ckpt_copy(FIXTURE)
+    r = run_cli(["prune", str(run), "--keep-last", "3"], {})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-2", "step-4", "step-6",
+                                                          "step-8"]
+    assert "within --keep-last 3" in r.stdout
+
+
+def test_a_linked_composite_keeps_its_bytes_when_its_sources_are_pruned(ckpt_copy, tmp_path):
+    run = ckpt_copy(FIXTURE)
+    newest = run / "step-8"
+    newest.rename(tmp_path / "step-8")  # the composite of steps 2, 4 and 6
+    outside = tmp_path / "linked"
+    inside = run / ".mpitailor-resume" / "recovered-step-6-x"
+    for out in (outside, inside):
+        r = run_cli(["recover", str(run), "-o", str(out), "--link"], {})
+        assert r.returncode == 0, r.stderr
+    (tmp_path / "step-8").rename(newest)
+    before = torch_state(outside, tmp_path)
+    linked = {p.stat().st_ino for p in outside.glob("s*.distcp")}
+    assert linked & {p.stat().st_ino for p in (run / "step-4").glob("*.distcp")}
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+    assert r.returncode == 0, r.stderr
+    assert not (run / "step-4").exists() and not inside.exists()  # the older composite too
+    said = [line for line in r.stdout.splitlines() if "step-4:" in line]
+    assert "stay on disk, hard-linked elsewhere" in said[0], said
+    after = torch_state(outside, tmp_path)  # torch's own reader, files still there
+    assert before.keys() == after.keys()
+    import torch
+    for key, value in before.items():
+        same = torch.equal(value, after[key]) if isinstance(value, torch.Tensor) else \
+            value == after[key]
+        assert same, key
+
+
+def test_a_save_that_cannot_be_read_now_blocks_prune(ckpt_copy):
+    run = ckpt_copy(FIXTURE)
+    victim = run / "step-6" / "__1_0.distcp"
+    victim.rename(run.parent / "aside")
+    os.mkfifo(victim)
+    names = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "prune removed nothing" in r.stderr and "step-6" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == names
+
+
+@pytest.mark.parametrize("seed", range(32))  # ~0.4 s each
+def test_prune_of_damaged_dcp_saves_keeps_what_recovery_takes(ckpt_copy, seed):
+    rng = random.Random(seed)
+    run = ckpt_copy(FIXTURE)
+    if rng.random() < 0.5:  # an earlier prune left step-4's tombstone
+        prune(Comm(), run, keep_last=0)
+    swaps = damage_dcp_on_disk(run, rng)
+    for swap in swaps:  # recovery as it is once everything reads again
+        swap.put_back()
+    before = recipe_body(run)
+    names = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    digest = tree_digest(run)
+    for swap in swaps:
+        swap.swap_in()
+    try:
+        prune(Comm(), run, keep_last=rng.randint(0, 3))
+        refused = False
+    except MpitailorError:
+        refused = True
+    for swap in reversed(swaps):
+        swap.put_back()
+    if refused:
+        assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == names
+        assert tree_digest(run) == digest
+    else:
+        assert recipe_body(run) == before
