@@ -4,6 +4,8 @@
     from mpitailor.training import LayerwiseTrainer      # HF Trainer (imports transformers)
     from mpitailor.training import AccelerateCheckpointer  # Accelerate (imports accelerate)
     from mpitailor.training import DcpCheckpointer, load_dcp  # FSDP2 + PyTorch DCP
+    from mpitailor.training import AccelerateDcpCheckpointer  # Accelerate + FSDP2 (DCP)
+    from mpitailor.training import DcpLayerwiseTrainer  # HF Trainer + FSDP2 (DCP)
     from mpitailor.training import enable_cpu_training, end_cpu_training  # without GPUs
 
 It needs torch and DeepSpeed (`pip install 'mpitailor[train]'`; the core install, the merge
@@ -22,7 +24,8 @@ import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["AccelerateCheckpointer", "Adaptive", "DcpCheckpointer", "Filter",
+__all__ = ["AccelerateCheckpointer", "AccelerateDcpCheckpointer", "Adaptive",
+           "DcpCheckpointer", "DcpLayerwiseTrainer", "Filter",
            "LayerwiseCheckpointer", "load_dcp",
            "LayerwiseTrainer", "Parity", "Policy", "enable_cpu_training", "end_cpu_training",
            "make_policy", "per_layer_param_groups", "recover_for_resume", "save_layers"]
@@ -39,6 +42,7 @@ _WHERE = {
     "recover_for_resume": "resume",
     "LayerwiseTrainer": "hf",
     "AccelerateCheckpointer": "accel",
+    "AccelerateDcpCheckpointer": "dcp_accel", "DcpLayerwiseTrainer": "dcp_hf",
     "enable_cpu_training": "cpu", "end_cpu_training": "cpu",
 }
 assert set(_WHERE) == set(__all__)
@@ -76,7 +80,7 @@ def __getattr__(name: str):
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'mpitailor.training' has no attribute {name!r}")
-    needed_by = "mpitailor.training" if where not in ("hf", "accel") else \
+    needed_by = "mpitailor.training" if where not in ("hf", "accel", "dcp_accel", "dcp_hf") else \
         f"mpitailor.training.{name}"
     with dependencies(needed_by):
         module = importlib.import_module(f"mpitailor.training.{where}")

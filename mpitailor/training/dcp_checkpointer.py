@@ -47,12 +47,16 @@ _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 class DcpCheckpointer:
     def __init__(self, model, optimizer, save_dir: str | os.PathLike, policy: Policy,
-                 layer_patterns: Mapping[str, str] | None = None, options=None) -> None:
+                 layer_patterns: Mapping[str, str] | None = None, options=None,
+                 name_prefix: str = "step-") -> None:
         """layer_patterns: `{regex: layer key}` for parameter names the built-in rules do not
         know, recorded in every save. options: the `StateDictOptions` the loop's
-        `get_state_dict` takes (e.g. `flatten_optimizer_state_dict=True`, torchtitan's)."""
+        `get_state_dict` takes (e.g. `flatten_optimizer_state_dict=True`, torchtitan's).
+        name_prefix: a save's dir is save_dir/<name_prefix><step> (torchtitan's `step-`;
+        the Accelerate and HF Trainer checkpointers name theirs `checkpoint-`, as HF does)."""
         self.model, self.optimizer, self.policy = model, optimizer, policy
         self.save_dir, self.options = Path(save_dir), options
+        self.name_prefix = name_prefix
         self.classify = LayerClassifier(layer_patterns)
         self.keys = _layer_keys(dcp_state.model_entry_names(model), self.classify)
         policy.validate(self.keys)
@@ -76,7 +80,7 @@ class DcpCheckpointer:
             state = dcp_state.chosen_part(state, decision.layers, self.classify)
         record = DcpSaveRecord(lineage, step, None if decision.full else decision.layers,
                                self.classify.patterns, {})
-        _publish(self.save_dir / f"step-{step}", state, record)
+        _publish(self.save_dir / f"{self.name_prefix}{step}", state, record)
         self.lineage = lineage
         for k in self.keys:
             self.staleness[k] = 0 if k in decision.layers else self.staleness[k] + 1

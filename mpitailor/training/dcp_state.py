@@ -88,3 +88,17 @@ def local_parameters(model) -> dict[str, torch.Tensor]:
     """Each parameter's part held by this rank (an FSDP2 DTensor's local shard)."""
     return {n: (p.to_local() if isinstance(p, DTensor) else p).detach()
             for n, p in model.named_parameters()}
+
+
+def entry_names(path: Path) -> set[str]:
+    """The entries (DCP's flattened names: `rng.0.python`) of the DCP checkpoint at path, as
+    torch's reader lists them: the job's own save or composite, which its dcp.load reads
+    with the same reader."""
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def load_entries(state: dict, path: Path) -> dict:
+    """Collective: dcp.load of just these entries (the trainer's own, without the model and
+    optimizer), filled in place and returned."""
+    dcp.load(state, checkpoint_id=str(path))
+    return state
