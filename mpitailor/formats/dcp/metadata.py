@@ -19,7 +19,7 @@ import os
 import pickle
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
@@ -62,7 +62,14 @@ class TensorEntry:
 @dataclass(frozen=True, slots=True)
 class Item:
     """Where one chunk (or bytes entry) is stored: a data file of the checkpoint dir, and the
-    byte range its serialised form takes there (a torch.save zip, or raw bytes)."""
+    byte range its serialised form takes there (a torch.save zip, or raw bytes).
+
+    A chunk written by `FileSystemWriter(serialization_format=SAFETENSORS)` is no item of
+    its own: the writer puts every chunk of a data file into one safetensors blob at the
+    file's end, and records each chunk at the blob's start with the chunk's byte count as
+    its length (`safetensors` True; items.py finds the chunk by its name in the blob's
+    header). A torch.save zip is never as short as its tensor's bytes, so the metadata
+    alone tells the two apart."""
 
     fqn: str
     offsets: tuple[int, ...] | None  # the chunk's offsets; None: a bytes entry
@@ -70,6 +77,7 @@ class Item:
     offset: int
     length: int
     transforms: tuple[str, ...]  # stream transforms applied when written (compression)
+    safetensors: bool = False  # a chunk of its file's safetensors blob (above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +323,9 @@ def _items(storage: dict, tensors: dict[str, TensorEntry], blobs: set[str]) -> d
         for c in t.chunks:
             if (fqn, c.offsets) not in items:
                 raise _Bad(f"tensor {fqn!r:.80}: chunk at {c.offsets} is stored nowhere")
+            item = items[fqn, c.offsets]
+            if item.length == c.numel * DTYPES[t.dtype].itemsize and not item.transforms:
+                items[fqn, c.offsets] = replace(item, safetensors=True)
     for fqn in blobs:
         if (fqn, None) not in items and (fqn, ()) not in items:
             raise _Bad(f"entry {fqn!r:.80} is stored nowhere")
