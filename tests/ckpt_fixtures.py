@@ -96,6 +96,15 @@ DCP_VARIANTS = {
     "dcp_w2_fsdp2": (dict(world_size=2, steps=4, save_at=(2, 4),
                           extra={"flatten_optimizer": True}), DCP_MODULE),
     "dcp_w3_fsdp2_groups": (dict(world_size=3, steps=4, save_at=(2, 4)), DCP_MODULE),
+    # dcp_w2_fsdp2's run saved by FileSystemWriter(serialization_format=SAFETENSORS): each
+    # data file's chunks one safetensors blob (tests/test_dcp_safetensors.py)
+    "dcp_w2_fsdp2_safetensors": (dict(world_size=2, steps=4, save_at=(2, 4),
+                                      extra={"flatten_optimizer": True,
+                                             "writer": "safetensors"}), DCP_MODULE),
+    # ... and its model by HuggingFaceStorageWriter(save_distributed=True): per-rank
+    # shard-*.safetensors files, no .metadata (refused by name)
+    "dcp_w2_fsdp2_hf": (dict(world_size=2, steps=4, save_at=(2, 4),
+                             extra={"flatten_optimizer": True, "writer": "hf"}), DCP_MODULE),
 }
 VARIANTS.update(DCP_VARIANTS)
 # Saved before the first optimizer step (accelerate's save_state before training): one rank,

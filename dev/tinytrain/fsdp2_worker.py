@@ -13,7 +13,8 @@ steps from step extra["first_step"] on. spec.policy: save with mpitailor's DcpCh
 a save dir, resumed from with recover_for_resume + load_dcp (the step it holds).
 extra["writer"]: "safetensors" saves with `FileSystemWriter(serialization_format=
 SerializationFormat.SAFETENSORS)` (each data file's chunks one safetensors blob), "hf" with
-`HuggingFaceStorageWriter(save_distributed=True)` (per-rank `*.safetensors` files); the
+`HuggingFaceStorageWriter(save_distributed=True)` (per-rank `*.safetensors` files of the
+model's weights alone); the
 default writer otherwise. argv:
 spec.json result.json. Rank 0 writes the result: losses per step and the saved dirs.
 """
@@ -82,7 +83,11 @@ def run(spec: TrainSpec, result_path: str) -> None:
         elif step in spec.save_at:
             msd, osd = get_state_dict(model, opt, options=options)
             out = Path(spec.save_dir) / f"step-{step}"
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out),
+            # (the HF writer puts bytes entries, the optimizer's param groups, before its
+            # files' safetensors header, where no reader finds them: the model only)
+            state = {"model": msd} if spec.extra.get("writer") == "hf" else \
+                {"model": msd, "optim": osd}
+            dcp.save(state, checkpoint_id=str(out),
                      storage_writer=_writer(spec.extra.get("writer"), out))
             saved.append(out.name)
     if rank == 0:

@@ -19,7 +19,7 @@ from pathlib import Path
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine.copyio import Copier, copy_unchanged
-from mpitailor.errors import CheckpointError
+from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dcp import (
     METADATA,
     DcpMetadata,
@@ -98,6 +98,8 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     checked = checked or {}
     plan = comm.bcast(comm.root_step(lambda: plan_dcp(recipe, read_dcp_sources(recipe,
                                                                                checked))))
+    if link:
+        _links_readable(recipe, plan)
     linked = plan_links(plan) if link else None
     with staged(comm, recipe.output, [0]) as staging:
         if linked is not None:
@@ -115,6 +117,17 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
             return _manifest(plan, recipe, files, comm.size, link)
         written = commit_on_leaders(comm, staging, [0], manifest)
     return DcpMergeResult(recipe.output, len(files), written)
+
+
+def _links_readable(recipe: Recipe, plan: DcpPlan) -> None:
+    """UserError where a linked output could not be loaded: chunks of a safetensors blob,
+    which torch's dcp.load does not read (a copy writes them as torch.save items)."""
+    c = next((c for c in plan.copies if c.item.safetensors), None)
+    if c is not None:
+        raise UserError(f"{recipe.origin}: {recipe.source_path(c.source)}: its chunks are "
+                        f"safetensors (FileSystemWriter SAFETENSORS), which dcp.load does not "
+                        f"read; --link would leave them so: merge without --link (a copy "
+                        f"writes them as torch.save items)")
 
 
 def _share(sizes: dict[str, int], ranks: int) -> list[list[str]]:

@@ -17,6 +17,7 @@ import itertools
 import math
 import os
 import pickle
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -99,16 +100,39 @@ class DcpMetadata:
         return tuple(sorted({i.file for i in self.items.values()}))
 
 
+# What torch's HuggingFaceStorageWriter(save_distributed=True) names each rank's file
+# (_hf_utils.SHARDED_FILE_NAME): DCP chunks in HF-style safetensors files, no `.metadata`.
+HF_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+
+
 def is_dcp_dir(path: Path) -> bool:
     """Does path hold a `.metadata` (whatever it is: a link or a FIFO there is then refused
-    by name when it is read, not taken for another kind of checkpoint)?"""
-    return os.path.lexists(path / METADATA)
+    by name when it is read, not taken for another kind of checkpoint), or the per-rank
+    files of torch's HuggingFaceStorageWriter (refused by name when read)?"""
+    return os.path.lexists(path / METADATA) or _hf_shards(path) is not None
+
+
+def _hf_shards(path: Path) -> str | None:
+    """The first per-rank file of HuggingFaceStorageWriter in path, if any."""
+    try:
+        with os.scandir(path) as it:
+            return next((e.name for e in it if HF_SHARD.fullmatch(e.name)), None)
+    except OSError:
+        return None
 
 
 def read_metadata(folder: Path) -> DcpMetadata:
     """The checked metadata of the DCP checkpoint in folder; CheckpointError (one line,
     naming the file) if it cannot be read or describes what DCP does not write."""
     path = folder / METADATA
+    shard = None if os.path.lexists(path) else _hf_shards(folder)
+    if shard is not None:
+        raise CheckpointError(
+            f"{shown(folder / shard)}: a rank's file of torch's HuggingFaceStorageWriter "
+            f"(save_distributed, no .metadata), which mpitailor does not read: no file says "
+            f"a tensor's size or that every rank's file is there, and the writer keeps no "
+            f"non-tensor entry; save with FileSystemWriter, or consolidate "
+            f"(enable_consolidation=True writes HF weights)")
     data = read_small(path, MAX_METADATA_BYTES, "a DCP .metadata file")
     try:
         raw = unpickle(data)
