@@ -23,8 +23,7 @@ from mpitailor.errors import CheckpointError
 from mpitailor.formats.dtypes import DTYPES, from_safetensors
 from mpitailor.formats.io import MAX_SAFETENSORS_HEADER, crc32, loads, read_exact, shown
 from mpitailor.formats.safetensors_header import tensor_records
-from mpitailor.formats.torch.tensorref import Storage, Tensor, contiguous_stride
-from mpitailor.formats.torch.zip_write import ZipLayout, describe
+from mpitailor.formats.torch import Tensor, contiguous_stride, zip_write
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # torch's _hf_utils.CUSTOM_METADATA_KEY
 _CACHE_SIZE = 64  # blobs whose parsed header is kept (a merge reads a file's chunks in turn)
@@ -114,7 +113,7 @@ class ZipItem:
     """A chunk written as torch.save writes it (what `dcp.load` reads): `length` bytes, the
     chunk's own bytes at `data_offset` of them, the rest given by `pieces`."""
 
-    layout: ZipLayout
+    layout: zip_write.ZipLayout
     records: tuple  # (bytes or None: the storage) per zip record
     storage: int    # index of the storage record
 
@@ -144,8 +143,8 @@ class ZipItem:
 @functools.lru_cache(maxsize=4096)  # a model's chunks come in a few shapes
 def zip_item(dtype: str, sizes: tuple[int, ...]) -> ZipItem:
     """How torch.save(chunk) lays out a contiguous chunk of dtype and sizes (zip_write)."""
-    t = Tensor(Storage(dtype, math.prod(sizes)), 0, sizes, contiguous_stride(sizes))
-    tf = describe(t)
+    storage = Tensor.empty(math.prod(sizes), dtype).storage
+    tf = zip_write.describe(Tensor(storage, 0, sizes, contiguous_stride(sizes)))
     storages = [i for i, _ in tf.storages()]
     return ZipItem(tf.layout(), tuple(None if r.storage is not None else r.data
                                       for r in tf.records), storages[0])
