@@ -102,6 +102,19 @@ DCP_VARIANTS = {
                       DCP_MODULE),
 }
 VARIANTS.update(DCP_VARIANTS)
+# Other writers (tests/test_dcp_safetensors.py; not DCP_VARIANTS: torch's FileSystemReader
+# reads neither): dcp_w2_fsdp2's run saved by FileSystemWriter(serialization_format=
+# SAFETENSORS), each data file's chunks one safetensors blob
+DCP_SAFETENSORS_VARIANTS = {
+    "dcp_w2_fsdp2_safetensors": (dict(world_size=2, steps=4, save_at=(2, 4),
+                                      extra={"flatten_optimizer": True,
+                                             "writer": "safetensors"}), DCP_MODULE),
+    # ... and its model by HuggingFaceStorageWriter(save_distributed=True): per-rank
+    # shard-*.safetensors files, no .metadata (refused by name)
+    "dcp_w2_fsdp2_hf": (dict(world_size=2, steps=4, save_at=(2, 4),
+                             extra={"flatten_optimizer": True, "writer": "hf"}), DCP_MODULE),
+}
+VARIANTS.update(DCP_SAFETENSORS_VARIANTS)
 # Saved before the first optimizer step (accelerate's save_state before training): one rank,
 # no Adam state, one save. Not a merge source: only tests/test_zero3_errors.py uses it.
 VARIANTS["w1_step0"] = (dict(world_size=1, steps=0, save_at=(0,)), None)

@@ -8,12 +8,14 @@ the checkpoint dir), or raises CheckpointError in one line; nothing else, and no
 long."""
 from __future__ import annotations
 
+import os
 import random
 import time
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.dcp import read_metadata
+from mpitailor.formats.dtypes import DTYPES
 
 
 def mutate(good: bytes, rng: random.Random) -> bytes:
@@ -50,4 +52,42 @@ def run(folder: Path, good: bytes, count: int, seed: int) -> dict:
                 assert all((fqn, c.offsets) in meta.items for c in t_.chunks)
             out["read"] += 1
         out["worst_s"] = max(out["worst_s"], time.perf_counter() - t)
+    return out
+
+
+def run_blob(folder: Path, count: int, seed: int) -> dict:
+    """Damage the safetensors blob of a data file of the DCP checkpoint in folder (chunks
+    FileSystemWriter(SAFETENSORS) wrote; the damage within its header's first 4 KiB, where
+    lengths, names and offsets lie) `count` times, and locate every chunk the metadata
+    places in it. The property: each chunk is found inside the file and of its size, or
+    CheckpointError in one line."""
+    from mpitailor.formats.dcp import locate
+    meta = read_metadata(folder)
+    starts = {(i.file, i.offset) for i in meta.items.values() if i.safetensors}
+    name, start = max(starts)
+    path = folder / name
+    good = path.read_bytes()
+    chunks = [(fqn, t, c) for fqn, t in meta.tensors.items() for c in t.chunks
+              if meta.items[fqn, c.offsets].file == name]
+    rng = random.Random(seed)
+    out = {"inputs": count, "chunks": len(chunks), "located": 0, "refused": 0}
+    for _ in range(count):
+        head = mutate(good[start:start + 4096], rng)
+        path.write_bytes(good[:start] + head + good[start + 4096:])
+        size = path.stat().st_size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for fqn, t, c in chunks:
+                try:
+                    loc = locate(folder, fd, meta.items[fqn, c.offsets], t, c.sizes)
+                except CheckpointError as e:
+                    assert "\n" not in str(e), str(e)
+                    out["refused"] += 1
+                else:
+                    assert loc.offset + loc.nbytes <= size and loc.nbytes == \
+                        c.numel * DTYPES[t.dtype].itemsize, (fqn, loc)
+                    out["located"] += 1
+        finally:
+            os.close(fd)
+    path.write_bytes(good)
     return out

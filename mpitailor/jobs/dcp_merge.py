@@ -19,26 +19,30 @@ from pathlib import Path
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine.copyio import Copier, copy_unchanged
-from mpitailor.errors import CheckpointError
+from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dcp import (
     METADATA,
     DcpMetadata,
+    Located,
     check_bytes_item,
     check_data_files,
     locate,
     metadata_bytes,
     read_dcp_save_record,
     read_metadata,
+    zip_item,
 )
 from mpitailor.formats.io import (
     FileIdentity,
     FileRecord,
     close_all,
+    crc32_combine,
     crc32_range,
     create_sized,
     created,
     fsync_close,
     open_regular,
+    pwrite_all,
     read_small,
     read_upto,
     require_same,
@@ -96,6 +100,8 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     checked = checked or {}
     plan, saves = comm.bcast(comm.root_step(lambda: (
         plan_dcp(recipe, read_dcp_sources(recipe, checked)), _saves_of(recipe))))
+    if link:
+        _links_readable(recipe, plan)
     linked = plan_links(plan) if link else None
     with staged(comm, recipe.output, [0]) as staging:
         if linked is not None:
@@ -113,6 +119,17 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
             return _manifest(plan, recipe, saves, files, comm.size, link)
         written = commit_on_leaders(comm, staging, [0], manifest)
     return DcpMergeResult(recipe.output, len(files), written)
+
+
+def _links_readable(recipe: Recipe, plan: DcpPlan) -> None:
+    """UserError where a linked output could not be loaded: chunks of a safetensors blob,
+    which torch's dcp.load does not read (a copy writes them as torch.save items)."""
+    c = next((c for c in plan.copies if c.item.safetensors), None)
+    if c is not None:
+        raise UserError(f"{recipe.origin}: {recipe.source_path(c.source)}: its chunks are "
+                        f"safetensors (FileSystemWriter SAFETENSORS), which dcp.load does not "
+                        f"read; --link would leave them so: merge without --link (a copy "
+                        f"writes them as torch.save items)")
 
 
 def _share(sizes: dict[str, int], ranks: int) -> list[list[str]]:
@@ -149,7 +166,7 @@ def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
     in the source (a read of what was just checked, mostly from the page cache), the item
     copied inside the kernel (copy_file_range; through the copier's buffers where the file
     systems cannot); the file fsynced."""
-    size = max((c.offset + c.item.length for c in copies), default=0)
+    size = max((c.offset + c.length for c in copies), default=0)
     out = {path.name: create_sized(path, size)}
     copier, crc, passed = Copier(), 0, set()
     try:
@@ -161,7 +178,11 @@ def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
                 if str(folder / c.item.file) in checked:
                     require_same(fds[key], folder / c.item.file,
                                  checked[str(folder / c.item.file)])
-            _check_item(plan, c, folder, fds[key], passed)
+            located = _check_item(plan, c, folder, fds[key], passed)
+            if c.item.safetensors:
+                crc = _write_zip_item(c, plan.output.tensors[c.fqn].dtype, located, fds[key],
+                                      out[path.name], copier, crc)
+                continue
             crc, got = crc32_range(fds[key], c.item.offset, c.item.length, crc)
             if got < c.item.length:
                 raise CheckpointError(
@@ -181,7 +202,26 @@ def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
 SMALL_ITEM = 1 << 16  # a bytes entry's item up to this size is checked once per content
 
 
-def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int, passed: set) -> None:
+def _write_zip_item(c: Copy, dtype: str, located: Located, fd: int, out: int,
+                    copier: Copier, crc: int) -> int:
+    """A chunk of a source's safetensors blob written at c.offset as the torch.save item
+    the plan sized (zip_item): its bytes copied into the zip's storage record, the zip's
+    headers written around them; the output file's CRC-32 continued over the item."""
+    z = zip_item(dtype, c.sizes)
+    data_crc, got = crc32_range(fd, located.offset, located.nbytes, 0)
+    if got < located.nbytes:
+        raise CheckpointError(f"{located.file}: ends before the bytes of {c.fqn!r:.80} at "
+                              f"byte {located.offset} ({located.nbytes} bytes); the file is "
+                              f"truncated")
+    for at, data in z.pieces(data_crc):
+        pwrite_all(out, data, c.offset + at)
+    copy_unchanged(fd, located.offset, located.nbytes, out, c.offset + z.data_offset,
+                   copier, str(located.file))
+    return crc32_combine(crc, z.crc(data_crc), z.length)
+
+
+def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int, passed: set
+                ) -> Located | None:
     """What is copied is what the metadata says: a tensor chunk's item a torch.save of a
     contiguous tensor of its dtype and shape, a bytes entry's item a torch.save the torch
     reader's allow-list reads (no payload carried into the output). passed: the bytes of
@@ -194,8 +234,8 @@ def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int, passed: set) -> N
             check_bytes_item(folder, fd, c.item)
             if blob is not None and len(blob) == c.item.length:
                 passed.add(blob)
-        return
-    locate(folder, fd, c.item, plan.output.tensors[c.fqn], c.sizes)
+        return None
+    return locate(folder, fd, c.item, plan.output.tensors[c.fqn], c.sizes)
 
 
 def _write_metadata(output: DcpMetadata, root: Path) -> dict:

@@ -25,6 +25,7 @@ from mpitailor.formats.dcp import (
     layer_key,
     optimizer_sharding,
     split_key,
+    zip_item,
 )
 from mpitailor.planning.layers import AUX_KEYS, OTHER, LayerClassifier, sort_keys
 from mpitailor.planning.plan import count_layers, layer_sources
@@ -34,7 +35,9 @@ from mpitailor.planning.recipe import Recipe
 @dataclass(frozen=True, slots=True)
 class Copy:
     """One item of the output: entry `fqn` (chunk at `offsets`, of `sizes`; None for a
-    bytes entry), copied from `source`'s `item` into output data file `file` at `offset`."""
+    bytes entry), copied from `source`'s `item` into output data file `file` at `offset`,
+    `length` bytes: the item's own, or, for a chunk of a safetensors blob
+    (item.safetensors), the torch.save item it is written as (formats/dcp zip_item)."""
 
     fqn: str
     offsets: tuple[int, ...] | None
@@ -43,6 +46,7 @@ class Copy:
     item: Item
     file: str
     offset: int
+    length: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,7 @@ class DcpPlan:
         """Output data file -> its size."""
         out: dict[str, int] = {}
         for c in self.copies:
-            out[c.file] = max(out.get(c.file, 0), c.offset + c.item.length)
+            out[c.file] = max(out.get(c.file, 0), c.offset + c.length)
         return out
 
 
@@ -91,9 +95,14 @@ def plan_dcp(recipe: Recipe, metas: dict[str, DcpMetadata]) -> DcpPlan:
         if item is None:
             _lacks(recipe, src, index[0], layer)
         at = ends.get(item.file, 0)
-        copies.append(Copy(index[0], index[1], sizes.get(index), src, item, item.file, at))
-        ends[item.file] = at + item.length
-        items[index] = Item(item.fqn, item.offsets, item.file, at, item.length, item.transforms)
+        # a safetensors chunk is written as the default writer's torch.save item, which
+        # dcp.load reads (torch 2.13 reads no safetensors chunk: formats/dcp)
+        length = zip_item(tensors[index[0]].dtype, sizes[index]).length \
+            if item.safetensors else item.length
+        copies.append(Copy(index[0], index[1], sizes.get(index), src, item, item.file, at,
+                           length))
+        ends[item.file] = at + length
+        items[index] = Item(item.fqn, item.offsets, item.file, at, length, item.transforms)
     planner_data = {}
     for n in order:  # the base's word where two differ
         for k, v in metas[n].planner_data.items():

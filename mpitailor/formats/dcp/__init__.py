@@ -16,6 +16,7 @@ EXPORTS = {
     "COMMON_STATE": "megatron", "is_megatron": "megatron", "layer_key": "megatron",
     "optimizer_sharding": "megatron", "split_megatron": "megatron", "is_stacked": "megatron",
     "metadata_bytes": "metadata_write",
+    "ZipItem": "safetensors_items", "zip_item": "safetensors_items",
     "DCP_SAVE_FORMAT": "save_record", "DcpSaveMeta": "save_record",
     "DcpSaveRecord": "save_record", "read_dcp_save_record": "save_record",
 }

@@ -2,7 +2,8 @@
 
 FileSystemWriter stores each chunk as one item in a `.distcp` file: by default a torch.save
 zip of the chunk's tensor (read here with the torch reader, on the item's byte range:
-formats/torch, Window), or a safetensors blob (SerializationFormat.SAFETENSORS). Items
+formats/torch, Window), or, with SerializationFormat.SAFETENSORS, a tensor of the file's one
+safetensors blob (found by its key in the blob's header: safetensors_items.py). Items
 written through a stream transform (compression, encryption: `transform_descriptors`) are
 refused: their bytes are not the tensor's.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from mpitailor.errors import CheckpointError
 from mpitailor.formats.dcp.metadata import DcpMetadata, Item, TensorEntry
+from mpitailor.formats.dcp.safetensors_items import locate_in_blob
 from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.io import open_regular, read_exact, shown
 from mpitailor.formats.torch import Tensor, contiguous_stride, load
@@ -80,10 +82,11 @@ def locate(folder: Path, fd: int, item: Item, entry: TensorEntry,
     if item.offset + item.length > os.fstat(fd).st_size:
         raise CheckpointError(f"{where}: the item runs past the end of the file; the file is "
                               f"truncated (re-copy it from the original save)")
+    if item.safetensors:
+        return Located(path, *locate_in_blob(path, fd, item, entry.dtype, sizes))
     head = read_exact(fd, 4, item.offset) if item.length >= 4 else b""
     if head != _ZIP:
-        raise CheckpointError(f"{where}: not a torch.save item (safetensors-serialised DCP "
-                              f"items are not read yet)")
+        raise CheckpointError(f"{where}: not a torch.save item")
     t = load(path, fd=fd, window=(item.offset, item.length))
     size = DTYPES[entry.dtype].itemsize
     nbytes = math.prod(sizes) * size

@@ -17,9 +17,10 @@ import itertools
 import math
 import os
 import pickle
+import re
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
@@ -62,7 +63,14 @@ class TensorEntry:
 @dataclass(frozen=True, slots=True)
 class Item:
     """Where one chunk (or bytes entry) is stored: a data file of the checkpoint dir, and the
-    byte range its serialised form takes there (a torch.save zip, or raw bytes)."""
+    byte range its serialised form takes there (a torch.save zip, or raw bytes).
+
+    A chunk written by `FileSystemWriter(serialization_format=SAFETENSORS)` is no item of
+    its own: the writer puts every chunk of a data file into one safetensors blob at the
+    file's end, and records each chunk at the blob's start with the chunk's byte count as
+    its length (`safetensors` True; items.py finds the chunk by its name in the blob's
+    header). A torch.save zip is never as short as its tensor's bytes, so the metadata
+    alone tells the two apart."""
 
     fqn: str
     offsets: tuple[int, ...] | None  # the chunk's offsets; None: a bytes entry
@@ -70,6 +78,7 @@ class Item:
     offset: int
     length: int
     transforms: tuple[str, ...]  # stream transforms applied when written (compression)
+    safetensors: bool = False  # a chunk of its file's safetensors blob (above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,16 +100,39 @@ class DcpMetadata:
         return tuple(sorted({i.file for i in self.items.values()}))
 
 
+# What torch's HuggingFaceStorageWriter(save_distributed=True) names each rank's file
+# (_hf_utils.SHARDED_FILE_NAME): DCP chunks in HF-style safetensors files, no `.metadata`.
+HF_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+
+
 def is_dcp_dir(path: Path) -> bool:
     """Does path hold a `.metadata` (whatever it is: a link or a FIFO there is then refused
-    by name when it is read, not taken for another kind of checkpoint)?"""
-    return os.path.lexists(path / METADATA)
+    by name when it is read, not taken for another kind of checkpoint), or the per-rank
+    files of torch's HuggingFaceStorageWriter (refused by name when read)?"""
+    return os.path.lexists(path / METADATA) or _hf_shards(path) is not None
+
+
+def _hf_shards(path: Path) -> str | None:
+    """The first per-rank file of HuggingFaceStorageWriter in path, if any."""
+    try:
+        with os.scandir(path) as it:
+            return next((e.name for e in it if HF_SHARD.fullmatch(e.name)), None)
+    except OSError:
+        return None
 
 
 def read_metadata(folder: Path) -> DcpMetadata:
     """The checked metadata of the DCP checkpoint in folder; CheckpointError (one line,
     naming the file) if it cannot be read or describes what DCP does not write."""
     path = folder / METADATA
+    shard = None if os.path.lexists(path) else _hf_shards(folder)
+    if shard is not None:
+        raise CheckpointError(
+            f"{shown(folder / shard)}: a rank's file of torch's HuggingFaceStorageWriter "
+            f"(save_distributed, no .metadata), which mpitailor does not read: no file says "
+            f"a tensor's size or that every rank's file is there, and the writer keeps no "
+            f"non-tensor entry; save with FileSystemWriter, or consolidate "
+            f"(enable_consolidation=True writes HF weights)")
     data = read_small(path, MAX_METADATA_BYTES, "a DCP .metadata file")
     try:
         raw = unpickle(data)
@@ -315,6 +347,9 @@ def _items(storage: dict, tensors: dict[str, TensorEntry], blobs: set[str]) -> d
         for c in t.chunks:
             if (fqn, c.offsets) not in items:
                 raise _Bad(f"tensor {fqn!r:.80}: chunk at {c.offsets} is stored nowhere")
+            item = items[fqn, c.offsets]
+            if item.length == c.numel * DTYPES[t.dtype].itemsize and not item.transforms:
+                items[fqn, c.offsets] = replace(item, safetensors=True)
     for fqn in blobs:
         if (fqn, None) not in items and (fqn, ()) not in items:
             raise _Bad(f"entry {fqn!r:.80} is stored nowhere")
