@@ -96,12 +96,13 @@ DCP_VARIANTS = {
     "dcp_w2_fsdp2": (dict(world_size=2, steps=4, save_at=(2, 4),
                           extra={"flatten_optimizer": True}), DCP_MODULE),
     "dcp_w3_fsdp2_groups": (dict(world_size=3, steps=4, save_at=(2, 4)), DCP_MODULE),
-    # layer-wise saves (DcpCheckpointer, Parity): full 2, odd layers 4, even 6, odd 8
-    "dcp_w2_parity": (dict(world_size=2, steps=8, save_at=(2, 4, 6, 8),
-                           policy={"name": "parity"}, extra={"flatten_optimizer": True}),
-                      DCP_MODULE),
 }
 VARIANTS.update(DCP_VARIANTS)
+# Layer-wise DCP saves (DcpCheckpointer, Parity: full 2, odd layers 4, even 6, odd 8), for
+# retention (tests/test_dcp_prune.py); not DCP_VARIANTS, whose saves are all full.
+VARIANTS["dcp_w2_parity"] = (dict(world_size=2, steps=8, save_at=(2, 4, 6, 8),
+                                  policy={"name": "parity"},
+                                  extra={"flatten_optimizer": True}), DCP_MODULE)
 # Other writers (tests/test_dcp_safetensors.py; not DCP_VARIANTS: torch's FileSystemReader
 # reads neither): dcp_w2_fsdp2's run saved by FileSystemWriter(serialization_format=
 # SAFETENSORS), each data file's chunks one safetensors blob
