@@ -10,9 +10,10 @@ from mpitailor.formats.dcp import (
     DcpMetadata,
     is_megatron,
     is_stacked,
+    is_torchtitan,
     layer_key,
     optimizer_sharding,
-    split_key,
+    split_keys,
     split_megatron,
 )
 from mpitailor.planning.layers import LayerClassifier, sort_keys
@@ -30,8 +31,8 @@ def dcp_report(folder: Path, meta: DcpMetadata) -> dict:
     layers: dict[str, dict] = {}
     other, dtypes = [], set()
     groups_by_index = False
-    for fqn in (*meta.tensors, *meta.bytes_entries):
-        key = split_key(fqn)
+    split = split_keys((*meta.tensors, *meta.bytes_entries))
+    for fqn, key in split.items():
         if key.role == "other":
             other.append(fqn)
             continue
@@ -52,8 +53,7 @@ def dcp_report(folder: Path, meta: DcpMetadata) -> dict:
     ranks = {int(m.group(1)) for f in meta.files if (m := _DATA_FILE.fullmatch(f))}
     return {
         "path": str(folder), "kind": "dcp",
-        "layout": "model + optim (get_state_dict + dcp.save: FSDP2, torchtitan)"
-        if any(split_key(k).role == "model" for k in meta.tensors) else "other keys",
+        "layout": _layout(meta, split),
         "world_size": max(ranks) + 1 if ranks else None,
         "data_files": len(meta.files), "dtype": ",".join(sorted(dtypes)) or None,
         "version": meta.version, "save_id": meta.save_id,
@@ -63,6 +63,14 @@ def dcp_report(folder: Path, meta: DcpMetadata) -> dict:
         "layers": {k: {**layers[k], "optimizer_state": sorted(layers[k]["optimizer_state"])}
                    for k in sort_keys(layers)},
     }
+
+
+def _layout(meta: DcpMetadata, split: dict) -> str:
+    if not any(split[k].role == "model" for k in meta.tensors):
+        return "other keys"
+    if is_torchtitan(split):
+        return "torchtitan (parameters by name, optimizer, lr_scheduler, dataloader, train_state)"
+    return "model + optim (get_state_dict + dcp.save: FSDP2)"
 
 
 def _row() -> dict:

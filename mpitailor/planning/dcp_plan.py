@@ -24,7 +24,7 @@ from mpitailor.formats.dcp import (
     is_megatron,
     layer_key,
     optimizer_sharding,
-    split_key,
+    split_keys,
     zip_item,
 )
 from mpitailor.planning.layers import AUX_KEYS, OTHER, LayerClassifier, sort_keys
@@ -118,20 +118,22 @@ def plan_dcp(recipe: Recipe, metas: dict[str, DcpMetadata]) -> DcpPlan:
 
 
 def _param_layers(recipe: Recipe, base: str, tensors: dict, holder: dict) -> dict:
-    """get_state_dict's keys: each item's layer key by its parameter's name (None: the
-    base's)."""
+    """get_state_dict's keys, or torchtitan's (formats/dcp/keys.py): each item's layer key by
+    its parameter's name (None: the base's). The optimizer's entries are classified by their
+    own parameter name: torchtitan's fused `wqkv` is one in the optimizer, three in the model."""
     classify = LayerClassifier(dict(recipe.layer_patterns))
-    params = sorted({split_key(f).param for f in tensors if split_key(f).role == "model"})
-    if not params:
-        raise UserError(f"{recipe.origin}: {recipe.source_path(base)} holds no `model.` "
-                        f"entries (get_state_dict + dcp.save writes model.<param>); mpitailor "
-                        f"merges DCP checkpoints of that layout only")
-    keys = {p: classify(p) for p in params}
+    split = split_keys({i[0] for i in holder} | set(tensors))
+    if not any(k.role == "model" for k in split.values()):
+        raise UserError(f"{recipe.origin}: {recipe.source_path(base)} holds no model entries "
+                        f"(get_state_dict + dcp.save writes model.<param>, torchtitan its "
+                        f"parameters by name); mpitailor merges DCP checkpoints of those "
+                        f"layouts only")
     out = {}
     for index in holder:
-        key = split_key(index[0])
-        out[index] = keys.get(key.param) if key.role in ("model", "optim_state",
-                                                         "param_group") else None
+        key = split[index[0]]
+        named = key.role in ("model", "optim_state") or (key.role == "param_group"
+                                                         and not key.param.isdigit())
+        out[index] = classify(key.param) if named else None
     return out
 
 

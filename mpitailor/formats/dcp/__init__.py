@@ -12,7 +12,7 @@ EXPORTS = {
     "is_dcp_dir": "metadata", "read_metadata": "metadata",
     "Located": "items", "check_bytes_item": "items", "check_data_files": "items",
     "locate": "items",
-    "Key": "keys", "split_key": "keys",
+    "Key": "keys", "split_key": "keys", "split_keys": "keys", "is_torchtitan": "keys",
     "COMMON_STATE": "megatron", "is_megatron": "megatron", "layer_key": "megatron",
     "optimizer_sharding": "megatron", "split_megatron": "megatron", "is_stacked": "megatron",
     "metadata_bytes": "metadata_write",
