@@ -233,3 +233,27 @@ def test_a_rank_killed_after_writing_publishes_nothing(tmp_path, config):
     assert r.returncode != 0 and not (tmp_path / "out").exists(), r.stdout + r.stderr
     out = _ok(run_cli(args, {}, ranks=2), tmp_path)
     check_export(out, _torch_model(src, tmp_path))
+
+
+def test_a_save_dir_exports_its_newest_composite_without_writing_it(tmp_path, config):
+    """`export SAVE_DIR` of layer-wise saves (dcp_w2_parity: full 2, odd 4, even 6, odd 8):
+    the weights of the composite `recover` writes, read where they lie in the saves (no
+    composite written), the same bytes at 1 and 2 ranks; a partial save alone is refused."""
+    from conftest import tree_digest
+    run = build("dcp_w2_parity")
+    assert run_cli(["recover", str(run), "-o", str(tmp_path / "composite")], {}).returncode == 0
+    want = _ok(_export(tmp_path, tmp_path / "composite", config, out="want"), tmp_path, "want")
+    digests = []
+    for ranks in (1, 2):
+        r = _export(tmp_path, run, config, out=f"got{ranks}", ranks=ranks)
+        out = _ok(r, tmp_path, f"got{ranks}")
+        assert "from step-6, step-8" in r.stdout, r.stdout
+        digests.append({k: v for k, v in tree_digest(out).items() if k != MANIFEST})
+        manifest = json.loads((out / MANIFEST).read_text())
+        assert {s["global_steps"] for s in manifest["sources"].values()} == {6, 8}
+    assert digests[0] == digests[1]
+    assert digests[0] == {k: v for k, v in tree_digest(want).items() if k != MANIFEST}
+    check_export(want, _torch_model(tmp_path / "composite", tmp_path))
+    r = _export(tmp_path, run / "step-8", config, out="partial")
+    assert r.returncode == 2 and "a partial save" in r.stderr, r.stderr
+    assert f"mpitailor export {run}" in r.stderr and not (tmp_path / "partial").exists()

@@ -202,7 +202,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     comm: Comm = args.comm
     source = Path(args.source).resolve()
     config = Path(args.config).resolve() if args.config else None
-    if comm.root_step(_is_dcp_source, source):  # a PyTorch Distributed Checkpoint
+    if comm.root_step(_holds_dcp, source):  # a PyTorch Distributed Checkpoint, or their dir
         return _export_dcp(comm, source, config, args)
     out = run_export(comm, source, Path(args.output).resolve(), args.format, args.dtype,
                      args.max_shard_size, not args.no_progress, config, args.verify)
@@ -215,11 +215,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_dcp_source(source: Path) -> bool:
-    from mpitailor.formats.dcp import is_dcp_dir
-    return is_dcp_dir(source)
-
-
 def _export_dcp(comm: Comm, source: Path, config: Path | None,
                 args: argparse.Namespace) -> int:
     """`export` of a DCP checkpoint ([DCP](docs/dcp.md#export)): HF weights only."""
@@ -227,7 +222,9 @@ def _export_dcp(comm: Comm, source: Path, config: Path | None,
     out = run_dcp_export(comm, source, Path(args.output).resolve(), args.format, args.dtype,
                          args.max_shard_size, config, args.verify)
     if comm.rank == 0 and not args.quiet:
-        print(f"mpitailor: exported {shown(source)} (DCP) as hf into {shown(out.output)}: "
+        where = f" (DCP, the newest copy of every layer from {', '.join(out.saves)})" \
+            if out.saves else " (DCP)"
+        print(f"mpitailor: exported {shown(source)}{where} as hf into {shown(out.output)}: "
               f"{out.files} weights file(s), {out.bytes_written / 1e9:.3f} GB written by "
               f"{comm.size} rank(s) in {out.seconds:.2f} s", flush=True)
     return 0

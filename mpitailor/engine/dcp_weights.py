@@ -11,17 +11,21 @@ final size with their headers before any rank writes (jobs/dcp_export.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from mpitailor.engine.copyio import Copier
 from mpitailor.formats.dcp import DcpMetadata, Located, locate
 from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.io import (
+    FileIdentity,
     close_all,
     fsync_close,
     open_output,
     open_regular,
     pread_into,
+    require_same,
 )
 from mpitailor.planning.dcp_hf import DcpHfPlan, Run, pieces, runs_of
 from mpitailor.planning.hf_layout import runs
@@ -31,8 +35,9 @@ class _Sources:
     """The checkpoint's data files (opened on first use) and its chunks' places (located
     on first use: a rank reads only the items of its share)."""
 
-    def __init__(self, folder: Path, meta: DcpMetadata) -> None:
-        self.folder, self.meta = folder, meta
+    def __init__(self, folder: Path, meta: DcpMetadata, paths: Mapping[str, Path],
+                 checked: Mapping[str, FileIdentity]) -> None:
+        self.folder, self.meta, self.paths, self.checked = folder, meta, paths, checked
         self.fds: dict[str, int] = {}
         self.located: dict[tuple[str, int], Located] = {}
         self.runs: dict[str, tuple[list[Run], list[int]]] = {}
@@ -48,11 +53,15 @@ class _Sources:
         entry = self.meta.tensors[fqn]
         c = entry.chunks[i]
         item = self.meta.items[fqn, c.offsets]
+        path = self.paths.get(item.file, self.folder / item.file)
         if item.file not in self.fds:
-            self.fds[item.file] = open_regular(self.folder / item.file, "a DCP data file")
+            self.fds[item.file] = fd = open_regular(path, "a DCP data file")
+            if str(path) in self.checked:  # the very file a recovery checked, not another
+                require_same(fd, path, self.checked[str(path)])
         fd = self.fds[item.file]
         if (fqn, i) not in self.located:
-            self.located[fqn, i] = locate(self.folder, fd, item, entry, c.sizes)
+            self.located[fqn, i] = locate(path.parent, fd, replace(item, file=path.name),
+                                          entry, c.sizes)
         return fd, self.located[fqn, i]
 
     def close(self) -> None:
@@ -61,12 +70,17 @@ class _Sources:
 
 
 def write_share(folder: Path, meta: DcpMetadata, plan: DcpHfPlan, root: Path,
-                share: list[tuple[int, int, int]]) -> dict[str, list[tuple[int, int, int]]]:
+                share: list[tuple[int, int, int]], paths: Mapping[str, Path] | None = None,
+                checked: Mapping[str, FileIdentity] | None = None
+                ) -> dict[str, list[tuple[int, int, int]]]:
     """This rank's share [(file index, first, end element)] of the files in root (made, at
-    their final size), written and fsynced; {file: [(first byte, bytes, CRC-32)]}."""
+    their final size), written and fsynced; {file: [(first byte, bytes, CRC-32)]}. The
+    metadata's data files lie in folder, or where paths says (a composite planned in link
+    mode: its files are the sources'); checked: the identities of files a recovery
+    checked, each opened only as that very file."""
     w = plan.weights
     size = w.itemsize
-    src, copier, outs = _Sources(folder, meta), Copier(), {}
+    src, copier, outs = _Sources(folder, meta, paths or {}, checked or {}), Copier(), {}
     crcs: dict[str, list[tuple[int, int, int]]] = {}
     try:
         for i, lo, hi in share:

@@ -44,6 +44,7 @@ from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.hf import read_config, side_files, warn_if_another_model
 from mpitailor.formats.io import (
     MAX_SIDE_FILE_BYTES,
+    FileIdentity,
     close_all,
     crc32,
     create_sized,
@@ -53,10 +54,15 @@ from mpitailor.formats.io import (
     write_synced,
 )
 from mpitailor.formats.manifest import ExportFields, Manifest
+from mpitailor.jobs.dcp_merge import read_dcp_sources, source_saves
+from mpitailor.jobs.dcp_recovery import holds_dcp_saves, recover_dcp_chain
 from mpitailor.jobs.export import check_config
 from mpitailor.jobs.merge import check_shard_size
 from mpitailor.planning.dcp_hf import DcpHfPlan, plan_dcp_hf, shares
+from mpitailor.planning.dcp_link import plan_links
+from mpitailor.planning.dcp_plan import plan_dcp
 from mpitailor.planning.hf_layout import DEFAULT_MAX_SHARD_SIZE, INDEX
+from mpitailor.planning.recipe import Recipe
 from mpitailor.publish.staging import commit_on_leaders, staged
 
 NO_CONFIG = ("a DCP checkpoint carries no config.json, and from_pretrained needs one; pass "
@@ -69,6 +75,7 @@ class DcpExportResult:
     bytes_written: int
     seconds: float
     files: int
+    saves: tuple[str, ...] = ()   # of a save dir: the saves its newest composite takes from
 
 
 def check_options(source: Path, fmt: str, config: Path | None, verify: bool) -> None:
@@ -92,11 +99,20 @@ def run_dcp_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str 
     check_shard_size(max_shard_size)
     comm.root_step(check_config, config)
     shard = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
-    meta, plan = comm.root_step(_plan, source, dtype, shard)
+    paths: dict[str, Path] = {}
+    checked: dict[str, FileIdentity] = {}
+    saves: tuple[str, ...] = ()
+    if comm.root_step(holds_dcp_saves, source):  # a save dir: its newest composite
+        recipe, chain, checked = recover_dcp_chain(comm, source, output)
+        meta, plan, paths, sources = comm.root_step(_plan_chain, recipe, checked, dtype, shard)
+        saves = tuple(name for name, _ in recipe.sources)
+    else:
+        meta, plan = comm.root_step(_plan, source, dtype, shard)
+        sources = {"src": {"path": str(source), "save_id": meta.save_id, "format": "dcp"}}
     with staged(comm, output, [0]) as staging:
         side = comm.root_step(_lay_out, plan, config, staging.dir)
         share = shares(plan.weights, comm.size)[comm.rank]
-        crcs = comm.step(write_share, source, meta, plan, staging.dir, share)
+        crcs = comm.step(write_share, source, meta, plan, staging.dir, share, paths, checked)
         failpoints.hit("export")
         gathered: dict[str, list] = {}
         for part in comm.allgather(crcs):
@@ -108,13 +124,26 @@ def run_dcp_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str 
             if plan.weights.index is not None:
                 files[INDEX] = write_synced(staging.dir / INDEX, plan.weights.index)
             return Manifest("export", files, ExportFields(
-                format="hf", dtype=plan.weights.dtype,
-                sources={"src": {"path": str(source), "save_id": meta.save_id,
-                                 "format": "dcp"}},
+                format="hf", dtype=plan.weights.dtype, sources=sources,
                 layers={}, mpi_ranks=comm.size))
         written = commit_on_leaders(comm, staging, [0], manifest)
     return DcpExportResult(output, written, time.perf_counter() - t0,
-                           len(plan.weights.files))
+                           len(plan.weights.files), saves)
+
+
+def _plan_chain(recipe: Recipe, checked: dict[str, FileIdentity], dtype: str | None,
+                shard: int) -> tuple[DcpMetadata, DcpHfPlan, dict[str, Path], dict]:
+    """Rank 0 only: the composite `recover` would write of a save dir's newest saves,
+    planned in link mode (planning/dcp_link.py: every item where it lies in its source's
+    data file) and exported from there, no composite written: its metadata, the export's
+    plan, where each of its data files lies, and the manifest's sources."""
+    merged = plan_dcp(recipe, read_dcp_sources(recipe, checked))
+    linked = plan_links(merged)
+    paths = {link.name: recipe.source_path(link.source) / link.file for link in linked.links}
+    saves = source_saves(recipe)
+    sources = {n: {"path": str(p), **saves[n], "format": "dcp"} for n, p in recipe.sources}
+    return linked.output, plan_dcp_hf(linked.output, recipe.origin, dtype, shard), paths, \
+        sources
 
 
 def _plan(source: Path, dtype: str | None, shard: int) -> tuple[DcpMetadata, DcpHfPlan]:
@@ -137,8 +166,8 @@ def _check_record(source: Path, meta: DcpMetadata) -> None:
     if record.partial:
         layers = ", ".join(sorted(record.layers))[:120]
         raise UserError(f"{shown(source)}: a partial save (layers {layers}), "
-                        f"not a whole model; recover the save dir first (mpitailor recover "
-                        f"{shown(source.parent)}) and export the composite")
+                        f"not a whole model; export the save dir (mpitailor export "
+                        f"{shown(source.parent)} ...: the newest copy of every layer)")
     check_recorded(source, record, meta)
 
 

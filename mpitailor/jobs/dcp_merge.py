@@ -99,7 +99,7 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     against their CRC-32s (dcp_chain): each is opened again only as that very file."""
     checked = checked or {}
     plan, saves = comm.bcast(comm.root_step(lambda: (
-        plan_dcp(recipe, read_dcp_sources(recipe, checked)), _saves_of(recipe))))
+        plan_dcp(recipe, read_dcp_sources(recipe, checked)), source_saves(recipe))))
     if link:
         _links_readable(recipe, plan)
     linked = plan_links(plan) if link else None
@@ -266,7 +266,7 @@ def _copy_side_files(base: Path, root: Path) -> dict:
     return out
 
 
-def _saves_of(recipe: Recipe) -> dict[str, dict]:
+def source_saves(recipe: Recipe) -> dict[str, dict]:
     """Each source as the manifest names it: mpitailor's save id and step from its save
     record (formats/dcp/save_record.py), for a plain DCP checkpoint none and the step of its
     name (`step-N`). Retention (jobs/prune.py) tells the newest composite by them."""
