@@ -15,8 +15,10 @@ spec.async_save: the checkpointer's saves written in the background (`wait()` af
 last step); spec.stats: its HDF5 log. extra["keep_going"]: a save that failed
 (PartialSaveFailed, raised at the next save or the wait) is noted, on every rank, and
 training goes on. argv: spec.json result.json. Rank 0 writes the result: losses per step,
-the saves begun (`saved`: a call that returned), the checkpointer's timings per save, every rank's failed saves (`failed`:
-per rank, [the step of the call that raised, its message]) and the loop's seconds.
+the saves begun (`saved`: a call that returned), the checkpointer's timings per save,
+every rank's failed saves (`failed`: per rank, [the step of the call that raised, its
+message]), the loop's seconds (its saves and the wait for the last included) and the last
+wait's.
 """
 from __future__ import annotations
 
@@ -89,8 +91,10 @@ def run(spec: TrainSpec, result_path: str) -> None:
             out = Path(spec.save_dir) / f"step-{step}"
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out))
             saved.append(out.name)
+    t1 = time.perf_counter()
     if ckpt is not None:
         _saved(failed, spec, first + spec.steps, ckpt.wait)
+    last_wait = time.perf_counter() - t1
     seconds = time.perf_counter() - t0
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, failed)
@@ -98,7 +102,7 @@ def run(spec: TrainSpec, result_path: str) -> None:
         Path(result_path).write_text(json.dumps({
             "losses": losses, "saved": saved, "world_size": dist.get_world_size(),
             "save_timings": ckpt.timings if ckpt is not None else [], "failed": every,
-            "loop_seconds": seconds}))
+            "loop_seconds": seconds, "last_wait": last_wait}))
     dist.barrier()
     dist.destroy_process_group()
 
