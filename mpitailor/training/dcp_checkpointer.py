@@ -16,6 +16,12 @@ fsynced, and published by rename with its record (`mpitailor_save.json`: lineage
 layers, every file's size and CRC-32) written last: a save killed at any point is absent,
 never half there. The policies are the ZeRO checkpointer's (Parity, Filter, Adaptive).
 
+With `asynchronous=True`, `save()` returns once the save's tensors are staged into host
+memory by DCP's stager; a background thread writes, checks and publishes it (dcp_async.py:
+which collectives run where). One save is in flight at a time: the next `save()` and
+`wait()` wait for it, and raise its failure (PartialSaveFailed, every rank) instead of going
+on; it was never published. `stats=` logs every save as the ZeRO checkpointer's StatsLog.
+
 Resume at any world size with `recover_for_resume("ckpts")`, which assembles the newest copy
 of every layer into a DCP checkpoint (`mpitailor recover ckpts -o merged` does the same
 from the command line), then `load_dcp(model, optimizer, path)`. A new checkpointer (after
