@@ -118,7 +118,9 @@ class DcpCheckpointer:
                                  "waited": 0.0, "background": math.nan})
             self._published(done, blocked_s=blocked, waited_s=0.0)
             return decision
-        staged = dcp_state.stage(state, self.writer.stager)
+        # agreed (one small allgather on training's group): a rank that cannot stage (host
+        # memory) must not leave the others' writers waiting in a collective for it
+        staged = agree(training_comm(), dcp_state.stage, state, self.writer.stager)
         self.writer.start(str(final), lambda comm, group: _publish(final, staged, record, comm,
                                                                    group))
         self.pending = done
