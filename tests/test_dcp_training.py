@@ -8,10 +8,12 @@ skipped and said."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from dcp_oracle import layer_of, torch_state
 from merging import run_cli
@@ -294,3 +296,100 @@ def test_a_file_swapped_after_the_checks_is_refused_not_merged(run, tmp_path, li
         run_dcp_merge(Comm(None), recipe, link, checked)
     assert "step-4/__0_0.distcp" in str(e.value) and "\n" not in str(e.value)
     assert not out.exists()
+
+
+# Asynchronous saves (DcpCheckpointer(asynchronous=True)): staged while training waits,
+# written and published in the background. The same run as `run`, its saves made so.
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("dcp-async")
+    result = _train(root, "run", save_dir=str(root / "run"), world_size=2, steps=6,
+                    save_at=(2, 4, 6), policy={"name": "parity"}, extra=FLAT,
+                    async_save=True, stats=str(root / "stats.h5"))
+    return root, result
+
+
+def test_asynchronous_saves_hold_what_synchronous_saves_hold(run, async_run, tmp_path):
+    root, result = async_run
+    for step in (2, 4, 6):
+        sync, later = run / f"step-{step}", root / "run" / f"step-{step}"
+        _equal(torch_state(later, tmp_path), torch_state(sync, tmp_path))
+        a, b = read_dcp_save_record(sync), read_dcp_save_record(later)
+        assert a.layers == b.layers and sorted(a.files) == sorted(b.files), step
+    later = [read_dcp_save_record(root / "run" / f"step-{s}").lineage for s in (2, 4, 6)]
+    assert later[1].parent == later[0].save_id and later[2].parent == later[1].save_id
+    assert not [p for p in (root / "run").iterdir() if p.name.startswith(".")]
+    timings = result["save_timings"]
+    assert [t["step"] for t in timings] == [2, 4, 6]
+    assert all(t["blocked"] > 0 and t["background"] > 0 for t in timings), timings
+    # the composite recover assembles from them is the synchronous saves' (torch's reader)
+    out = tmp_path / "out"
+    r = run_cli(["recover", str(root / "run"), "-o", str(out)], {})
+    assert r.returncode == 0, r.stdout + r.stderr
+    want = _composite({s: run / f"step-{s}" for s in (2, 4, 6)}, _parity_newest, tmp_path)
+    _equal(torch_state(out, tmp_path), want)
+
+
+def test_asynchronous_saves_stats_log(async_run, tmp_path):
+    """The log of the ZeRO checkpointer's saves, for DCP saves: one row per save, saved as
+    chosen once published, and each norm what the saves' own tensors say (torch's reader)."""
+    import torch
+    from stats_check import read_log
+    root, _ = async_run
+    log = read_log(root / "stats.h5")
+    assert list(log["step"]) == [2, 4, 6] and list(log["full"]) == [True, False, False]
+    assert np.array_equal(log["saved"], log["chosen"])
+    assert all(log["blocked_s"] > 0) and all(log["background_s"] > 0)
+    keys, last, compared = log["layers"], {}, 0
+    for i, step in enumerate((2, 4, 6)):
+        state = torch_state(root / "run" / f"step-{step}", tmp_path)
+        now = {}
+        for name, t in state.items():
+            if name.startswith("model.") and layer_of(name) is not None:
+                now.setdefault(layer_of(name), []).append(t.double().reshape(-1))
+        now = {k: torch.cat(v) for k, v in now.items()}
+        for k, w in now.items():
+            j = keys.index(k)
+            assert log["weight_norm"][i, j] == pytest.approx(float(w.norm()), rel=1e-5)
+            if k in last:
+                du = (w - last[k]).norm()
+                assert log["update_norm"][i, j] == pytest.approx(float(du), rel=1e-4)
+                assert log["relative_update"][i, j] == pytest.approx(
+                    float(du / last[k].norm()), rel=1e-4)
+                compared += 1
+            else:
+                assert math.isinf(log["relative_update"][i, j])
+        last.update(now)
+    assert compared == 2 * 5  # steps 4 and 6: the layers each holds
+
+
+def test_a_kill_in_the_background_write_leaves_no_save_and_the_job_resumes(async_run, tmp_path):
+    """Rank 0 is killed in its writer thread while it publishes the step-4 save (every file
+    and the record staged, not renamed) and training goes on: no step-4 save is visible,
+    the log does not call it saved. The requeued job resumes from step 2 with the losses of
+    the run never killed, its writer fails a save (no space left) and says so at the next
+    save on every rank, never silently, and saves on (a new chain: a full save)."""
+    from stats_check import read_log
+    _, whole = async_run
+    saves = tmp_path / "run"
+    env = {"MPITAILOR_FAILPOINT": "commit/step-4:0"}
+    with pytest.raises(TrainFailed):
+        _train(tmp_path, "killed", save_dir=str(saves), world_size=2, steps=6,
+               save_at=(2, 4, 6), policy={"name": "parity"}, async_save=True,
+               stats=str(tmp_path / "stats.h5"), extra={**FLAT, "env": env})
+    assert sorted(p.name for p in saves.iterdir() if not p.name.startswith(".")) == ["step-2"]
+    log = read_log(tmp_path / "stats.h5")
+    assert list(log["step"]) == [2, 4] and log["chosen"][1].any() and not log["saved"][1].any()
+    env = {"MPITAILOR_FAILPOINT": "commit/step-4:0:enospc"}
+    got = _train(tmp_path, "resumed", save_dir=str(saves), world_size=2, steps=4,
+                 save_at=(4, 5, 6), policy={"name": "parity"}, async_save=True,
+                 load_dir=str(saves), extra={**FLAT, "recover": True, "keep_going": True,
+                                             "env": env})
+    assert got["losses"] == whole["losses"][2:]
+    assert [[f[0] for f in rank] for rank in got["failed"]] == [[5], [5]], got["failed"]
+    assert all("No space left" in rank[0][1] for rank in got["failed"]), got["failed"]
+    assert sorted(p.name for p in saves.iterdir() if not p.name.startswith(".")) == \
+        ["step-2", "step-6"]
+    after = read_dcp_save_record(saves / "step-6")
+    assert after.layers is None and after.lineage.parent is None

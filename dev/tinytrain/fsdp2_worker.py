@@ -10,19 +10,25 @@ default (`optim.param_groups.0.lr`). spec.load_dir: first `dcp.load` that checkp
 this run's world size: DCP reshards) and `set_state_dict`, then train spec.steps more
 steps from step extra["first_step"] on. spec.policy: save with mpitailor's DcpCheckpointer
 (that policy; the step saved as `train_state.step`); extra["recover"]: spec.load_dir is such
-a save dir, resumed from with recover_for_resume + load_dcp (the step it holds).
-extra["writer"]: "safetensors" saves with `FileSystemWriter(serialization_format=
-SerializationFormat.SAFETENSORS)` (each data file's chunks one safetensors blob), "hf" with
-`HuggingFaceStorageWriter(save_distributed=True)` (per-rank `*.safetensors` files of the
-model's weights alone); the
-default writer otherwise. argv:
-spec.json result.json. Rank 0 writes the result: losses per step and the saved dirs.
+a save dir, resumed from with recover_for_resume + load_dcp (the step it holds);
+spec.async_save: the checkpointer's saves written in the background (`wait()` after the
+last step); spec.stats: its HDF5 log. extra["keep_going"]: a save that failed
+(PartialSaveFailed, raised at the next save or the wait) is noted, on every rank, and
+training goes on. extra["writer"]: "safetensors" saves with `FileSystemWriter(
+serialization_format=SerializationFormat.SAFETENSORS)` (each data file's chunks one
+safetensors blob), "hf" with `HuggingFaceStorageWriter(save_distributed=True)` (per-rank
+`*.safetensors` files of the model's weights alone); the default writer otherwise. argv:
+spec.json result.json. Rank 0 writes the result: losses per step, the saves begun (`saved`:
+a call that returned), the checkpointer's timings per save, every rank's failed saves
+(`failed`: per rank, [the step of the call that raised, its message]), the loop's seconds
+(its saves and the wait for the last included) and the last wait's.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,7 +61,8 @@ def run(spec: TrainSpec, result_path: str) -> None:
     if spec.policy is not None:  # layer-wise saves (mpitailor's DcpCheckpointer)
         from mpitailor.training import DcpCheckpointer, make_policy
         ckpt = DcpCheckpointer(model, opt, spec.save_dir, make_policy(**spec.policy),
-                               options=options)
+                               options=options, asynchronous=spec.async_save,
+                               stats=spec.stats)
     if spec.load_dir is not None and spec.extra.get("recover"):
         # a requeued job: the newest copy of every layer of its save dir, at any world size
         from mpitailor.training import load_dcp, recover_for_resume
@@ -69,7 +76,8 @@ def run(spec: TrainSpec, result_path: str) -> None:
         dcp.load(state, checkpoint_id=spec.load_dir)
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
-    losses, saved = [], []
+    losses, saved, failed = [], [], []
+    t0 = time.perf_counter()
     for step in range(first + 1, first + spec.steps + 1):
         ids, labels = task_batch(spec, step, rank)
         loss = model(input_ids=ids, labels=labels).loss
@@ -78,8 +86,9 @@ def run(spec: TrainSpec, result_path: str) -> None:
         opt.zero_grad()
         losses.append(float(loss))
         if step in spec.save_at and ckpt is not None:
-            ckpt.save(step, extra={"train_state": {"step": step}})
-            saved.append(f"step-{step}")
+            if _saved(failed, spec, step, ckpt.save, step,
+                      extra={"train_state": {"step": step}}):
+                saved.append(f"step-{step}")
         elif step in spec.save_at:
             msd, osd = get_state_dict(model, opt, options=options)
             out = Path(spec.save_dir) / f"step-{step}"
@@ -90,9 +99,18 @@ def run(spec: TrainSpec, result_path: str) -> None:
             dcp.save(state, checkpoint_id=str(out),
                      storage_writer=_writer(spec.extra.get("writer"), out))
             saved.append(out.name)
+    t1 = time.perf_counter()
+    if ckpt is not None:
+        _saved(failed, spec, first + spec.steps, ckpt.wait)
+    last_wait = time.perf_counter() - t1
+    seconds = time.perf_counter() - t0
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, failed)
     if rank == 0:
-        Path(result_path).write_text(json.dumps({"losses": losses, "saved": saved,
-                                                 "world_size": dist.get_world_size()}))
+        Path(result_path).write_text(json.dumps({
+            "losses": losses, "saved": saved, "world_size": dist.get_world_size(),
+            "save_timings": ckpt.timings if ckpt is not None else [], "failed": every,
+            "loop_seconds": seconds, "last_wait": last_wait}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -109,6 +127,20 @@ def _writer(kind: str | None, out: Path):
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
         return HuggingFaceStorageWriter(str(out), save_distributed=True)
     raise ValueError(f"writer {kind!r}")
+
+
+def _saved(failed: list, spec: TrainSpec, step: int, call, *args, **kwargs) -> bool:
+    """call(*args, **kwargs) (a save, the wait) at step; False, and the failure noted, when it
+    raised the failure of a save (extra["keep_going"]; else it ends the run)."""
+    from mpitailor.training.snapshot import PartialSaveFailed
+    try:
+        call(*args, **kwargs)
+    except PartialSaveFailed as e:
+        if not spec.extra.get("keep_going"):
+            raise
+        failed.append([step, str(e)])
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The state a DCP save holds, as FSDP2 users save it: `get_state_dict` of model and optimizer
 (`{"model": ..., "optim": ...}`, with the trainer's own entries beside them), `dcp.save`d,
 `dcp.load`ed and `set_state_dict` back; and a partial save's part of it, the chosen layers'
-entries. Besides the training comm, the one module of the training side that calls
+entries. An asynchronous save is `dcp.async_save`'s two halves: the state staged into host
+memory by DCP's own stager (`stage`), then `dcp.save`d from there on a gloo group of its own
+(`writer_group`) in a background thread. Besides the training comm, the one module of the training side that calls
 torch.distributed: its checkpoint package, which a DCP save is (tests/test_layering.py).
 """
 from __future__ import annotations
@@ -13,7 +15,9 @@ from mpitailor.training import dependencies
 
 with dependencies(__name__):
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -65,10 +69,35 @@ def _flat_kept(key: str, chosen: Callable[[str], bool]) -> bool:
     return not param or param.isdigit() or chosen(param)
 
 
-def save(state: dict, path: Path) -> None:
-    """Collective: dcp.save of state into path (DCP's own writer: each rank its data file,
-    rank 0 the `.metadata`)."""
-    dcp.save(state, checkpoint_id=str(path))
+def save(state: dict, path: Path, group=None) -> None:
+    """Collective over group (None: the default one): dcp.save of state into path (DCP's own
+    writer: each rank its data file, rank 0 the `.metadata`)."""
+    dcp.save(state, checkpoint_id=str(path), process_group=group)
+
+
+def stager() -> DefaultStager:
+    """DCP's stager as `dcp.async_save` makes its own: a copy into plain host memory, taken
+    while the caller waits. It keeps the copy's buffers for the next save of the same
+    tensors (torch caches them by source storage): no fresh pages faulted in at every save."""
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def stage(state: dict, by: DefaultStager) -> dict:
+    """state with every tensor (a DTensor's local shard) copied into host memory: what the
+    background writes, while training changes the live tensors."""
+    return by.stage(state)
+
+
+def writer_group():
+    """Collective (every rank, once): a gloo group of its own for the collectives of the
+    background saves (DCP's planning, the records, the publish), so that they never run
+    concurrently with training's on the default group (a gloo group is not safe under
+    concurrent collectives from two threads); None when torch.distributed is not
+    initialised (a world of one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def load_dcp(model, optimizer, path: Path, options: StateDictOptions | None = None,
