@@ -134,3 +134,31 @@ def test_prune_of_damaged_dcp_saves_keeps_what_recovery_takes(ckpt_copy, seed):
         assert tree_digest(run) == digest
     else:
         assert recipe_body(run) == before
+
+
+def test_keep_last_in_training_prunes_after_each_save(tmp_path):
+    """DcpCheckpointer(keep_last=0) in a real FSDP2 run (dcp_w2_parity's, saves 2, 4, 6,
+    8): after the save of step 8 the odd layers of step 4 are saved again, and step 4 goes
+    with its tombstone; recovery takes what it takes from the fixture's untouched saves."""
+    from ckpt_fixtures import VARIANTS, build
+
+    from dev.tinytrain.launch import launch
+    from dev.tinytrain.spec import TrainSpec
+    spec = dict(VARIANTS[FIXTURE][0])
+    spec["policy"] = {**spec["policy"], "keep_last": 0}
+    run = tmp_path / "run"
+    (tmp_path / "logs").mkdir()
+    launch(TrainSpec(save_dir=str(run), **spec), module=VARIANTS[FIXTURE][1],
+           log_dir=tmp_path / "logs")
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-2", "step-6", "step-8"]
+    assert len(list((run / ".mpitailor-pruned").iterdir())) == 1
+    untouched = build(FIXTURE)
+    assert recipe_body(run).replace(str(run), "RUN") == \
+        recipe_body(untouched).replace(str(untouched), "RUN")
+    for d in (run, untouched):
+        r = run_cli(["recover", str(d), "-o", str(tmp_path / f"out-{d.name}")], {})
+        assert r.returncode == 0, r.stderr
+    got, want = (composite_digest(tmp_path / f"out-{d.name}") for d in (run, untouched))
+    for digest in (got, want):  # (DCP's own save id, new at every dcp.save, is in it)
+        digest.pop(".metadata")
+    assert got == want

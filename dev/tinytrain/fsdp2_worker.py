@@ -60,9 +60,11 @@ def run(spec: TrainSpec, result_path: str) -> None:
     ckpt = None
     if spec.policy is not None:  # layer-wise saves (mpitailor's DcpCheckpointer)
         from mpitailor.training import DcpCheckpointer, make_policy
-        ckpt = DcpCheckpointer(model, opt, spec.save_dir, make_policy(**spec.policy),
+        policy = dict(spec.policy)
+        keep_last = policy.pop("keep_last", None)  # the checkpointer's, not the policy's
+        ckpt = DcpCheckpointer(model, opt, spec.save_dir, make_policy(**policy),
                                options=options, asynchronous=spec.async_save,
-                               stats=spec.stats)
+                               stats=spec.stats, keep_last=keep_last)
     if spec.load_dir is not None and spec.extra.get("recover"):
         # a requeued job: the newest copy of every layer of its save dir, at any world size
         from mpitailor.training import load_dcp, recover_for_resume

@@ -37,20 +37,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor import failpoints
-from mpitailor.errors import MpitailorError, UserError
+from mpitailor.errors import UserError
 from mpitailor.facade import (
     LayerClassifier,
     discard_dir,
-    keep_last_saves,
     layer_index,
     publish_file,
 )
-from mpitailor.formats.zero import ELEMENT, PARTIAL_MANIFEST, SAVE_RECORD, Lineage, SaveRecord
+from mpitailor.formats.zero import (
+    ELEMENT,
+    PARTIAL_MANIFEST,
+    SAVE_RECORD,
+    Lineage,
+    SaveRecord,
+)
 from mpitailor.training.distcomm import agreed_save_id, training_comm
 from mpitailor.training.overlap import StepGuard
 from mpitailor.training.partial_save import save_leader, slice_elements_by_layer, take
 from mpitailor.training.policies import Decision, Policy
 from mpitailor.training.recorded_save import gathered_records, recording
+from mpitailor.training.retention import check_keep_last, retain
 from mpitailor.training.snapshot import PartialSaveFailed, host_bytes_limit, write
 from mpitailor.training.stats import StatsLog, UpdateTracker, model_layer_keys
 from mpitailor.training.writer import BackgroundWriter
@@ -74,11 +80,7 @@ class LayerwiseCheckpointer:
         keep_last: after each published save, delete what the newest composite no longer
         needs, keeping the K newest saves (`mpitailor prune --keep-last K`; None: keep all)."""
         max_host_bytes = host_bytes_limit(max_host_bytes)  # before any collective
-        if keep_last is not None and (isinstance(keep_last, bool) or
-                                      not isinstance(keep_last, int) or keep_last < 0):
-            raise UserError(f"keep_last={keep_last!r}: give a count >= 0 (the newest saves kept "
-                            f"whatever they hold), or None to keep every save")
-        self.keep_last = keep_last
+        self.keep_last = check_keep_last(keep_last)
         self.engine, self.save_dir, self.policy = engine, save_dir, policy
         refuse_unsupported(engine)
         classify = LayerClassifier(layer_patterns)
@@ -170,24 +172,7 @@ class LayerwiseCheckpointer:
             self.log.update(done.step, saved=done.decision.layers, **timings)
         self.save_index += 1
         if self.keep_last is not None:
-            self._retain()
-
-    def _retain(self) -> None:
-        """Collective: `prune --keep-last K` of the save dir, without its CRC pass (the saves
-        were just written and are checked by size and structure). A save that cannot be
-        deleted is said, not raised: retention must not stop training."""
-        comm = training_comm()
-        try:
-            lines = keep_last_saves(comm, self.save_dir, self.keep_last)
-        except MpitailorError as e:
-            if comm.rank == 0:
-                log.warning("retention (keep_last=%d): nothing more pruned: %s",
-                            self.keep_last, e)
-            return
-        if comm.rank == 0:
-            for line in lines:
-                if line.startswith("removed"):
-                    log.info("retention (keep_last=%d): %s", self.keep_last, line)
+            retain(self.save_dir, self.keep_last)
 
     def save(self, tag: str | None = None, client_state: dict | None = None) -> Decision:
         """Collective: a full DeepSpeed save or a partial one, as the policy decides."""

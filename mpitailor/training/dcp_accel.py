@@ -44,8 +44,10 @@ SAVE_PREFIX = "checkpoint-"
 
 class AccelerateDcpCheckpointer:
     def __init__(self, accelerator, save_dir: str | os.PathLike, policy: Policy,
-                 layer_patterns: Mapping[str, str] | None = None) -> None:
-        """accelerator: after `prepare` of one model (FSDP2) and its optimizer."""
+                 layer_patterns: Mapping[str, str] | None = None,
+                 keep_last: int | None = None) -> None:
+        """accelerator: after `prepare` of one model (FSDP2) and its optimizer. keep_last:
+        after each save, `prune --keep-last K` of save_dir (None: keep every save)."""
         if len(accelerator._models) != 1 or len(accelerator._optimizers) != 1:
             raise ValueError(f"AccelerateDcpCheckpointer saves one prepared model and its "
                              f"optimizer; the accelerator holds {len(accelerator._models)} "
@@ -55,7 +57,8 @@ class AccelerateDcpCheckpointer:
         self.optimizer = accelerator._optimizers[0].optimizer  # under AcceleratedOptimizer
         self.save_dir = Path(save_dir)
         self.dcp = DcpCheckpointer(self.model, self.optimizer, save_dir, policy,
-                                   layer_patterns, name_prefix=SAVE_PREFIX)
+                                   layer_patterns, name_prefix=SAVE_PREFIX,
+                                   keep_last=keep_last)
 
     def save(self, step: int, extra: Mapping | None = None) -> Decision:
         """Collective: a full or partial save of this step into save_dir/checkpoint-<step>,

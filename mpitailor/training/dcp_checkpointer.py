@@ -48,6 +48,7 @@ from mpitailor.training import dcp_state
 from mpitailor.training.dcp_async import DcpWriter
 from mpitailor.training.distcomm import agreed_save_id, sum_over_ranks, training_comm
 from mpitailor.training.policies import Decision, Policy
+from mpitailor.training.retention import check_keep_last, retain
 from mpitailor.training.snapshot import PartialSaveFailed, agree
 from mpitailor.training.stats import StatsLog
 
@@ -59,7 +60,7 @@ class DcpCheckpointer:
     def __init__(self, model, optimizer, save_dir: str | os.PathLike, policy: Policy,
                  layer_patterns: Mapping[str, str] | None = None, options=None,
                  asynchronous: bool = False, stats: str | os.PathLike | None = None,
-                 name_prefix: str = "step-") -> None:
+                 name_prefix: str = "step-", keep_last: int | None = None) -> None:
         """layer_patterns: `{regex: layer key}` for parameter names the built-in rules do not
         know, recorded in every save. options: the `StateDictOptions` the loop's
         `get_state_dict` takes (e.g. `flatten_optimizer_state_dict=True`, torchtitan's).
@@ -68,7 +69,10 @@ class DcpCheckpointer:
         save's update statistics and timings (rank 0; training/stats.py's StatsLog, which
         `mpitailor plot` reads). name_prefix: a save's dir is save_dir/<name_prefix><step>
         (torchtitan's `step-`; the Accelerate and HF Trainer checkpointers name theirs
-        `checkpoint-`, as HF does)."""
+        `checkpoint-`, as HF does). keep_last: after each published save, delete what the
+        newest composite no longer needs, keeping the K newest saves (`mpitailor prune
+        --keep-last K`; None: keep all)."""
+        self.keep_last = check_keep_last(keep_last)
         self.model, self.optimizer, self.policy = model, optimizer, policy
         self.save_dir, self.options = Path(save_dir), options
         self.name_prefix = name_prefix
@@ -164,6 +168,8 @@ class DcpCheckpointer:
         if self.log:
             self.log.update(done.step, saved=done.decision.layers, **timings)
         self.save_index += 1
+        if self.keep_last is not None:
+            retain(self.save_dir, self.keep_last)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,9 @@ dir beside the composite (`.mpitailor-resume/<name>.hf/`), which the Trainer is 
 checkpoint (so it restores its step, skips the batches seen and restores its callbacks as
 always); the model, optimizer and scheduler are loaded from the DCP checkpoint with
 `load_dcp` (DCP's `dcp.load` and `set_state_dict`, what HF's FSDP load does) where the
-Trainer loads them, the rng where it loads the rng. HF's rotation (`save_total_limit`) is
-not applied: it would delete the full save the partial saves build on.
+Trainer loads them, the rng where it loads the rng. HF's rotation would delete the full save the partial saves build on:
+`save_total_limit` is applied by mpitailor's retention instead (`prune --keep-last
+save_total_limit` after each save, jobs/prune.py).
 Collective: every method is called on every rank.
 """
 from __future__ import annotations
@@ -124,7 +125,8 @@ class DcpLayerwiseTrainer(transformers.Trainer):
             self._dcp = DcpCheckpointer(self.model_wrapped, self.optimizer.optimizer,
                                         self._get_output_dir(trial=trial),
                                         self.layerwise_policy, self.layer_patterns,
-                                        name_prefix=SAVE_PREFIX)
+                                        name_prefix=SAVE_PREFIX,
+                                        keep_last=self.args.save_total_limit)
         for cb in [c for c in self.callback_handler.callbacks + [self.control]
                    if isinstance(c, ExportableState)]:  # as Trainer._save_checkpoint does
             name, state = cb.__class__.__name__, cb.state()
