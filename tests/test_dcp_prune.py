@@ -162,3 +162,18 @@ def test_keep_last_in_training_prunes_after_each_save(tmp_path):
     for digest in (got, want):  # (DCP's own save id, new at every dcp.save, is in it)
         digest.pop(".metadata")
     assert got == want
+
+
+def test_inspect_of_the_save_dir_shows_the_timeline_recover_takes(ckpt_copy):
+    run = ckpt_copy(FIXTURE)
+    assert run_cli(["prune", str(run), "--keep-last", "0"], {}).returncode == 0
+    os.truncate(run / "step-6" / "__1_0.distcp", 100)
+    r = run_cli(["inspect", str(run)], {})
+    assert r.returncode == 0, r.stderr
+    assert "from step-8: embed, layers.1, layers.3, norm, lm_head" in r.stdout, r.stdout
+    assert "skipped step-6: " in r.stdout and "stepped across (pruned): step-4" in r.stdout
+    import json
+    rep = json.loads(run_cli(["inspect", str(run), "--json"], {}).stdout)
+    assert rep["recover"]["layers"] == {k: "step-8" for k in
+                                        ("embed", "layers.1", "layers.3", "norm", "lm_head")}
+    assert [s["name"] for s in rep["saves"] if s["problem"]] == ["step-6"]

@@ -64,6 +64,39 @@ def format_dcp_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def format_dcp_saves(rep: dict) -> str:
+    """`inspect SAVE_DIR` of a dir of DCP saves (jobs/inspect_dcp.py: saves_report)."""
+    lines = [f"save dir     {shown(rep['path'])}",
+             f"kind         PyTorch Distributed Checkpoint saves ({len(rep['saves'])} found)",
+             f"{'save':<16}{'step':>6}  {'kind':<8} {'holds':<40} state"]
+    for s in rep["saves"]:
+        holds = "every entry" if s["kind"] == "full" else \
+            ", ".join(shown(k) for k in s["layers"]) if s["layers"] else "-"
+        state = "ok" if s["problem"] is None else \
+            ("cannot be read now: " if s["unreadable"] else "not usable: ") + s["problem"]
+        lines.append(f"{shown(s['name']):<16}{s['step']:>6}  {s['kind']:<8} {holds[:40]:<40} "
+                     f"{state[:160]}")
+    rec = rep["recover"]
+    if "refused" in rec:
+        lines.append(f"recover      refuses: {rec['refused']}")
+        return "\n".join(lines)
+    after = f" and {', '.join(shown(n) for n in rec['partials'])}" if rec["partials"] else ""
+    lines.append(f"recover      step {rec['step']}: {shown(rec['full'])}{after} (the newest "
+                 f"copy of every layer; CRC-32s not read here)")
+    by_save: dict[str, list[str]] = {}
+    for layer, save in rec["layers"].items():
+        by_save.setdefault(save, []).append(shown(layer))
+    for save, layers in by_save.items():
+        lines.append(f"  from {shown(save)}: {', '.join(layers)}")
+    lines.append(f"  from {shown(rec['full'])}: " + ("every other entry" if by_save else
+                                                      "every entry"))
+    for name, why in rec["skipped"].items():
+        lines.append(f"  skipped {shown(name)}: {why[:160]}")
+    if rec["pruned"]:
+        lines.append(f"  stepped across (pruned): {', '.join(shown(n) for n in rec['pruned'])}")
+    return "\n".join(lines)
+
+
 def format_diff(rep: dict) -> str:
     lines = [f"A  {rep['a']}", f"B  {rep['b']}",
              f"{'layer':<12}{'kind':<12}{'same':<6}{'max |A-B|':>12}{'|A-B|/|A|':>12}"]

@@ -13,7 +13,7 @@ from mpitailor.errors import MpitailorError
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from mpitailor.cli.reports import format_dcp_table, format_table
+    from mpitailor.cli.reports import format_dcp_saves, format_dcp_table, format_table
     from mpitailor.formats.dcp import (
         check_data_files,
         is_dcp_dir,
@@ -30,6 +30,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rep = dcp_report(Path(args.checkpoint), meta)
         rep["save"] = saved_as(read_dcp_save_record(Path(args.checkpoint)))
         print(json.dumps(rep, indent=2) if args.json else format_dcp_table(rep))
+        return 0
+    from mpitailor.jobs.dcp_recovery import holds_dcp_saves
+    if holds_dcp_saves(Path(args.checkpoint)):  # a dir of them: the timeline
+        from mpitailor.jobs.inspect_dcp import saves_report
+        rep = saves_report(Path(args.checkpoint).resolve())
+        print(json.dumps(rep, indent=2) if args.json else format_dcp_saves(rep))
         return 0
 
     meta = read_meta(args.checkpoint)

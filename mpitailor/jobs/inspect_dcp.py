@@ -139,3 +139,33 @@ def saved_as(record) -> dict | None:
     return {"kind": "partial" if record.partial else "full", "step": record.global_steps,
             "layers": sort_keys(record.layers) if record.partial else None,
             "chain": record.lineage.chain, "save_id": record.lineage.save_id}
+
+
+def saves_report(save_dir: Path) -> dict:
+    """`inspect SAVE_DIR` of a dir of DCP saves: every save found (step, full or partial,
+    the layers a partial one holds, whether it is usable and why not), and what `recover`
+    would take from where now, or why it would refuse. Read as recover reads the saves,
+    less the CRC-32 pass (inspect reads metadata, not data)."""
+    from mpitailor.cluster.comm import Comm
+    from mpitailor.errors import MpitailorError
+    from mpitailor.jobs.dcp_recovery import find_dcp_saves, survey_dcp_saves
+    rows = [{"name": s.name, "step": s.step,
+             "kind": "-" if s.meta is None else "partial" if s.partial else "full",
+             "layers": sort_keys(s.meta.held_layers) if s.partial else None,
+             "problem": s.problem, "unreadable": s.unreadable}
+            for s in find_dcp_saves(save_dir)]
+    try:
+        _, chain, _ = survey_dcp_saves(Comm(), save_dir, crc=False)
+    except MpitailorError as e:
+        return {"path": str(save_dir), "kind": "dcp-saves", "saves": rows,
+                "recover": {"refused": str(e).split("\n")[0]}}
+    newest, taken = chain.full, {}
+    for s in (chain.full, *chain.partials):
+        newest = s
+        for k in s.meta.held_layers if s.partial else ():
+            taken[k] = s.name
+    return {"path": str(save_dir), "kind": "dcp-saves", "saves": rows,
+            "recover": {"step": newest.step, "full": chain.full.name,
+                        "partials": [s.name for s in chain.partials],
+                        "layers": {k: taken[k] for k in sort_keys(taken)},
+                        "skipped": dict(chain.skipped), "pruned": list(chain.pruned)}}
