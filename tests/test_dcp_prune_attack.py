@@ -1,0 +1,38 @@
+"""Holes a hostile review found in the retention of DCP save dirs (jobs/prune.py on
+DcpCheckpointer's saves, and DCP recovery beside it), each pinned by the test that failed
+before its fix.
+
+The fixture is the real 2-rank FSDP2 run `dcp_w2_parity` (a full save at step 2, odd layers
+at 4, even layers at 6, odd layers at 8); every test works on its own copy."""
+from __future__ import annotations
+
+from merging import run_cli
+
+from mpitailor.cluster.comm import Comm
+from mpitailor.jobs.dcp_merge import run_dcp_merge
+from mpitailor.jobs.dcp_recovery import recover_dcp_chain
+from mpitailor.jobs.readlocks import release
+
+FIXTURE = "dcp_w2_parity"
+
+
+def test_prune_keeps_a_save_a_running_dcp_recover_reads(ckpt_copy, tmp_path):
+    """A recover chose its sources (steps 4 and 6) before step-8 was published; a prune
+    run then (step-4's layers all saved again by step-8) must keep step-4 while the
+    recover reads it: it was deleted under the merge, which failed on a missing file."""
+    run = ckpt_copy(FIXTURE)
+    (run / "step-8").rename(tmp_path / "step-8")
+    try:
+        recipe, _, checked = recover_dcp_chain(Comm(), run, tmp_path / "out")
+        assert "step-4" in dict(recipe.sources)
+        (tmp_path / "step-8").rename(run / "step-8")  # published while recover runs
+        r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+        assert r.returncode == 0, r.stderr
+        assert (run / "step-4").is_dir(), r.stdout
+        assert "kept " + str(run / "step-4") + ": a live process reads it" in r.stdout
+        run_dcp_merge(Comm(), recipe, checked=checked)  # the recover ends as it began
+    finally:
+        release()
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})  # once it has ended: gone
+    assert r.returncode == 0 and not (run / "step-4").exists(), r.stdout + r.stderr
+
