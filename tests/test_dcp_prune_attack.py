@@ -6,6 +6,9 @@ The fixture is the real 2-rank FSDP2 run `dcp_w2_parity` (a full save at step 2,
 at 4, even layers at 6, odd layers at 8); every test works on its own copy."""
 from __future__ import annotations
 
+import os
+import shutil
+
 from merging import run_cli
 
 from mpitailor.cluster.comm import Comm
@@ -36,3 +39,17 @@ def test_prune_keeps_a_save_a_running_dcp_recover_reads(ckpt_copy, tmp_path):
     r = run_cli(["prune", str(run), "--keep-last", "0"], {})  # once it has ended: gone
     assert r.returncode == 0 and not (run / "step-4").exists(), r.stdout + r.stderr
 
+
+def test_a_plain_dcp_save_whose_name_tells_no_step_is_not_taken_for_an_old_one(ckpt_copy):
+    """A plain `dcp.save` (no record) named `final` has no step prune can know: it was
+    removed as 'older than step-2' (its step taken as -1)."""
+    run = ckpt_copy(FIXTURE)
+    shutil.copytree(run / "step-2", run / "final")
+    (run / "final" / "mpitailor_save.json").unlink()
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+    assert r.returncode == 0, r.stderr
+    assert (run / "final" / ".metadata").is_file(), r.stdout
+    said = [line for line in r.stdout.splitlines() if "/final:" in line]
+    assert said and said[0].startswith("mpitailor: kept"), r.stdout
+    assert not (run / "step-4").exists()  # the rest of the prune still done
+    assert os.listdir(run / "final")
