@@ -23,6 +23,7 @@ from mpitailor.cluster.comm import Comm
 from mpitailor.errors import MpitailorError
 from mpitailor.jobs.dcp_recovery import recover_dcp_chain
 from mpitailor.jobs.prune import prune
+from mpitailor.jobs.readlocks import release
 
 FIXTURE = "dcp_w2_parity"
 
@@ -33,6 +34,8 @@ def recipe_body(run: Path) -> str | None:
         text = recover_dcp_chain(Comm(), run, None)[0].text
     except MpitailorError:
         return None
+    finally:
+        release()  # (recover holds its sources: a prune after it here would keep them)
     return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
 
 

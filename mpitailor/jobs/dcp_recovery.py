@@ -41,6 +41,7 @@ from mpitailor.jobs.dcp_save_checks import (
     unreadable_now,
 )
 from mpitailor.jobs.readable import refuse_unreadable
+from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe, step_of_name
 from mpitailor.planning.layers import check_patterns
@@ -179,11 +180,15 @@ def recover_dcp_chain(comm: Comm, save_dir: Path, output: Path | None,
                       until_step: int | None = None
                       ) -> tuple[Recipe, Chain, dict[str, FileIdentity]]:
     """Collective: the recipe `recover` merges (jobs/dcp_merge.py's run_dcp_merge), the
-    chain it was made from, and the identities of the files checked (dcp_chain)."""
+    chain it was made from, and the identities of the files checked (dcp_chain). Its
+    sources are held (jobs/readlocks.py) until the process ends, as the ZeRO recovery holds
+    them: a prune that runs meanwhile keeps them (a save published after this choice makes
+    one of them superseded, and it was deleted under the merge)."""
     if layer_patterns:
         check_patterns(dict(layer_patterns), where="--layer-pattern")
     chain, identities = dcp_chain(comm, save_dir, until_step)
     recipe = comm.root_step(recovery_recipe, save_dir, chain, output, layer_patterns)
+    comm.root_step(hold_sources, [path for _, path in recipe.sources])
     return recipe, chain, identities
 
 

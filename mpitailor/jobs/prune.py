@@ -162,6 +162,14 @@ def plan_prune(comm: Comm, save_dir: Path, keep_last: int, composites: Path | No
                         f"where the in-job resume keeps this save dir's composites; prune "
                         f"follows no link in a save dir: replace it with the dir itself, or "
                         f"give the dir it points to as --composites DIR")
+    for own in (save_dir / PRUNED_DIR, save_dir / RECORD.parent):
+        # followed, prune would write its tombstones there and remove those no save of
+        # this dir builds on: another run's, whose recovery then refuses
+        if own.is_symlink():
+            raise UserError(f"{shown(own)}: a symbolic link (to {shown(os.readlink(own))}), "
+                            f"where prune keeps the tombstones of this save dir's pruned "
+                            f"saves; prune follows no link in a save dir: replace it with "
+                            f"a copy of the dir it points to (`cp -a`)")
     if comm.root_step(holds_dcp_saves, save_dir):  # (DCP saves lie on a shared disk)
         saves, chain, _ = survey_dcp_saves(comm, save_dir, crc=crc)
         view, node_local = LOCAL, False

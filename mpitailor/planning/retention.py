@@ -240,6 +240,10 @@ def _judge_save(s: Save, chain: Chain, newest: Save, keep_last: int,
             return keep(f"holds the newest copy of {', '.join(left)}")
         return drop(f"every layer it holds is saved again by a newer save of the timeline "
                     f"({', '.join(p.name for p in later)})")
+    if s.step < 0 and s.lineage is None:  # (a plain DCP save named `final`: its step is
+        # read from its name, and -1 would make it older than any save)
+        return keep("no save record and no step in its name: prune cannot tell how old it "
+                    "is; left alone")
     if s.problem is not None:
         return drop(f"incomplete by its own record ({s.problem}), and older than the "
                     f"newest usable save {newest.name}")
