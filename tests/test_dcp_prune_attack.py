@@ -88,3 +88,41 @@ def test_prune_follows_no_link_to_another_runs_tombstones(ckpt_copy, tmp_path, l
     assert (run / "step-4").is_dir()  # nothing of its own removed either
     r = run_cli(["recover", str(other), "-o", str(tmp_path / "out")], {})
     assert r.returncode == 0, r.stderr
+
+
+IN_JOB = """
+import sys
+from mpitailor.cluster.comm import Comm
+from mpitailor.jobs.in_job_resume import recover_in_job
+print(recover_in_job(Comm(), sys.argv[1]).path, flush=True)
+"""
+
+
+def test_prune_keeps_the_saves_an_in_job_resume_merges_from(ckpt_copy, tmp_path):
+    """The in-job resume (recover_for_resume) holds the saves it merges from while it
+    writes the composite, as `recover` does, and lets go once it is written: a prune run
+    meanwhile keeps them, the job's own retention after its next save may remove them."""
+    import subprocess
+    import sys
+    import time
+    run = ckpt_copy(FIXTURE)
+    (run / "step-8").rename(tmp_path / "step-8")
+    env = dict(os.environ, MPITAILOR_FAILPOINT="write:0:sleep=4",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    job = subprocess.Popen([sys.executable, "-c", IN_JOB, str(run)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((run / ".mpitailor-resume").glob(".*")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # its staging dir: the sources chosen, the merge under way
+        (tmp_path / "step-8").rename(run / "step-8")  # published meanwhile
+        r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+        assert r.returncode == 0, r.stderr
+        assert "kept " + str(run / "step-4") + ": a live process reads it" in r.stdout, \
+            r.stdout
+    finally:
+        out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+    assert Path(out.strip()).name.startswith("recovered-step-6-")
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})  # the job let go: it goes
+    assert r.returncode == 0 and not (run / "step-4").exists(), r.stdout + r.stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from mpitailor.jobs.dcp_merge import run_dcp_merge
 from mpitailor.jobs.dcp_recovery import dcp_chain, holds_dcp_saves
 from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.prune import RESUME_DIR
+from mpitailor.jobs.readlocks import hold_sources, release
 from mpitailor.jobs.recovery import find_saves, plan_recovery
 from mpitailor.planning.chain import Chain, recovery_recipe
 from mpitailor.planning.recipe import recipe_from
@@ -81,9 +83,10 @@ def recover_in_job(comm: Comm, save_dir: str | os.PathLike, until_step: int | No
     resharded = "" if chain.full.meta.world_size == world else \
         f", resharded from world size {chain.full.meta.world_size}"
     where = f"resuming from {out} (step {base.step}, world size {world}{resharded})"
-    reused = _written_once(comm, out, base, world, lambda: recovery_recipe(
-        save_dir, chain, out, None, None if chain.full.meta.world_size == world else world),
-        place)
+    with _holding(comm, chain, not place.node_local):
+        reused = _written_once(comm, out, base, world, lambda: recovery_recipe(
+            save_dir, chain, out, None, None if chain.full.meta.world_size == world else world),
+            place)
     return ResumePoint(out, f"{where}, recovered{' before' if reused else ''} from {came_from}"
                             f"{tidied}")
 
@@ -109,10 +112,26 @@ def _recover_dcp(comm: Comm, save_dir: Path, until_step: int | None,
     writers = len(chain.full.meta.metadata.files)
     reused = comm.root_step(_is_recovery_of, out, base, writers)
     if not reused:  # linked where it lies beside the saves: a resume in metadata time
-        run_dcp_merge(comm, comm.root_step(recovery_recipe, save_dir, chain, out),
-                      link=output_root is None, checked=checked)
+        with _holding(comm, chain):
+            run_dcp_merge(comm, comm.root_step(recovery_recipe, save_dir, chain, out),
+                          link=output_root is None, checked=checked)
     return ResumePoint(out, f"resuming from {out} (step {base.step}), recovered"
                             f"{' before' if reused else ''} from {_origin(chain)}{tidied}")
+
+
+@contextmanager
+def _holding(comm: Comm, chain, hold: bool = True):
+    """The chain's saves held (read locks, rank 0) while the composite is written from them,
+    so that a prune running meanwhile (another job's, a user's) keeps them; let go after:
+    the composite is whole then (a linked one shares its files' blocks), and the job's own
+    retention after its next save must be free to remove them."""
+    if hold:
+        comm.root_step(hold_sources, [s.path for s in (chain.full, *chain.partials)])
+    try:
+        yield
+    finally:
+        if hold:
+            comm.root_step(release)
 
 
 def reshard_in_job(comm: Comm, checkpoint: str | os.PathLike,
