@@ -126,3 +126,21 @@ def test_prune_keeps_the_saves_an_in_job_resume_merges_from(ckpt_copy, tmp_path)
     assert Path(out.strip()).name.startswith("recovered-step-6-")
     r = run_cli(["prune", str(run), "--keep-last", "0"], {})  # the job let go: it goes
     assert r.returncode == 0 and not (run / "step-4").exists(), r.stdout + r.stderr
+
+
+def test_a_link_naming_a_save_beside_it_is_an_alias_not_a_save_that_cannot_be_read(
+        ckpt_copy, tmp_path):
+    """`latest -> step-8` (a user's, or a trainer's, pointer to the newest save) blocked
+    every prune as a save that cannot be read now; a link elsewhere still does."""
+    run = ckpt_copy(FIXTURE)
+    (run / "latest").symlink_to("step-8")
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+    assert r.returncode == 0 and not (run / "step-4").exists(), r.stdout + r.stderr
+    assert (run / "latest").is_symlink() and (run / "step-8").is_dir()
+    from ckpt_fixtures import build
+    again = tmp_path / "again"
+    shutil.copytree(build(FIXTURE), again)
+    (again / "step-5").symlink_to(run / "step-8")  # a save elsewhere, for all prune knows
+    r = run_cli(["prune", str(again), "--keep-last", "0"], {})
+    assert r.returncode == 1 and "step-5" in r.stderr, r.stdout + r.stderr
+    assert (again / "step-4").is_dir()

@@ -83,7 +83,10 @@ def find_dcp_saves(save_dir: Path) -> list[Save]:
                               f"({e.strerror})", unreadable=True))
             continue
         if child.is_symlink():  # never read through (it leads outside the save dir), but
-            # it may be the newest save: not absent, cannot be read (refused by its step)
+            # it may be the newest save: not absent, cannot be read (refused by its step);
+            # unless it names a save beside it (`latest -> step-8`), read under its own name
+            if _alias(save_dir, child):
+                continue
             found.append(Save(name, child, None, None, "a symbolic link to a save, which "
                               "mpitailor does not read through; put the save itself there",
                               unreadable=True))
@@ -92,6 +95,19 @@ def find_dcp_saves(save_dir: Path) -> list[Save]:
             continue  # an earlier merge's output, not a save
         found.append(_read_save(name, child))
     return record_less_checked(sorted(found, key=lambda s: (s.step, s.name)))
+
+
+def _alias(save_dir: Path, link: Path) -> bool:
+    """Is link a symbolic link to a dir directly in save_dir (not itself a link), which
+    find_dcp_saves reads under that dir's own name?"""
+    try:
+        target = os.readlink(link)
+    except OSError:
+        return False
+    if os.sep in target.rstrip(os.sep) or target in (".", "..") or target.startswith("."):
+        return False  # (only a plain name beside it: nothing outside, nothing hidden)
+    beside = save_dir / target.rstrip(os.sep)
+    return beside.is_dir() and not beside.is_symlink()
 
 
 def _there(path: Path) -> bool:
