@@ -262,4 +262,9 @@ def _export_dcp(comm: Comm, source: Path, config: Path | None,
         print(f"mpitailor: exported {shown(source)}{where} as hf into {shown(out.output)}: "
               f"{out.files} weights file(s), {out.bytes_written / 1e9:.3f} GB written by "
               f"{comm.size} rank(s) in {out.seconds:.2f} s", flush=True)
+    if out.verified is not None and comm.rank == 0 and not args.quiet:
+        v = out.verified
+        print(f"mpitailor: verified: {v.files} files as the manifest records them (size, "
+              f"CRC-32) and {v.items} tensors equal to the checkpoint's ({v.bytes / 1e9:.3f} "
+              f"GB read back)", flush=True)
     return 0
