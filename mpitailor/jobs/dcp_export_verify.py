@@ -19,7 +19,10 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
-from mpitailor.engine.dcp_weights import _fill, _Sources  # the export's own reader, reused
+from mpitailor.engine.dcp_weights import (  # the export's own reader, reused
+    _fill,
+    _Sources,
+)
 from mpitailor.formats.dcp import DcpMetadata
 from mpitailor.formats.dtypes import DTYPES
 from mpitailor.formats.io import close_all, open_regular, read_exact, read_upto
