@@ -183,8 +183,7 @@ def test_a_checkpoint_without_model_entries_is_refused_in_one_line(tmp_path, con
 
 @pytest.mark.parametrize("args,words", [
     ([], ("--config", "no config.json")),
-    (["--format", "fp32"], ("--format hf only",)),
-    (["--verify"], ("--verify",))])
+    (["--format", "fp32"], ("--format hf only",))])
 def test_what_a_dcp_export_does_not_take_is_refused_in_one_line(tmp_path, config, args,
                                                                 words):
     given = None if not args else config

@@ -38,16 +38,57 @@ def _is_dcp(recipe) -> bool:
 
 
 def _merge_dcp(comm: Comm, recipe, args: argparse.Namespace) -> int:
-    """A merge of PyTorch Distributed Checkpoints ([DCP](docs/dcp.md)): copy mode, at the
-    sources' own world size."""
+    """A merge of PyTorch Distributed Checkpoints ([DCP](docs/dcp.md#merge)): copy or link
+    mode, at the sources' own world size."""
+    _refuse_for_dcp(recipe.origin, args)
+    return _run_dcp(comm, recipe, args, "merged")
+
+
+def _run_dcp(comm: Comm, recipe, args: argparse.Namespace, verb: str, checked=None,
+             more: Callable[[], str] | None = None) -> int:
+    """Collective: a DCP merge as the command line says: planned (every check a merge makes
+    before it writes), then the plan printed (--dry-run, nothing written), or merged,
+    summed up, its --stats written and its output checked (--verify)."""
     import time
 
-    from mpitailor.jobs.dcp_merge import run_dcp_merge
-    _refuse_for_dcp(recipe.origin, args)
+    from mpitailor.jobs.dcp_merge import (
+        check_output_free,
+        plan_dcp_merge,
+        run_dcp_merge,
+    )
+    from mpitailor.publish.staging import check_writable_file
     t0 = time.perf_counter()
-    result = run_dcp_merge(comm, recipe, args.link)
-    _said_dcp(comm, args, "merged", result, time.perf_counter() - t0)
+    stats = Path(os.path.abspath(args.stats)) if args.stats else None  # links unresolved
+    if stats is not None:  # written at the end: a bad path must fail before anything is merged
+        comm.root_step(check_writable_file, stats, "--stats")
+    planned = plan_dcp_merge(comm, recipe, args.link, checked)
+    if args.dry_run:
+        comm.root_step(check_output_free, planned)
+        if comm.rank == 0:
+            print(_dcp_plan_text(planned), flush=True)
+        return 0
+    result = run_dcp_merge(comm, recipe, args.link, checked, planned)
+    _said_dcp(comm, args, verb, result, time.perf_counter() - t0, more)
+    if stats is not None:
+        comm.root_step(write_stats, stats, result)
+    if args.verify:
+        from mpitailor.jobs.dcp_verify import verify_dcp_merge
+        _said_verified(comm, args, verify_dcp_merge(comm, planned, checked))
     return 0
+
+
+def _dcp_plan_text(planned) -> str:
+    from mpitailor.planning.dcp_report import format_dcp_plan
+    recipe = planned.recipe
+    return format_dcp_plan(planned.plan, recipe.output, dict(recipe.sources), planned.saves,
+                           planned.linked, planned.shares)
+
+
+def _said_verified(comm: Comm, args: argparse.Namespace, verified) -> None:
+    if comm.rank == 0 and not args.quiet:
+        print(f"mpitailor: verified: {verified.files} files as the manifest records them "
+              f"(size, CRC-32) and {verified.items} items equal to the source items the plan "
+              f"names ({verified.bytes / 1e9:.3f} GB read back)", flush=True)
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
@@ -94,30 +135,24 @@ def _recover_dcp(comm: Comm, save_dir: Path, out: Path | None, patterns,
                  args: argparse.Namespace) -> int:
     """`recover` of a save dir of PyTorch Distributed Checkpoint saves ([DCP](docs/dcp.md)):
     the chain's recipe, merged as a DCP merge is (loads at any world size)."""
-    import time
-
-    from mpitailor.jobs.dcp_merge import run_dcp_merge
     from mpitailor.jobs.dcp_recovery import recover_dcp_chain, recovered_dcp
     _refuse_for_dcp(str(save_dir), args)
-    t0 = time.perf_counter()
+    if out is None and args.dry_run:  # a dry run needs no output: plan for a default one
+        out = save_dir.parent / f"{save_dir.name}-recovered"
     recipe, chain, checked = recover_dcp_chain(comm, save_dir, out, patterns)
     if args.emit_recipe:
         if comm.rank == 0:
             print(recipe.text, end="", flush=True)
         return 0
-    result = run_dcp_merge(comm, recipe, args.link, checked)
-    _said_dcp(comm, args, "recovered", result, time.perf_counter() - t0,
-              lambda: recovered_dcp(recipe, chain))
-    return 0
+    return _run_dcp(comm, recipe, args, "recovered", checked,
+                    lambda: recovered_dcp(recipe, chain))
 
 
 def _refuse_for_dcp(origin: str, args: argparse.Namespace) -> None:
     """The options a DCP merge or recovery does not take, refused in one line (--world-size:
     DCP reshards when it loads; the others are not built for DCP yet)."""
     unsupported = [o for o, on in (("--export", args.export), ("--world-size", args.world_size),
-                                   ("--verify", args.verify), ("--dry-run", args.dry_run),
                                    ("--ranks-per-node", getattr(args, "ranks_per_node", None)),
-                                   ("--stats", args.stats),
                                    ("--safe-globals", getattr(args, "safe_globals", None)))
                    if on]
     if unsupported:
@@ -227,4 +262,9 @@ def _export_dcp(comm: Comm, source: Path, config: Path | None,
         print(f"mpitailor: exported {shown(source)}{where} as hf into {shown(out.output)}: "
               f"{out.files} weights file(s), {out.bytes_written / 1e9:.3f} GB written by "
               f"{comm.size} rank(s) in {out.seconds:.2f} s", flush=True)
+    if out.verified is not None and comm.rank == 0 and not args.quiet:
+        v = out.verified
+        print(f"mpitailor: verified: {v.files} files as the manifest records them (size, "
+              f"CRC-32) and {v.items} tensors equal to the checkpoint's ({v.bytes / 1e9:.3f} "
+              f"GB read back)", flush=True)
     return 0

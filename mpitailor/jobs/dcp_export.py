@@ -76,16 +76,14 @@ class DcpExportResult:
     seconds: float
     files: int
     saves: tuple[str, ...] = ()   # of a save dir: the saves its newest composite takes from
+    verified: object | None = None  # --verify: what was read back (jobs/dcp_verify.Verified)
 
 
-def check_options(source: Path, fmt: str, config: Path | None, verify: bool) -> None:
+def check_options(source: Path, fmt: str, config: Path | None) -> None:
     """Every rank: what a DCP export takes; UserError, one line, before any I/O."""
     if fmt != "hf":
         raise UserError(f"{shown(source)}: a DCP checkpoint exports as --format hf only "
                         f"(--format {fmt} reads DeepSpeed ZeRO checkpoints)")
-    if verify:
-        raise UserError(f"{shown(source)}: --verify is not supported for a DCP checkpoint "
-                        f"yet (every chunk's item is checked as it is read)")
     if config is None:
         raise UserError(f"{shown(source)}: {NO_CONFIG}")
 
@@ -93,9 +91,10 @@ def check_options(source: Path, fmt: str, config: Path | None, verify: bool) -> 
 def run_dcp_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str | None,
                    max_shard_size: int | None, config: Path | None = None,
                    verify: bool = False) -> DcpExportResult:
-    """Collective: export the DCP checkpoint `source` as HF weights into `output`."""
+    """Collective: export the DCP checkpoint `source` as HF weights into `output`; verify:
+    then read it back and check it (jobs/dcp_export_verify.py)."""
     t0 = time.perf_counter()
-    check_options(source, fmt, config, verify)
+    check_options(source, fmt, config)
     check_shard_size(max_shard_size)
     comm.root_step(check_config, config)
     shard = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
@@ -127,8 +126,12 @@ def run_dcp_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str 
                 format="hf", dtype=plan.weights.dtype, sources=sources,
                 layers={}, mpi_ranks=comm.size))
         written = commit_on_leaders(comm, staging, [0], manifest)
-    return DcpExportResult(output, written, time.perf_counter() - t0,
-                           len(plan.weights.files), saves)
+    seconds = time.perf_counter() - t0
+    verified = None
+    if verify:
+        from mpitailor.jobs.dcp_export_verify import verify_dcp_export
+        verified = verify_dcp_export(comm, output, source, meta, plan, paths, checked)
+    return DcpExportResult(output, written, seconds, len(plan.weights.files), saves, verified)
 
 
 def _plan_chain(recipe: Recipe, checked: dict[str, FileIdentity], dtype: str | None,

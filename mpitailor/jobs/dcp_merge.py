@@ -13,12 +13,14 @@ is published as every output is (publish/staging.py): whole or not at all.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.engine.copyio import Copier, copy_unchanged
+from mpitailor.engine.iostats import snapshot
 from mpitailor.errors import CheckpointError, UserError
 from mpitailor.formats.dcp import (
     METADATA,
@@ -50,10 +52,10 @@ from mpitailor.formats.io import (
 from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.dcp_links import write_links
 from mpitailor.planning.chain import step_of_name
-from mpitailor.planning.dcp_link import plan_links
+from mpitailor.planning.dcp_link import LinkPlan, plan_links
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
 from mpitailor.planning.recipe import Recipe
-from mpitailor.publish.staging import commit_on_leaders, staged
+from mpitailor.publish.staging import check_output_name, commit_on_leaders, staged
 
 Checked = dict[str, FileIdentity]  # a source file's path -> what it was when checked
 
@@ -74,6 +76,25 @@ class DcpMergeResult:
     output: Path
     files: int
     bytes: int
+    seconds: float = 0.0
+    rank_stats: tuple[dict, ...] = ()  # per MPI rank: its files, bytes, seconds, I/O (--stats)
+
+    @property
+    def bytes_written(self) -> int:  # (the name --stats gives it, as for ZeRO)
+        return self.bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DcpMergePlan:
+    """A DCP merge planned, as every rank holds it: the plan, the manifest's sources, the
+    link plan (link mode) and which output data files each rank writes (copy mode)."""
+
+    recipe: Recipe
+    plan: DcpPlan
+    saves: dict
+    linked: LinkPlan | None
+    shares: tuple[tuple[str, ...], ...]
+    seconds: float = 0.0   # planning took (read, check, plan)
 
 
 def read_dcp_sources(recipe: Recipe, checked: Checked | None = None) -> dict:
@@ -92,33 +113,96 @@ def read_dcp_sources(recipe: Recipe, checked: Checked | None = None) -> dict:
     return metas
 
 
-def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
-                  checked: Checked | None = None) -> DcpMergeResult:
-    """Collective: plan (rank 0), copy (every rank its files) or link (jobs/dcp_links.py),
-    publish (rank 0). checked: the identities of the source files a recovery checked
-    against their CRC-32s (dcp_chain): each is opened again only as that very file."""
-    checked = checked or {}
+def plan_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
+                   checked: Checked | None = None) -> DcpMergePlan:
+    """Collective: every check a merge makes before it writes (the sources' metadata and
+    data files, link mode's readability), and the plan, on every rank. Nothing written:
+    `--dry-run` stops here."""
+    t0 = time.perf_counter()
     plan, saves = comm.bcast(comm.root_step(lambda: (
-        plan_dcp(recipe, read_dcp_sources(recipe, checked)), source_saves(recipe))))
+        plan_dcp(recipe, read_dcp_sources(recipe, checked or {})), source_saves(recipe))))
     if link:
-        _links_readable(recipe, plan)
+        comm.step(_links_readable, recipe, plan)
     linked = plan_links(plan) if link else None
+    shares = () if link else tuple(tuple(s) for s in _share(plan.files(), comm.size))
+    return DcpMergePlan(recipe, plan, saves, linked, shares, time.perf_counter() - t0)
+
+
+def check_output_free(planned: DcpMergePlan) -> None:
+    """Rank 0: what a run would refuse of the output before it writes, for a dry run, which
+    writes nothing: a name that is none, an existing output (publish/staging.py), and in
+    link mode a source on another file system (a hard link cannot cross one)."""
+    output = planned.recipe.output
+    check_output_name(output)
+    if os.path.lexists(output):
+        raise UserError(f"{output}: output already exists; remove it or choose another "
+                        f"output path (mpitailor never overwrites)")
+    if planned.linked is None:
+        return
+    there = output.parent
+    while not there.exists() and there != there.parent:
+        there = there.parent  # (the run makes the missing folders: where they would lie)
+    for link in planned.linked.links:
+        src = planned.recipe.source_path(link.source) / link.file
+        if os.stat(src).st_dev != os.stat(there).st_dev:
+            raise UserError(f"{src}: on another file system than the output {output.parent}; "
+                            f"--link makes hard links, which stay on one file system: write "
+                            f"the output beside the sources, or merge without --link (a copy)")
+
+
+def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
+                  checked: Checked | None = None,
+                  planned: DcpMergePlan | None = None) -> DcpMergeResult:
+    """Collective: plan (rank 0, unless `planned`), copy (every rank its files) or link
+    (jobs/dcp_links.py), publish (rank 0). checked: the identities of the source files a
+    recovery checked against their CRC-32s (dcp_chain): each is opened again only as that
+    very file."""
+    t0, before = time.perf_counter(), snapshot()
+    checked = checked or {}
+    if planned is None:
+        planned = plan_dcp_merge(comm, recipe, link, checked)
+    t0 -= planned.seconds  # (planned before: counted in)
+    plan, linked = planned.plan, planned.linked
+    t_plan = time.perf_counter()
+    mine: tuple[str, ...] = ()
     with staged(comm, recipe.output, [0]) as staging:
         if linked is not None:
             files = write_links(comm, recipe, linked, staging.dir, checked)
         else:
-            mine = _share(plan.files(), comm.size)[comm.rank]
-            records = comm.step(_write_files, plan, recipe, staging.dir, mine, checked)
+            mine = planned.shares[comm.rank]
+            records = comm.step(_write_files, plan, recipe, staging.dir, list(mine), checked)
             files = {k: v for part in comm.allgather(records) for k, v in part.items()}
         failpoints.hit("write")
+        t_write = time.perf_counter()
 
         def manifest() -> Manifest:
             files[METADATA] = _write_metadata(plan.output if linked is None else linked.output,
                                               staging.dir)
             files.update(_copy_side_files(recipe.source_path(plan.base), staging.dir))
-            return _manifest(plan, recipe, saves, files, comm.size, link)
+            return _manifest(plan, recipe, planned.saves, files, comm.size, linked is not None)
         written = commit_on_leaders(comm, staging, [0], manifest)
-    return DcpMergeResult(recipe.output, len(files), written)
+    t_end = time.perf_counter()
+    return DcpMergeResult(recipe.output, len(files), written, t_end - t0, tuple(comm.allgather(
+        _rank_stats(comm.rank, planned, files, mine, before,
+                    (t_plan - t0, t_write - t_plan, t_end - t_write)))))
+
+
+def _rank_stats(rank: int, planned: DcpMergePlan, files: dict, mine: tuple[str, ...],
+                before, seconds: tuple[float, float, float]) -> dict:
+    """One rank's line of --stats: the data files it wrote and the bytes of the sources'
+    items copied into them, rank 0's small files (.metadata, side files) and links, where
+    its time went, and its I/O counters (engine/iostats.py)."""
+    data = sum(files[n]["bytes"] for n in mine)
+    copied = sum(c.item.length for c in planned.plan.copies if c.file in mine)
+    small = sum(rec["bytes"] for n, rec in files.items() if n == METADATA or n in SIDE_FILES) \
+        if rank == 0 else 0
+    out = {"rank": rank, "files": list(mine), "bytes_written": data + small,
+           "bytes_copied_from_sources": copied,
+           "seconds": dict(zip(("plan", "write", "publish"), (round(s, 4) for s in seconds)))}
+    if planned.linked is not None and rank == 0:
+        out["files_linked"] = len(planned.linked.links)
+        out["bytes_linked"] = sum(files[x.name]["bytes"] for x in planned.linked.links)
+    return {**out, **snapshot().since(before)}
 
 
 def _links_readable(recipe: Recipe, plan: DcpPlan) -> None:
