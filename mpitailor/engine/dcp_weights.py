@@ -31,7 +31,7 @@ from mpitailor.planning.dcp_hf import DcpHfPlan, Run, pieces, runs_of
 from mpitailor.planning.hf_layout import runs
 
 
-class _Sources:
+class ChunkSources:
     """The checkpoint's data files (opened on first use) and its chunks' places (located
     on first use: a rank reads only the items of its share)."""
 
@@ -80,7 +80,7 @@ def write_share(folder: Path, meta: DcpMetadata, plan: DcpHfPlan, root: Path,
     checked, each opened only as that very file."""
     w = plan.weights
     size = w.itemsize
-    src, copier, outs = _Sources(folder, meta, paths or {}, checked or {}), Copier(), {}
+    src, copier, outs = ChunkSources(folder, meta, paths or {}, checked or {}), Copier(), {}
     crcs: dict[str, list[tuple[int, int, int]]] = {}
     try:
         for i, lo, hi in share:
@@ -101,7 +101,7 @@ def write_share(folder: Path, meta: DcpMetadata, plan: DcpHfPlan, root: Path,
     return crcs
 
 
-def _tensor(src: _Sources, copier: Copier, plan: DcpHfPlan, name: str, a: int, b: int,
+def _tensor(src: ChunkSources, copier: Copier, plan: DcpHfPlan, name: str, a: int, b: int,
             out: int, at: int, crc: int) -> int:
     """Elements [a, b) of output tensor `name` written at byte `at` of out; the CRC on."""
     fqn, dtype = plan.fqn_of[name], plan.weights.dtype
@@ -117,11 +117,11 @@ def _tensor(src: _Sources, copier: Copier, plan: DcpHfPlan, name: str, a: int, b
         return crc
 
     def fill(lo: int, into) -> None:
-        _fill(src, fqn, have, rs, starts, lo, into)
+        fill_fp32(src, fqn, have, rs, starts, lo, into)
     return copier.cast(fill, a, b, dtype, out, at, crc)
 
 
-def _fill(src: _Sources, fqn: str, have: str, rs: list[Run], starts: list[int], lo: int,
+def fill_fp32(src: ChunkSources, fqn: str, have: str, rs: list[Run], starts: list[int], lo: int,
           into) -> None:
     """Copier.cast's fill: tensor fqn's elements from lo on, as fp32, into `into`."""
     import numpy as np

@@ -102,7 +102,7 @@ def run_dcp_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str 
     checked: dict[str, FileIdentity] = {}
     saves: tuple[str, ...] = ()
     if comm.root_step(holds_dcp_saves, source):  # a save dir: its newest composite
-        recipe, chain, checked = recover_dcp_chain(comm, source, output)
+        recipe, _, checked = recover_dcp_chain(comm, source, output)
         meta, plan, paths, sources = comm.root_step(_plan_chain, recipe, checked, dtype, shard)
         saves = tuple(name for name, _ in recipe.sources)
     else:

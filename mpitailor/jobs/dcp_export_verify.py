@@ -20,8 +20,8 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
 from mpitailor.engine.dcp_weights import (  # the export's own reader, reused
-    _fill,
-    _Sources,
+    ChunkSources,
+    fill_fp32,
 )
 from mpitailor.formats.dcp import DcpMetadata
 from mpitailor.formats.dtypes import DTYPES
@@ -73,7 +73,7 @@ def _compare_share(output: Path, source: Path, meta: DcpMetadata, plan: DcpHfPla
     each tensor that differs."""
     w = plan.weights
     size = w.itemsize
-    src, fds, differ = _Sources(source, meta, paths, checked), {}, []
+    src, fds, differ = ChunkSources(source, meta, paths, checked), {}, []
     try:
         for i, lo, hi in share:
             f = w.files[i]
@@ -91,7 +91,7 @@ def _compare_share(output: Path, source: Path, meta: DcpMetadata, plan: DcpHfPla
     return differ
 
 
-def _compare_tensor(src: _Sources, plan: DcpHfPlan, name: str, a: int, b: int, fd: int,
+def _compare_tensor(src: ChunkSources, plan: DcpHfPlan, name: str, a: int, b: int, fd: int,
                     at: int) -> str | None:
     """Elements [a, b) of output tensor `name`, at byte `at` of fd, against the checkpoint's."""
     size = plan.weights.itemsize
@@ -109,7 +109,7 @@ def _compare_tensor(src: _Sources, plan: DcpHfPlan, name: str, a: int, b: int, f
     return None
 
 
-def _expected(src: _Sources, plan: DcpHfPlan, name: str, lo: int, n: int) -> bytes:
+def _expected(src: ChunkSources, plan: DcpHfPlan, name: str, lo: int, n: int) -> bytes:
     """Elements [lo, lo + n) of output tensor `name` as the export writes them: the chunks'
     bytes as they are, or cast from fp32 as Copier.cast casts them."""
     fqn, dtype, have = plan.fqn_of[name], plan.weights.dtype, plan.source_dtype[name]
@@ -125,7 +125,7 @@ def _expected(src: _Sources, plan: DcpHfPlan, name: str, lo: int, n: int) -> byt
 
     from mpitailor.formats.torch import cast, numpy_dtype
     into = np.empty(n, dtype=np.float32)
-    _fill(src, fqn, have, rs, starts, lo, into)
+    fill_fp32(src, fqn, have, rs, starts, lo, into)
     if dtype == "fp32":
         return into.tobytes()
     out = np.empty(n, dtype=numpy_dtype(dtype))
