@@ -95,6 +95,36 @@ class Swap:
         self.aside.rename(self.path)
 
 
+def prune_keeps_what_recovery_takes(run: Path, swaps: list[Swap], recipe_body, prune_it,
+                                    tree_digest) -> str:
+    """The property, on a save dir damaged with `swaps` swapped in: recovery as it is once
+    everything reads again is taken; then prune_it() runs with the swaps in place; after it,
+    recovery is what it was, or prune refused and nothing changed. What happened:
+    "pruned" or "refused"."""
+    for swap in swaps:  # recovery as it is once everything reads again
+        swap.put_back()
+    before = recipe_body(run)
+    digest, names = tree_digest(run), listing(run)
+    for swap in swaps:
+        swap.swap_in()
+    try:
+        prune_it()
+        refused = False
+    except MpitailorError:
+        refused = True
+    for swap in reversed(swaps):
+        swap.put_back()
+    if refused:
+        assert listing(run) == names and tree_digest(run) == digest
+    else:
+        assert recipe_body(run) == before
+    return "refused" if refused else "pruned"
+
+
+def listing(run: Path) -> list[str]:
+    return sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+
+
 def saves_of(run: Path) -> list[str]:
     return sorted(p.name for p in run.iterdir() if p.name.startswith("global_step"))
 

@@ -31,7 +31,9 @@ from retention_disk import (
     STRAY,
     as_user,
     damage_on_disk,
+    listing,
     plant,
+    prune_keeps_what_recovery_takes,
     recipe_body,
     sid_of,
     tombstone,
@@ -71,10 +73,6 @@ def test_no_timeline_loses_a_layer_to_prune():
 # -- the property, on disk, through the real survey, planner and deletion --------------
 
 
-def listing(run: Path) -> list[str]:
-    return sorted(str(p.relative_to(run)) for p in run.rglob("*"))
-
-
 @pytest.mark.parametrize("seed", range(48))  # ~0.3 s each
 def test_prune_on_disk_keeps_what_recovery_takes(ckpt_copy, seed):
     rng = random.Random(seed)
@@ -85,23 +83,10 @@ def test_prune_on_disk_keeps_what_recovery_takes(ckpt_copy, seed):
     if rng.random() < 0.6:  # an earlier prune leaves a tombstone (of global_step4)
         prune(Comm(), run, keep_last=rng.randint(0, 1))
     swaps = damage_on_disk(run, rng)
-    for swap in swaps:  # recovery as it is once everything reads again
-        swap.put_back()
-    before = recipe_body(run)
-    digest, names = tree_digest(run), listing(run)
-    for swap in swaps:
-        swap.swap_in()
-    try:
-        prune(Comm(), run, keep_last=rng.randint(0, 3))
-        refused = False
-    except MpitailorError:
-        refused = True
-    for swap in reversed(swaps):
-        swap.put_back()
-    if refused:
-        assert listing(run) == names and tree_digest(run) == digest
-    else:
-        assert recipe_body(run) == before
+    keep_last = rng.randint(0, 3)
+    prune_keeps_what_recovery_takes(run, swaps, recipe_body,
+                                    lambda: prune(Comm(), run, keep_last=keep_last),
+                                    tree_digest)
 
 
 # -- R1: a layer file that cannot be read now is not an incomplete save ------------------
