@@ -118,7 +118,7 @@ _CALLS = {"torch.Size": _size, "torch.serialization._get_layout": _layout,
 _DTYPE_VALUES = {f"torch.{d}": DType(d) for d in DTYPES}
 
 
-# Protocol 2-5 opcodes that push data (DCP pickles with protocol 4 and frames). Lists and
+# Protocol 2-5 opcodes that push data (DCP pickles with protocol 4 and frames), and POP. Lists and
 # dicts are filled by the torch reader's own handlers (the container's type checked);
 # globals, calls, new objects, BUILD and dict keys by this module's.
 _OPCODES = (
@@ -128,7 +128,8 @@ _OPCODES = (
     pickle.BININT2, pickle.LONG1, pickle.BINFLOAT, pickle.BINUNICODE, pickle.SHORT_BINUNICODE,
     pickle.BINUNICODE8, pickle.SHORT_BINSTRING, pickle.BINBYTES, pickle.SHORT_BINBYTES,
     pickle.BINGET, pickle.LONG_BINGET, pickle.BINPUT, pickle.LONG_BINPUT, pickle.MEMOIZE,
-    pickle.APPEND, pickle.APPENDS, pickle.SETITEM, pickle.SETITEMS)
+    pickle.APPEND, pickle.APPENDS, pickle.SETITEM, pickle.SETITEMS,
+    pickle.POP)  # (mpitailor's writer names each global first and pops it: metadata_write)
 # The opcodes that push a new object: counted (max_made).
 _MAKING = frozenset(op[0] for op in (
     pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.EMPTY_LIST,
