@@ -144,7 +144,8 @@ _PURE = pickle._Unpickler.dispatch  # type: ignore[attr-defined]  # Python's own
 
 
 def _refused_opcode(self):
-    raise pickle.UnpicklingError(f"opcode {self.opcode!r} is not one DCP's pickles use")
+    op = self.data[self.file.tell() - 1:self.file.tell()]  # the byte just read
+    raise pickle.UnpicklingError(f"opcode {op!r} is not one DCP's pickles use")
 
 
 def _load_frame(self):
@@ -246,7 +247,6 @@ class _Unpickler(Unpickler):
                     if made > limit:
                         raise pickle.UnpicklingError(f"a pickle that makes over {limit} "
                                                      f"objects")
-                    self.opcode = key
                     handlers[op](self)
         except pickle._Stop as stop:  # type: ignore[attr-defined]
             return stop.value
