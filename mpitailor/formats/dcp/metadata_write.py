@@ -20,7 +20,7 @@ import copyreg
 import io
 import pickle
 
-from mpitailor.formats.dcp.metadata import DcpMetadata, TensorEntry
+from mpitailor.formats.dcp.metadata import DcpMetadata
 from mpitailor.formats.dtypes import DTYPES
 
 _META = "torch.distributed.checkpoint.metadata."
@@ -78,14 +78,6 @@ class _Names:
         self.used.setdefault(cls)
         return cls
 
-    def new(self, name: str, state) -> _Record:
-        return self(name)(state)
-
-    def call(self, name: str, *args) -> _Call:
-        return _Call(self(name), args)
-
-    def size(self, dims: tuple[int, ...]) -> _Call:
-        return self.call("torch.Size", tuple(dims))  # torch.Size pickles as Size(tuple)
 
 
 class _Pickler(pickle.Pickler):
@@ -121,40 +113,36 @@ def _dumps(top: _Record, names: _Names) -> bytes:
     return bytes(head) + body[2:]
 
 
-def _properties(names: _Names, dtype: str) -> _Record:
-    layout = names.call("torch.serialization._get_layout", "torch.strided")
-    contiguous = names.call(_META + "_MEM_FORMAT_ENCODING", 0)
-    return names.new(_META + "TensorProperties", (names(f"torch.{DTYPES[dtype].torch}"),
-                                                  layout, False, contiguous, False))
-
-
-def _tensor(names: _Names, t: TensorEntry) -> _Record:
-    chunks = [names.new(_META + "ChunkStorageMetadata", {"offsets": names.size(c.offsets),
-                                                         "sizes": names.size(c.sizes)})
-              for c in t.chunks]
-    return names.new(_META + "TensorStorageMetadata", {
-        "properties": _properties(names, t.dtype), "size": names.size(t.size),
-        "chunks": chunks})
-
-
 def metadata_bytes(meta: DcpMetadata) -> bytes:
     """The `.metadata` of a checkpoint whose entries, chunks and items `meta` describes."""
     names = _Names()
-    top = names.new(_META + "Metadata", None)
-    entries = {fqn: _tensor(names, t) for fqn, t in meta.tensors.items()}
-    entries.update({fqn: names.new(_META + "BytesStorageMetadata", None)
-                    for fqn in meta.bytes_entries})
+    top = names(_META + "Metadata")(None)
+    size, chunk = names("torch.Size"), names(_META + "ChunkStorageMetadata")
+    tensor, properties = names(_META + "TensorStorageMetadata"), names(_META + "TensorProperties")
+    # one layout and one memory format for all (torch's pickler memoizes them so)
+    strided = _Call(names("torch.serialization._get_layout"), ("torch.strided",))
+    contiguous = _Call(names(_META + "_MEM_FORMAT_ENCODING"), (0,))
+    entries = {}
+    for fqn, t in meta.tensors.items():
+        dtype = names(f"torch.{DTYPES[t.dtype].torch}")
+        entries[fqn] = tensor({
+            "properties": properties((dtype, strided, False, contiguous, False)),
+            "size": _Call(size, (tuple(t.size),)),  # torch.Size pickles as Size(a tuple)
+            "chunks": [chunk({"offsets": _Call(size, (tuple(c.offsets),)),
+                              "sizes": _Call(size, (tuple(c.sizes),))}) for c in t.chunks]})
+    if meta.bytes_entries:
+        blob = names(_META + "BytesStorageMetadata")
+        entries.update({fqn: blob(None) for fqn in meta.bytes_entries})
+    index, info_of = names(_META + "MetadataIndex"), names(
+        "torch.distributed.checkpoint.filesystem._StorageInfo")
     storage = {}
     for (fqn, offsets), item in meta.items.items():
-        index = names.new(_META + "MetadataIndex", {
-            "fqn": fqn, "offset": None if offsets is None else names.size(offsets),
-            "index": None})
         info = {"relative_path": item.file, "offset": item.offset, "length": item.length}
         if item.transforms:
             info["transform_descriptors"] = list(item.transforms)
-        storage[index] = names.new("torch.distributed.checkpoint.filesystem._StorageInfo",
-                                   info)
-    storage_meta = names.new(_META + "StorageMeta", {
+        storage[index({"fqn": fqn, "offset": None if offsets is None else _Call(
+            size, (tuple(offsets),)), "index": None})] = info_of(info)
+    storage_meta = names(_META + "StorageMeta")({
         "checkpoint_id": None, "save_id": meta.save_id, "load_id": None, "modules": []})
     top.state = {
         "state_dict_metadata": entries, "planner_data": dict(meta.planner_data) or None,
