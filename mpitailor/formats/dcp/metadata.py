@@ -34,6 +34,11 @@ MAX_METADATA_BYTES = 1 << 30  # a 405B model's is ~100 MB
 _PREFIX = "torch.distributed.checkpoint."
 
 
+# The records below travel between ranks (the plan is broadcast): each pickles as a call of
+# its class with its fields, one call each way, where a slots dataclass's own state methods
+# (3.11) look its fields up on every instance, both ways (0.15 s a broadcast, at 2,646 items).
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One rank's piece of a tensor: where it starts in each dimension, and its sizes."""
@@ -44,6 +49,9 @@ class Chunk:
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+    def __reduce__(self):
+        return Chunk, (self.offsets, self.sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,9 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.size) * DTYPES[self.dtype].itemsize
+
+    def __reduce__(self):
+        return TensorEntry, (self.dtype, self.size, self.chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +91,10 @@ class Item:
     transforms: tuple[str, ...]  # stream transforms applied when written (compression)
     safetensors: bool = False  # a chunk of its file's safetensors blob (above)
 
+    def __reduce__(self):
+        return Item, (self.fqn, self.offsets, self.file, self.offset, self.length,
+                      self.transforms, self.safetensors)
+
 
 @dataclass(frozen=True, slots=True)
 class DcpMetadata:
@@ -98,6 +113,10 @@ class DcpMetadata:
     @property
     def files(self) -> tuple[str, ...]:
         return tuple(sorted({i.file for i in self.items.values()}))
+
+    def __reduce__(self):
+        return DcpMetadata, (self.tensors, self.bytes_entries, self.items, self.version,
+                             self.save_id, self.planner_data, self.ranks)
 
 
 # What torch's HuggingFaceStorageWriter(save_distributed=True) names each rank's file

@@ -6,13 +6,20 @@ a global only from the list below; a new object only of DCP's metadata classes, 
 its state once by BUILD; a call only of the few functions DCP's pickles call, each checking
 its arguments) and builds records, never DCP's classes: `Rec` instances that hold the state
 the pickle gave them. metadata.py turns them into checked, frozen values.
+
+Not Python's C unpickler, though it reads a 2,646-item file in a fifth of the time: it asks
+find_class for globals and nothing else. Dict keys it hashes itself (a file's ints and
+tuples can be made to share one hash, N**2/2 comparisons; a tuple nested 10**5 deep as a
+key overflows C's stack in hashing), whatever an opcode makes it makes, uncounted. Here
+every opcode runs a handler of Python's or this module's; load() is the loop, trimmed.
 """
 from __future__ import annotations
 
+import io
 import pickle
 import re
 
-from mpitailor.formats.torch import Unpickler, counted
+from mpitailor.formats.torch import Unpickler
 
 _DCP = "torch.distributed.checkpoint"
 # The classes DCP pickles as NEWOBJ + BUILD (dataclasses, TensorProperties' tuple state).
@@ -118,7 +125,7 @@ _CALLS = {"torch.Size": _size, "torch.serialization._get_layout": _layout,
 _DTYPE_VALUES = {f"torch.{d}": DType(d) for d in DTYPES}
 
 
-# Protocol 2-5 opcodes that push data (DCP pickles with protocol 4 and frames). Lists and
+# Protocol 2-5 opcodes that push data (DCP pickles with protocol 4 and frames), and POP. Lists and
 # dicts are filled by the torch reader's own handlers (the container's type checked);
 # globals, calls, new objects, BUILD and dict keys by this module's.
 _OPCODES = (
@@ -128,7 +135,8 @@ _OPCODES = (
     pickle.BININT2, pickle.LONG1, pickle.BINFLOAT, pickle.BINUNICODE, pickle.SHORT_BINUNICODE,
     pickle.BINUNICODE8, pickle.SHORT_BINSTRING, pickle.BINBYTES, pickle.SHORT_BINBYTES,
     pickle.BINGET, pickle.LONG_BINGET, pickle.BINPUT, pickle.LONG_BINPUT, pickle.MEMOIZE,
-    pickle.APPEND, pickle.APPENDS, pickle.SETITEM, pickle.SETITEMS)
+    pickle.APPEND, pickle.APPENDS, pickle.SETITEM, pickle.SETITEMS,
+    pickle.POP)  # (mpitailor's writer names each global first and pops it: metadata_write)
 # The opcodes that push a new object: counted (max_made).
 _MAKING = frozenset(op[0] for op in (
     pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.EMPTY_LIST,
@@ -141,18 +149,31 @@ _MAKING = frozenset(op[0] for op in (
 _PURE = pickle._Unpickler.dispatch  # type: ignore[attr-defined]  # Python's own handlers
 
 
-class _Opcodes(dict):
-    def __missing__(self, key):
-        raise pickle.UnpicklingError(f"opcode {bytes([key])!r} is not one DCP's pickles use")
+def _refused_opcode(self):
+    op = self.data[self.file.tell() - 1:self.file.tell()]  # the byte just read
+    raise pickle.UnpicklingError(f"opcode {op!r} is not one DCP's pickles use")
+
+
+def _load_frame(self):
+    """FRAME as the C unpickler takes it: a length the rest of the file holds; the opcodes
+    in it are then read as any others (each reads what it needs; a file cut short ends in
+    EOFError before STOP)."""
+    size = int.from_bytes(self.read(8), "little")
+    if size > len(self.data) - self.file.tell():
+        raise pickle.UnpicklingError("a frame longer than the rest of the file")
 
 
 class _Unpickler(Unpickler):
-    """The torch reader's unpickler, with DCP's globals, calls, objects and keys."""
+    """The torch reader's unpickler, with DCP's globals, calls, objects and keys, and its
+    own loop (load): Python's reads every opcode through a framing layer, two calls deep,
+    and the torch reader counts made objects in a wrapper around each handler; here the
+    file is read straight and the count kept in the loop, the same handlers run."""
 
     max_made = MAX_MADE
 
     def __init__(self, data: bytes) -> None:
         super().__init__(data, frozenset(), False, storage=None)
+        self.data = data
 
     def find_class(self, module: str, name: str):
         if not (isinstance(module, str) and isinstance(name, str)
@@ -205,18 +226,55 @@ class _Unpickler(Unpickler):
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("a persistent id (DCP's metadata has none)")
 
-    _OWN = {pickle.GLOBAL[0]: Unpickler.load_global, pickle.STACK_GLOBAL[0]: load_stack_global,
-            pickle.REDUCE[0]: load_reduce, pickle.NEWOBJ[0]: load_newobj,
-            pickle.BUILD[0]: load_build}
-    dispatch = _Opcodes({
-        **{op[0]: Unpickler.dispatch.get(op[0], _PURE[op[0]]) for op in _OPCODES}, **_OWN})
+    def load(self):
+        """The object the pickle describes: each opcode's handler run in turn, the objects
+        made counted against max_made (_MAKES), an opcode off the list refused."""
+        self.file = io.BytesIO(self.data)
+        self.read, self.readline = self.file.read, self.file.readline
+        self.metastack, self.stack, self.memo, self.proto = [], [], {}, 0
+        self.append = self.stack.append
+        read, handlers, makes, limit = self.read, _HANDLERS, _MAKES, self.max_made
+        memo, made = self.memo, 0
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                op = key[0]
+                # the memo's opcodes, half of DCP's, as Python's handlers do them, inline
+                if op == _MEMOIZE:
+                    memo[len(memo)] = self.stack[-1]
+                elif op == _LONG_BINGET or op == _BINGET:
+                    i = int.from_bytes(read(4 if op == _LONG_BINGET else 1), "little")
+                    if i not in memo:
+                        raise pickle.UnpicklingError(f"memo value not found at index {i}")
+                    self.append(memo[i])
+                else:
+                    made += makes[op]
+                    if made > limit:
+                        raise pickle.UnpicklingError(f"a pickle that makes over {limit} "
+                                                     f"objects")
+                    handlers[op](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
+            return stop.value
 
 
-for _op in _MAKING - set(Unpickler.dispatch):  # (the torch reader's own are counted already)
-    _Unpickler.dispatch[_op] = counted(_Unpickler.dispatch[_op])
-for _op in _Unpickler._OWN:
-    _Unpickler.dispatch[_op] = counted(_Unpickler._OWN[_op]) if _op in _MAKING \
-        else _Unpickler._OWN[_op]
+# The handler of each opcode byte: this module's (globals, calls, new objects, BUILD), the
+# torch reader's (items added to lists and dicts, the container's type checked), else
+# Python's own; _refused_opcode for those off the list.
+_OWN = {pickle.GLOBAL[0]: Unpickler.load_global, pickle.STACK_GLOBAL[0]:
+        _Unpickler.load_stack_global, pickle.REDUCE[0]: _Unpickler.load_reduce,
+        pickle.NEWOBJ[0]: _Unpickler.load_newobj, pickle.BUILD[0]: _Unpickler.load_build,
+        pickle.FRAME[0]: _load_frame,
+        **{op[0]: getattr(Unpickler, name) for op, name in (
+            (pickle.APPEND, "load_append"), (pickle.APPENDS, "load_appends"),
+            (pickle.SETITEM, "load_setitem"), (pickle.SETITEMS, "load_setitems"))}}
+_ALLOWED = {op[0] for op in _OPCODES} | {pickle.GLOBAL[0], pickle.STACK_GLOBAL[0],
+                                         pickle.REDUCE[0], pickle.NEWOBJ[0], pickle.BUILD[0]}
+_HANDLERS = tuple(_OWN.get(b, _PURE.get(b)) if b in _ALLOWED else _refused_opcode
+                  for b in range(256))
+_MAKES = bytes(b in _MAKING for b in range(256))  # 1 for an opcode that makes an object
+_MEMOIZE, _BINGET, _LONG_BINGET = pickle.MEMOIZE[0], pickle.BINGET[0], pickle.LONG_BINGET[0]
 
 
 def unpickle(data: bytes):
