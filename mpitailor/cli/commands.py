@@ -15,12 +15,12 @@ from mpitailor.errors import UserError
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from mpitailor.jobs.merge import plan_recipe
     from mpitailor.planning.recipe import load_recipe
     comm: Comm = args.comm
     recipe = comm.root_step(load_recipe, args.recipe, args.output, args.world_size)
     if comm.root_step(_is_dcp, recipe):
         return _merge_dcp(comm, recipe, args)
+    from mpitailor.jobs.merge import plan_recipe  # (the ZeRO merge's: a DCP one needs none)
     _refuse_link(args)
     return run_planned(comm, plan_recipe(comm, recipe), args)
 

@@ -27,7 +27,7 @@ def write_links(comm: Comm, recipe: Recipe, plan: LinkPlan, root: Path,
     """Collective: every link made (rank 0), then its record ({"bytes", "crc32"}): the source
     save's recorded one, or the file's CRC-32 computed, files spread over the ranks by size.
     checked: the identities of files a recovery checked: each linked only as that file."""
-    known = comm.bcast(comm.root_step(_link_all, recipe, plan, root, checked or {}))
+    known = comm.root_step(_link_all, recipe, plan, root, checked or {})
     todo = sorted((n for n, rec in known.items() if "crc32" not in rec),
                   key=lambda n: (-known[n]["bytes"], n))
     load, mine = [0] * comm.size, []

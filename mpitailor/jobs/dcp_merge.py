@@ -119,8 +119,8 @@ def plan_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     data files, link mode's readability), and the plan, on every rank. Nothing written:
     `--dry-run` stops here."""
     t0 = time.perf_counter()
-    plan, saves = comm.bcast(comm.root_step(lambda: (
-        plan_dcp(recipe, read_dcp_sources(recipe, checked or {})), source_saves(recipe))))
+    plan, saves = comm.root_step(lambda: (
+        plan_dcp(recipe, read_dcp_sources(recipe, checked or {})), source_saves(recipe)))
     if link:
         comm.step(_links_readable, recipe, plan)
     linked = plan_links(plan) if link else None

@@ -156,7 +156,7 @@ def survey_dcp_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
     chosen again). crc=False leaves the CRC pass out (the training side's retention after
     each save: just written and read back). Prune needs all three; recovery refuses
     what cannot be read now (dcp_chain)."""
-    saves = comm.bcast(comm.root_step(find_dcp_saves, save_dir))
+    saves = comm.root_step(find_dcp_saves, save_dir)
     if until_step is not None:
         saves = [s for s in saves if s.step <= until_step]
     identities: dict[str, FileIdentity] = {}

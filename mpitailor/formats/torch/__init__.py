@@ -9,8 +9,7 @@ from mpitailor.formats.lazyface import face
 EXPORTS = {
     "cast": "casts",
     "materialize": "rawio", "rawio": "rawio", "read_slice": "rawio",
-    "Unpickler": "pickle_read", "counted": "pickle_read",
-    "StandInPickler": "opaque", "stand_in": "opaque",
+    "Unpickler": "pickle_read",
     "Size": "rebuild",
     "carried_globals": "safeload", "load": "safeload", "require_regular": "safeload",
     "trust": "safeload",

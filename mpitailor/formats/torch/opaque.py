@@ -208,5 +208,3 @@ class Pickler(pickle._Pickler):  # type: ignore[name-defined]
 
     dispatch[list] = save_list
 
-
-StandInPickler = Pickler  # the face's name for it (formats/dcp writes DCP's metadata)
