@@ -167,6 +167,7 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     mine: tuple[str, ...] = ()
     with staged(comm, recipe.output, [0]) as staging:
         if linked is not None:
+            comm.step(_check_linked_items, plan, recipe, comm.rank, comm.size, checked)
             files = write_links(comm, recipe, linked, staging.dir, checked)
         else:
             mine = planned.shares[comm.rank]
@@ -203,6 +204,28 @@ def _rank_stats(rank: int, planned: DcpMergePlan, files: dict, mine: tuple[str, 
         out["files_linked"] = len(planned.linked.links)
         out["bytes_linked"] = sum(files[x.name]["bytes"] for x in planned.linked.links)
     return {**out, **snapshot().since(before)}
+
+
+def _check_linked_items(plan: DcpPlan, recipe: Recipe, rank: int, ranks: int,
+                        checked: Checked) -> None:
+    """This rank's share of the items a linked output uses, checked as a copy checks what
+    it writes (_check_item): a link carries the source's bytes as they are, and dcp.load
+    unpickles a bytes entry with weights_only=False, so a payload a copy refuses must not
+    reach the output by a link either. Headers and pickles only: no tensor's data read."""
+    fds: dict[tuple[str, str], int] = {}
+    passed: set = set()
+    try:
+        for c in plan.copies[rank::ranks]:
+            key = (c.source, c.item.file)
+            folder = recipe.source_path(c.source)
+            if key not in fds:
+                fds[key] = open_regular(folder / c.item.file, "a DCP data file")
+                if str(folder / c.item.file) in checked:
+                    require_same(fds[key], folder / c.item.file,
+                                 checked[str(folder / c.item.file)])
+            _check_item(plan, c, folder, fds[key], passed)
+    finally:
+        close_all(fds)
 
 
 def _links_readable(recipe: Recipe, plan: DcpPlan) -> None:

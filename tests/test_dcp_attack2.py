@@ -1,0 +1,55 @@
+"""Holes a second hostile review found in the DCP surfaces that delete what others need or
+read what others wrote (prune, link mode, export, verify, inspect), each pinned by the test
+that failed before its fix.
+
+The fixture is the real 2-rank FSDP2 run `dcp_w2_parity` (a full save at step 2, odd layers at
+4, even layers at 6, odd layers at 8); every test works on its own copy."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from merging import run_cli
+
+FIXTURE = "dcp_w2_parity"
+
+
+class _Payload:
+    """What a crafted bytes entry holds: unpickled with torch.load(weights_only=False), as
+    DCP's default planner loads bytes entries, it calls a function (a harmless one here)."""
+
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def _save_with_payload(run: Path, out: Path) -> None:
+    """A plain dcp.save of run's step-2 (real entries) plus one bytes entry whose pickle
+    names posix.getpid: what a tampered save carries."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out.parent.mkdir(parents=True, exist_ok=True)
+    whole = out.parent.parent / "whole.pt"
+    dcp_to_torch_save(str(run / "step-2"), str(whole))
+    state = torch.load(whole, weights_only=False)
+    state["trainer_extra"] = _Payload()
+    dcp.save(state, checkpoint_id=str(out), no_dist=True)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_link_mode_carries_no_pickle_payload_that_a_copy_refuses(ckpt_copy, tmp_path):
+    """A copy checks every item it writes (a bytes entry through the allow-list: no payload
+    carried into the output); `--link` checked none, and published a composite whose bytes
+    entry dcp.load unpickles with weights_only=False: code run at the job's resume (the
+    in-job resume links too). Both refuse it now, in one line naming the file."""
+    run = ckpt_copy(FIXTURE)
+    saves = tmp_path / "tampered"
+    _save_with_payload(run, saves / "step-2")
+    for extra in ([], ["--link"]):
+        out = tmp_path / f"out{len(extra)}"
+        r = run_cli(["recover", str(saves), "-o", str(out), *extra], {})
+        assert r.returncode == 2, (extra, r.stdout, r.stderr)
+        assert "posix.getpid" in r.stderr and str(saves / "step-2") in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+        assert not out.exists() and not list(tmp_path.glob(".out*")), extra
