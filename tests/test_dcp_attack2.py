@@ -53,3 +53,22 @@ def test_link_mode_carries_no_pickle_payload_that_a_copy_refuses(ckpt_copy, tmp_
         assert "posix.getpid" in r.stderr and str(saves / "step-2") in r.stderr, r.stderr
         assert r.stderr.count("\n") == 1, r.stderr
         assert not out.exists() and not list(tmp_path.glob(".out*")), extra
+
+
+def test_inspect_names_the_saves_recover_takes_and_where_the_rest_comes_from(ckpt_copy):
+    """inspect SAVE_DIR said `recover step 8: step-2 and step-4, step-6, step-8` and `from
+    step-2: every other entry`, while recover takes from step-6 and step-8 only (every layer
+    of step-2 and step-4 saved again later) and everything outside the layers (the
+    optimizer's param groups, the trainer's own state) from its base, step-8."""
+    import json
+    run = ckpt_copy(FIXTURE)
+    r = run_cli(["inspect", str(run)], {})
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("recover"))
+    assert "step-6, step-8" in line and "step-2" not in line and "step-4" not in line, line
+    assert "from step-2" not in r.stdout, r.stdout
+    assert "from step-8 (the base): every entry outside the layers" in r.stdout, r.stdout
+    rep = json.loads(run_cli(["inspect", str(run), "--json"], {}).stdout)["recover"]
+    assert (rep["sources"], rep["base"]) == (["step-6", "step-8"], "step-8")
+    emitted = run_cli(["recover", str(run), "--emit-recipe"], {}).stdout
+    assert "taken from: step-6, step-8." in emitted  # what recover itself says

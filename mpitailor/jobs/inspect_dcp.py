@@ -149,6 +149,7 @@ def saves_report(save_dir: Path) -> dict:
     from mpitailor.cluster.comm import Comm
     from mpitailor.errors import MpitailorError
     from mpitailor.jobs.dcp_recovery import find_dcp_saves, survey_dcp_saves
+    from mpitailor.planning.chain import recovery_recipe
     rows = [{"name": s.name, "step": s.step,
              "kind": "-" if s.meta is None else "partial" if s.partial else "full",
              "layers": sort_keys(s.meta.held_layers) if s.partial else None,
@@ -164,8 +165,12 @@ def saves_report(save_dir: Path) -> dict:
         newest = s
         for k in s.meta.held_layers if s.partial else ():
             taken[k] = s.name
+    # what recover's recipe takes from where: a save whose every layer a newer one holds
+    # again supplies nothing, and every entry outside the layers comes from the base
+    recipe = recovery_recipe(save_dir, chain)
     return {"path": str(save_dir), "kind": "dcp-saves", "saves": rows,
             "recover": {"step": newest.step, "full": chain.full.name,
                         "partials": [s.name for s in chain.partials],
+                        "sources": [n for n, _ in recipe.sources], "base": recipe.base,
                         "layers": {k: taken[k] for k in sort_keys(taken)},
                         "skipped": dict(chain.skipped), "pruned": list(chain.pruned)}}
