@@ -72,3 +72,37 @@ def test_inspect_names_the_saves_recover_takes_and_where_the_rest_comes_from(ckp
     assert (rep["sources"], rep["base"]) == (["step-6", "step-8"], "step-8")
     emitted = run_cli(["recover", str(run), "--emit-recipe"], {}).stdout
     assert "taken from: step-6, step-8." in emitted  # what recover itself says
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+
+
+def test_recovery_says_so_when_a_pruned_saves_layers_come_from_an_older_copy(ckpt_copy):
+    """prune removed step-4 because step-8 held its layers again; step-8 is damaged later
+    (or deleted by hand): recovery then ends at step-6 and takes layers.1 and layers.3 from
+    step-2, two steps older than the copies that went with step-4, and said only `recovered
+    step 6 from step-2, step-6; skipped step-8`. The tombstone remembers the layers the
+    pruned save held, and recovery names the layers rolled back."""
+    import json
+    run = ckpt_copy(FIXTURE)
+    assert run_cli(["prune", str(run), "--keep-last", "0"], {}).returncode == 0
+    tomb = next((run / ".mpitailor-pruned").iterdir())
+    assert json.loads(tomb.read_text())["layers"] == ["embed", "layers.1", "layers.3",
+                                                      "lm_head", "norm"]
+    _flip(run / "step-8" / "__0_0.distcp", 1000)
+    r = run_cli(["recover", str(run), "--emit-recipe"], {})
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stdout.splitlines() if "older copies" in line]
+    assert said and "layers.1, layers.3" in said[0] and "step-4" in said[0], r.stdout
+    r = run_cli(["recover", str(run), "-o", str(run.parent / "out")], {})
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.splitlines()[-1]
+    assert "older copies" in line and "layers.1, layers.3" in line and "step-4" in line, line
+    os.truncate(run / "step-8" / "__0_0.distcp", 100)  # (inspect reads sizes, not CRCs)
+    r = run_cli(["inspect", str(run)], {})
+    assert "older copies" in r.stdout and "step-4" in r.stdout, r.stdout

@@ -98,6 +98,8 @@ def format_dcp_saves(rep: dict) -> str:
         lines.append(f"  skipped {shown(name)}: {why[:160]}")
     if rec["pruned"]:
         lines.append(f"  stepped across (pruned): {', '.join(shown(n) for n in rec['pruned'])}")
+    if rec.get("rolled_back"):
+        lines.append(f"  {rec['rolled_back']}")
     return "\n".join(lines)
 
 

@@ -43,7 +43,14 @@ from mpitailor.jobs.dcp_save_checks import (
 from mpitailor.jobs.readable import refuse_unreadable
 from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.jobs.tombstones import read_tombstones
-from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe, step_of_name
+from mpitailor.planning.chain import (
+    Chain,
+    Save,
+    choose,
+    recovery_recipe,
+    rolled_back_words,
+    step_of_name,
+)
 from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.lineage import vet
 from mpitailor.planning.recipe import Recipe
@@ -215,4 +222,6 @@ def recovered_dcp(recipe: Recipe, chain: Chain) -> str:
     line = f"recovered step {newest.step} from {', '.join(n for n, _ in recipe.sources)}"
     if chain.skipped:
         line += "; skipped " + ", ".join(f"{name} ({why})" for name, why in chain.skipped)
+    if (rolled := rolled_back_words(chain)) is not None:
+        line += f"; {rolled}"
     return line

@@ -149,7 +149,7 @@ def saves_report(save_dir: Path) -> dict:
     from mpitailor.cluster.comm import Comm
     from mpitailor.errors import MpitailorError
     from mpitailor.jobs.dcp_recovery import find_dcp_saves, survey_dcp_saves
-    from mpitailor.planning.chain import recovery_recipe
+    from mpitailor.planning.chain import recovery_recipe, rolled_back_words
     rows = [{"name": s.name, "step": s.step,
              "kind": "-" if s.meta is None else "partial" if s.partial else "full",
              "layers": sort_keys(s.meta.held_layers) if s.partial else None,
@@ -173,4 +173,5 @@ def saves_report(save_dir: Path) -> dict:
                         "partials": [s.name for s in chain.partials],
                         "sources": [n for n, _ in recipe.sources], "base": recipe.base,
                         "layers": {k: taken[k] for k in sort_keys(taken)},
-                        "skipped": dict(chain.skipped), "pruned": list(chain.pruned)}}
+                        "skipped": dict(chain.skipped), "pruned": list(chain.pruned),
+                        "rolled_back": rolled_back_words(chain)}}

@@ -99,7 +99,12 @@ def _read_one(path: Path, view) -> Pruned:
     step = raw["step"]
     if isinstance(step, bool) or not isinstance(step, int):
         raise ValueError(f"step {step!r} is not a number")
-    return Pruned(str(raw["name"]), step, lineage)
+    layers = raw.get("layers")  # (absent from the tombstones of before it was kept)
+    if layers is not None and not (isinstance(layers, list) and
+                                   all(isinstance(k, str) for k in layers)):
+        raise ValueError("its layers are not a list of names")
+    return Pruned(str(raw["name"]), step, lineage,
+                  None if layers is None else frozenset(layers))
 
 
 def _line(e: BaseException) -> str:
@@ -150,7 +155,8 @@ def write_tombstone(save_dir: Path, pruned: Pruned) -> Path:
     folder = _folder(save_dir / PRUNED_DIR)
     final = folder / pruned.lineage.save_id
     record = {"format": FORMAT, "name": pruned.name, "step": pruned.step,
-              **pruned.lineage.to_json()}
+              **pruned.lineage.to_json(),
+              **({} if pruned.layers is None else {"layers": sorted(pruned.layers)})}
     write_replacing(final, json.dumps(record).encode())
     return final
 
