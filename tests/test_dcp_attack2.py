@@ -106,3 +106,68 @@ def test_recovery_says_so_when_a_pruned_saves_layers_come_from_an_older_copy(ckp
     os.truncate(run / "step-8" / "__0_0.distcp", 100)  # (inspect reads sizes, not CRCs)
     r = run_cli(["inspect", str(run)], {})
     assert "older copies" in r.stdout and "step-4" in r.stdout, r.stdout
+
+
+def _paused(args: list[str], gate: Path, point: str = "commit"):
+    """The CLI run in the background, held at failpoint `point` on rank 0 until gate/go."""
+    import subprocess
+    import sys
+    import time
+
+    from child_env import child_env
+    gate.mkdir()
+    env = {**child_env(), "MPITAILOR_FAILPOINT": f"{point}:0:pause={gate}"}
+    job = subprocess.Popen([sys.executable, "-m", "mpitailor", *args], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (gate / "reached").exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    return job
+
+
+def test_prune_keeps_an_older_composite_while_an_export_reads_it(ckpt_copy, tmp_path):
+    """`export COMPOSITE` (a checkpoint given whole, not a save dir) held nothing: a prune
+    meanwhile removed the composite as older than the newest one, and the export's
+    --verify, which reads the source again, failed on a missing file after publishing."""
+    from dcp_export_config import tiny_config_dir
+    run = ckpt_copy(FIXTURE)
+    old = run / ".mpitailor-resume" / "recovered-step-6"
+    (run / "step-8").rename(tmp_path / "step-8")
+    assert run_cli(["recover", str(run), "-o", str(old)], {}).returncode == 0
+    (tmp_path / "step-8").rename(run / "step-8")
+    config = tiny_config_dir(tmp_path / "config")
+    job = _paused(["export", str(old), "-o", str(tmp_path / "hf"), "--format", "hf",
+                   "--config", str(config), "--verify"], tmp_path / "gate")
+    try:
+        r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+        assert r.returncode == 0, r.stderr
+        assert old.is_dir(), r.stdout
+        assert f"kept {old}: a live process reads it" in r.stdout, r.stdout
+    finally:
+        (tmp_path / "gate" / "go").touch()
+        out, err = job.communicate(timeout=180)
+    assert job.returncode == 0, out + err
+    r = run_cli(["prune", str(run), "--keep-last", "0"], {})  # once it has ended: gone
+    assert r.returncode == 0 and not old.exists(), r.stdout + r.stderr
+
+
+def test_prune_keeps_a_save_a_running_dcp_merge_reads(ckpt_copy, tmp_path):
+    """`merge RECIPE` of DCP saves held nothing (recover holds its sources): a prune run
+    meanwhile removed step-4, which the recipe takes layer 1 from, under the merge."""
+    run = ckpt_copy(FIXTURE)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"sources:\n  old: {run / 'step-4'}\n  new: {run / 'step-8'}\n"
+                      f"  even: {run / 'step-6'}\n"
+                      f"layers:\n  '0': even\n  '1': old\n  '2': even\n  '3': new\n"
+                      f"base: new\noutput: {tmp_path / 'out'}\n")
+    job = _paused(["merge", str(recipe)], tmp_path / "gate", point="write")
+    try:
+        r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+        assert r.returncode == 0, r.stderr
+        assert (run / "step-4").is_dir(), r.stdout
+        assert f"kept {run / 'step-4'}: a live process reads it" in r.stdout, r.stdout
+    finally:
+        (tmp_path / "gate" / "go").touch()
+        out, err = job.communicate(timeout=180)
+    assert job.returncode == 0, out + err

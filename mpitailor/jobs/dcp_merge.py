@@ -51,6 +51,7 @@ from mpitailor.formats.io import (
 )
 from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.dcp_links import write_links
+from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.planning.chain import step_of_name
 from mpitailor.planning.dcp_link import LinkPlan, plan_links
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
@@ -119,6 +120,8 @@ def plan_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     data files, link mode's readability), and the plan, on every rank. Nothing written:
     `--dry-run` stops here."""
     t0 = time.perf_counter()
+    # its sources held (rank 0) as recover holds them: a prune meanwhile keeps them
+    comm.root_step(hold_sources, [path for _, path in recipe.sources])
     plan, saves = comm.bcast(comm.root_step(lambda: (
         plan_dcp(recipe, read_dcp_sources(recipe, checked or {})), source_saves(recipe))))
     if link:
