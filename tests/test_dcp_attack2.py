@@ -130,13 +130,16 @@ def test_prune_keeps_an_older_composite_while_an_export_reads_it(ckpt_copy, tmp_
     """`export COMPOSITE` (a checkpoint given whole, not a save dir) held nothing: a prune
     meanwhile removed the composite as older than the newest one, and the export's
     --verify, which reads the source again, failed on a missing file after publishing."""
-    from dcp_export_config import tiny_config_dir
+    from ckpt_fixtures import build, spec_for
+
+    from dev.tinytrain.model import tiny_config
     run = ckpt_copy(FIXTURE)
     old = run / ".mpitailor-resume" / "recovered-step-6"
     (run / "step-8").rename(tmp_path / "step-8")
     assert run_cli(["recover", str(run), "-o", str(old)], {}).returncode == 0
     (tmp_path / "step-8").rename(run / "step-8")
-    config = tiny_config_dir(tmp_path / "config")
+    config = tmp_path / "config"
+    tiny_config(spec_for(FIXTURE, build(FIXTURE))).save_pretrained(config)
     job = _paused(["export", str(old), "-o", str(tmp_path / "hf"), "--format", "hf",
                    "--config", str(config), "--verify"], tmp_path / "gate")
     try:
