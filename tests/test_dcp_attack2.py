@@ -174,3 +174,30 @@ def test_prune_keeps_a_save_a_running_dcp_merge_reads(ckpt_copy, tmp_path):
         (tmp_path / "gate" / "go").touch()
         out, err = job.communicate(timeout=180)
     assert job.returncode == 0, out + err
+
+
+def test_export_of_a_save_dir_of_safetensors_dcp_saves(ckpt_copy, tmp_path):
+    """export SAVE_DIR plans the newest composite in link mode, whose items lost their
+    `safetensors` mark (planning/dcp_link.py rebuilt them without it): every chunk of
+    FileSystemWriter(SAFETENSORS) saves was then read as a torch.save item, and the export
+    refused valid saves ('not a torch.save item', one clause per rank). Now it writes the
+    bytes the export of the newest save itself writes, at 1 and 2 ranks."""
+    from ckpt_fixtures import build, spec_for
+
+    from dev.tinytrain.model import tiny_config
+    run = ckpt_copy("dcp_w2_fsdp2_safetensors")
+    config = tmp_path / "config"
+    tiny_config(spec_for("dcp_w2_fsdp2_safetensors",
+                         build("dcp_w2_fsdp2_safetensors"))).save_pretrained(config)
+    newest = max(run.glob("step-*"), key=lambda p: int(p.name[5:]))
+    want = tmp_path / "want"
+    r = run_cli(["export", str(newest), "-o", str(want), "--format", "hf", "--config",
+                 str(config)], {})
+    assert r.returncode == 0, r.stderr
+    for ranks in (1, 2):
+        out = tmp_path / f"got{ranks}"
+        r = run_cli(["export", str(run), "-o", str(out), "--format", "hf", "--config",
+                     str(config), "--verify"], {}, ranks=ranks)
+        assert r.returncode == 0, r.stderr
+        assert (out / "model.safetensors").read_bytes() == \
+            (want / "model.safetensors").read_bytes()
