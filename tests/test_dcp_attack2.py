@@ -201,3 +201,21 @@ def test_export_of_a_save_dir_of_safetensors_dcp_saves(ckpt_copy, tmp_path):
         assert r.returncode == 0, r.stderr
         assert (out / "model.safetensors").read_bytes() == \
             (want / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["step-8/mpitailor_save.json", "step-6/stats.json",
+                                  "step-2/mpitailor_save.json"])
+def test_stats_file_inside_a_source_is_refused(ckpt_copy, tmp_path, name):
+    """`recover DIR -o OUT --stats DIR/step-8/mpitailor_save.json` replaced the newest
+    save's record with the stats (recover then skipped step-8: 'format None'); a stats file
+    anywhere in a source save adds a file to an input, and in the full save (no source of
+    the composite, but the start of the timeline) it broke every later recovery. Refused
+    before anything is merged, in one line, nothing written."""
+    from conftest import tree_digest
+    run = ckpt_copy(FIXTURE)
+    before = tree_digest(run)
+    r = run_cli(["recover", str(run), "-o", str(tmp_path / "out"), "--stats",
+                 str(run / name)], {})
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "--stats" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert tree_digest(run) == before and not (tmp_path / "out").exists()

@@ -54,6 +54,7 @@ def _run_dcp(comm: Comm, recipe, args: argparse.Namespace, verb: str, checked=No
     from mpitailor.jobs.dcp_merge import (
         check_output_free,
         plan_dcp_merge,
+        refuse_inside_sources,
         run_dcp_merge,
     )
     from mpitailor.publish.staging import check_writable_file
@@ -61,6 +62,7 @@ def _run_dcp(comm: Comm, recipe, args: argparse.Namespace, verb: str, checked=No
     stats = Path(os.path.abspath(args.stats)) if args.stats else None  # links unresolved
     if stats is not None:  # written at the end: a bad path must fail before anything is merged
         comm.root_step(check_writable_file, stats, "--stats")
+        comm.root_step(refuse_inside_sources, stats, recipe.sources, "--stats")
     planned = plan_dcp_merge(comm, recipe, args.link, checked)
     if args.dry_run:
         comm.root_step(check_output_free, planned)
@@ -140,6 +142,10 @@ def _recover_dcp(comm: Comm, save_dir: Path, out: Path | None, patterns,
     if out is None and args.dry_run:  # a dry run needs no output: plan for a default one
         out = save_dir.parent / f"{save_dir.name}-recovered"
     recipe, chain, checked = recover_dcp_chain(comm, save_dir, out, patterns)
+    if args.stats:  # (not in a save the timeline needs either: its full save, say)
+        from mpitailor.jobs.dcp_merge import refuse_inside_sources
+        comm.root_step(refuse_inside_sources, Path(os.path.abspath(args.stats)),
+                       [(s.name, s.path) for s in (chain.full, *chain.partials)], "--stats")
     if args.emit_recipe:
         if comm.rank == 0:
             print(recipe.text, end="", flush=True)

@@ -131,6 +131,19 @@ def plan_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     return DcpMergePlan(recipe, plan, saves, linked, shares, time.perf_counter() - t0)
 
 
+def refuse_inside_sources(path: Path, sources, what: str) -> None:
+    """UserError, one line, where a file the run writes (path: --stats) lies in a source it
+    reads (sources: (name, dir) pairs, a recipe's, or every save a recovery's timeline
+    needs): written there, it adds to an input or replaces one of its files (a save's
+    record, and the save no longer reads). Compared where the path's folder really is."""
+    real = Path(os.path.realpath(path.parent)) / path.name
+    for name, src in sources:
+        src = Path(os.path.realpath(src))
+        if real == src or src in real.parents:
+            raise UserError(f"{what} {path}: inside the source {name} ({src}), which this "
+                            f"run reads and never writes; name a file outside the sources")
+
+
 def check_output_free(planned: DcpMergePlan) -> None:
     """Rank 0: what a run would refuse of the output before it writes, for a dry run, which
     writes nothing: a name that is none, an existing output (publish/staging.py), and in
