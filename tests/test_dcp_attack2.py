@@ -219,3 +219,27 @@ def test_stats_file_inside_a_source_is_refused(ckpt_copy, tmp_path, name):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "--stats" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert tree_digest(run) == before and not (tmp_path / "out").exists()
+
+
+def test_an_output_inside_a_source_save_is_refused(ckpt_copy, tmp_path):
+    """`recover DIR -o DIR/step-8/out` and `export DIR -o DIR/step-2/hf` wrote into a save
+    they read (an input modified), where the save's retention then deletes it with the
+    save (prune removes step-N whole). Refused in one line, nothing written."""
+    from ckpt_fixtures import build, spec_for
+    from conftest import tree_digest
+
+    from dev.tinytrain.model import tiny_config
+    run = ckpt_copy(FIXTURE)
+    config = tmp_path / "config"
+    tiny_config(spec_for(FIXTURE, build(FIXTURE))).save_pretrained(config)
+    before, names = tree_digest(run), sorted(os.listdir(run))
+    for args in (["recover", str(run), "-o", str(run / "step-8" / "out")],
+                 ["recover", str(run), "-o", str(run / "step-2" / "out"), "--link"],
+                 ["export", str(run), "-o", str(run / "step-6" / "hf"), "--format", "hf",
+                  "--config", str(config)],
+                 ["export", str(run / "step-2"), "-o", str(run / "step-2" / "hf"),
+                  "--format", "hf", "--config", str(config)]):
+        r = run_cli(args, {})
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert "inside the source" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert tree_digest(run) == before and sorted(os.listdir(run)) == names, args

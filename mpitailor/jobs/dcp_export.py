@@ -54,7 +54,11 @@ from mpitailor.formats.io import (
     write_synced,
 )
 from mpitailor.formats.manifest import ExportFields, Manifest
-from mpitailor.jobs.dcp_merge import read_dcp_sources, source_saves
+from mpitailor.jobs.dcp_merge import (
+    read_dcp_sources,
+    refuse_inside_sources,
+    source_saves,
+)
 from mpitailor.jobs.dcp_recovery import holds_dcp_saves, recover_dcp_chain
 from mpitailor.jobs.export import check_config
 from mpitailor.jobs.merge import check_shard_size
@@ -108,6 +112,7 @@ def run_dcp_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str 
         saves = tuple(name for name, _ in recipe.sources)
     else:  # held as recover holds its sources: a prune meanwhile keeps an old composite
         comm.root_step(hold_sources, [source])
+        comm.root_step(refuse_inside_sources, output, [(source.name, source)], "-o")
         meta, plan = comm.root_step(_plan, source, dtype, shard)
         sources = {"src": {"path": str(source), "save_id": meta.save_id, "format": "dcp"}}
     with staged(comm, output, [0]) as staging:

@@ -122,6 +122,8 @@ def plan_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     t0 = time.perf_counter()
     # its sources held (rank 0) as recover holds them: a prune meanwhile keeps them
     comm.root_step(hold_sources, [path for _, path in recipe.sources])
+    if recipe.output is not None:
+        comm.root_step(refuse_inside_sources, recipe.output, recipe.sources, "-o")
     plan, saves = comm.bcast(comm.root_step(lambda: (
         plan_dcp(recipe, read_dcp_sources(recipe, checked or {})), source_saves(recipe))))
     if link:
@@ -141,7 +143,8 @@ def refuse_inside_sources(path: Path, sources, what: str) -> None:
         src = Path(os.path.realpath(src))
         if real == src or src in real.parents:
             raise UserError(f"{what} {path}: inside the source {name} ({src}), which this "
-                            f"run reads and never writes; name a file outside the sources")
+                            f"run reads and never writes (its retention would delete it "
+                            f"with the save); name a path outside the sources")
 
 
 def check_output_free(planned: DcpMergePlan) -> None:

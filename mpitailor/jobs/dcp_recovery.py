@@ -33,6 +33,7 @@ from mpitailor.formats.dcp import (
 )
 from mpitailor.formats.io import FileIdentity
 from mpitailor.formats.manifest import MANIFEST, SAVE_RECORD
+from mpitailor.jobs.dcp_merge import refuse_inside_sources
 from mpitailor.jobs.dcp_save_checks import (
     check_crcs,
     check_layers,
@@ -210,6 +211,9 @@ def recover_dcp_chain(comm: Comm, save_dir: Path, output: Path | None,
     if layer_patterns:
         check_patterns(dict(layer_patterns), where="--layer-pattern")
     chain, identities = dcp_chain(comm, save_dir, until_step)
+    if output is not None:  # (not in a save the timeline needs: its full save, say)
+        comm.root_step(refuse_inside_sources, output,
+                       [(s.name, s.path) for s in (chain.full, *chain.partials)], "-o")
     recipe = comm.root_step(recovery_recipe, save_dir, chain, output, layer_patterns)
     comm.root_step(hold_sources, [path for _, path in recipe.sources])
     return recipe, chain, identities
