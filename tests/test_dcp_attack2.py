@@ -243,3 +243,23 @@ def test_an_output_inside_a_source_save_is_refused(ckpt_copy, tmp_path):
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert "inside the source" in r.stderr and r.stderr.count("\n") == 1, r.stderr
         assert tree_digest(run) == before and sorted(os.listdir(run)) == names, args
+
+
+def test_a_save_pruned_while_recover_surveys_it_is_said_as_such(ckpt_copy, tmp_path):
+    """A prune that removes step-4 while recover is reading the saves (before it holds
+    its sources): recover said `step-4: cannot be read now (... not found); it may hold
+    the newest copy of a layer: fix what stops the read (its permissions, the disk ...)`,
+    sending the user after a disk fault; it was removed, and a rerun recovers."""
+    run = ckpt_copy(FIXTURE)
+    job = _paused(["recover", str(run), "-o", str(tmp_path / "out")], tmp_path / "gate",
+                  point="read/step-4")
+    try:
+        r = run_cli(["prune", str(run), "--keep-last", "0"], {})
+        assert r.returncode == 0 and not (run / "step-4").exists(), r.stdout + r.stderr
+    finally:
+        (tmp_path / "gate" / "go").touch()
+        out, err = job.communicate(timeout=180)
+    assert job.returncode == 1, out + err
+    assert f"{run / 'step-4'}: removed while it was read" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+    assert run_cli(["recover", str(run), "-o", str(tmp_path / "out")], {}).returncode == 0

@@ -22,6 +22,7 @@ import logging
 import os
 from pathlib import Path
 
+from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
 from mpitailor.formats.dcp import (
@@ -41,7 +42,7 @@ from mpitailor.jobs.dcp_save_checks import (
     record_less_checked,
     unreadable_now,
 )
-from mpitailor.jobs.readable import refuse_unreadable
+from mpitailor.jobs.readable import refuse_unreadable, still_there, vanished
 from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.chain import (
@@ -101,6 +102,7 @@ def find_dcp_saves(save_dir: Path) -> list[Save]:
             continue
         if os.path.lexists(child / MANIFEST) and not os.path.lexists(child / SAVE_RECORD):
             continue  # an earlier merge's output, not a save
+        failpoints.hit("read", name)  # (a test holds the survey here: a prune meanwhile)
         found.append(_read_save(name, child))
     return record_less_checked(sorted(found, key=lambda s: (s.step, s.name)))
 
@@ -141,6 +143,8 @@ def _read_save(name: str, child: Path) -> Save:
         step = record.global_steps if record is not None else step_of_name(name)
         return Save(name, child, DcpSaveMeta(meta, record, step), lineage)
     except (CheckpointError, OSError) as e:
+        if not os.path.lexists(child):  # gone, not unreadable: a prune (or clean) meanwhile
+            raise vanished(child) from None
         return Save(name, child, None, lineage, str(e).split("\n")[0],
                     unreadable=unreadable_now(e, child))
 
@@ -152,6 +156,9 @@ def dcp_chain(comm: Comm, save_dir: Path, until_step: int | None = None
     the identity of every file checked: the merge refuses another file in its place (one
     swapped in since)."""
     saves, chain, identities = survey_dcp_saves(comm, save_dir, until_step)
+    # a save that failed a check because it is gone now (its CRC pass ran into a prune's
+    # removal) is said as such, not as one that cannot be read
+    comm.root_step(still_there, [s for s in saves if s.problem is not None])
     comm.root_step(refuse_unreadable, saves, chain)
     return chain, identities
 
