@@ -263,3 +263,19 @@ def test_a_save_pruned_while_recover_surveys_it_is_said_as_such(ckpt_copy, tmp_p
     assert f"{run / 'step-4'}: removed while it was read" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
     assert run_cli(["recover", str(run), "-o", str(tmp_path / "out")], {}).returncode == 0
+
+
+def test_rolled_back_layers_are_said_when_no_save_builds_on_the_tombstone_any_more(
+        ckpt_copy):
+    """The same, found by the prune-then-damage generator: step-8 removed by hand and
+    step-6's record lost, so no save builds on step-4's tombstone; recovery (step-2 alone)
+    took layers.1 and layers.3 from step-2 and said nothing of step-4's newer copies."""
+    import shutil
+    run = ckpt_copy(FIXTURE)
+    assert run_cli(["prune", str(run), "--keep-last", "0"], {}).returncode == 0
+    shutil.rmtree(run / "step-8")
+    (run / "step-6" / "mpitailor_save.json").unlink()
+    r = run_cli(["recover", str(run), "--emit-recipe"], {})
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stdout.splitlines() if "older copies" in line]
+    assert said and "layers.1, layers.3" in said[0] and "step-4" in said[0], r.stdout

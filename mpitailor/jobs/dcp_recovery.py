@@ -194,7 +194,7 @@ def _timeline(save_dir: Path, saves: list[Save]) -> Chain:
     for save_id, why in vetted.skipped:
         log.warning("ignoring %s: not a tombstone (%s); no save builds on it",
                     save_dir / PRUNED_DIR / save_id, why)
-    chain = choose(save_dir, saves, None, vetted.pruned)
+    chain = choose(save_dir, saves, None, vetted.pruned, vetted.unused)
     if chain is not None:
         return chain
     reasons = "; ".join(f"{s.name}: {s.problem}" for s in saves if s.problem is not None)

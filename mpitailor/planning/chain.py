@@ -74,10 +74,12 @@ class Chain:
 
 
 def choose(save_dir: Path, saves: list[Save], latest_tag: str | None,
-           pruned: tuple[Pruned, ...] = ()) -> Chain | None:
+           pruned: tuple[Pruned, ...] = (), orphans: tuple[Pruned, ...] = ()) -> Chain | None:
     """The timeline to recover: a usable full save and the partial saves built on it (None:
     no usable full save). latest_tag: what the save dir's `latest` names, if anything;
-    pruned: the tombstones of deleted saves (`follow` steps across them)."""
+    pruned: the tombstones of deleted saves (`follow` steps across them); orphans: good
+    tombstones no save builds on now (the saves after them damaged or gone), whose layers
+    the timeline may roll back all the same (Chain.rolled_back)."""
     by_name = {s.name: s for s in saves}
     fulls = [s for s in saves if s.problem is None and not s.partial]
     skipped: dict[str, str] = {s.name: s.problem for s in saves if s.problem is not None}
@@ -109,7 +111,20 @@ def choose(save_dir: Path, saves: list[Save], latest_tag: str | None,
             skipped[s.name] = s.problem
     return Chain(start, partials, tuple(sorted(skipped.items(),
                                                key=lambda kv: (by_name[kv[0]].step, kv[0]))),
-                 tuple(s.name for s in walk if isinstance(s, Pruned)), _rolled_back(walk))
+                 tuple(s.name for s in walk if isinstance(s, Pruned)),
+                 _rolled_back(_with_orphans(start, walk, tuple(
+                     p for p in orphans if p.lineage.save_id not in {
+                         s.lineage.save_id for s in saves if s.lineage is not None}))))
+
+
+def _with_orphans(start: Save, walk: list, orphans: tuple[Pruned, ...]) -> list:
+    """The walk with the orphan tombstones of start's chain after it, in step order: the
+    layers they held are rolled back unless a usable save newer than them holds them."""
+    if start.lineage is None or not orphans:
+        return walk
+    mine = [p for p in orphans if p.lineage.chain == start.lineage.chain and
+            p.step > start.step and p not in walk]
+    return sorted([*walk, *mine], key=lambda n: (n.step, n.name)) if mine else walk
 
 
 def _rolled_back(walk: list[Save | Pruned]) -> tuple[tuple[str, str], ...]:
