@@ -227,14 +227,15 @@ def _rank_stats(rank: int, planned: DcpMergePlan, files: dict, mine: tuple[str, 
 
 def _check_linked_items(plan: DcpPlan, recipe: Recipe, rank: int, ranks: int,
                         checked: Checked) -> None:
-    """This rank's share of the items a linked output uses, checked as a copy checks what
-    it writes (_check_item): a link carries the source's bytes as they are, and dcp.load
-    unpickles a bytes entry with weights_only=False, so a payload a copy refuses must not
-    reach the output by a link either. Headers and pickles only: no tensor's data read."""
+    """This rank's share of the bytes entries a linked output uses, checked as a copy
+    checks them (_check_item: through the allow-list): a link carries the source's bytes
+    as they are, and dcp.load unpickles a bytes entry with weights_only=False, so a payload
+    a copy refuses must not reach the output by a link either. (Tensor items it loads with
+    weights_only=True; left unread, as link mode reads no tensor.)"""
     fds: dict[tuple[str, str], int] = {}
     passed: set = set()
     try:
-        for c in plan.copies[rank::ranks]:
+        for c in [c for c in plan.copies if c.sizes is None][rank::ranks]:
             key = (c.source, c.item.file)
             folder = recipe.source_path(c.source)
             if key not in fds:
