@@ -279,3 +279,17 @@ def test_rolled_back_layers_are_said_when_no_save_builds_on_the_tombstone_any_mo
     assert r.returncode == 0, r.stderr
     said = [line for line in r.stdout.splitlines() if "older copies" in line]
     assert said and "layers.1, layers.3" in said[0] and "step-4" in said[0], r.stdout
+
+
+def test_stats_file_inside_a_zero_save_is_refused_too(ckpt_copy, tmp_path):
+    """The ZeRO recover had the same hole: `--stats DIR/global_step2/mpitailor_save.json`
+    replaced the full save's record, and no recovery of the run was possible after it."""
+    from conftest import tree_digest
+    run = ckpt_copy("w2_parity")
+    before = tree_digest(run)
+    for name in ("global_step2/mpitailor_save.json", "global_step8/stats.json"):
+        r = run_cli(["recover", str(run), "-o", str(tmp_path / "out"), "--stats",
+                     str(run / name)], {})
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert "--stats" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert tree_digest(run) == before and not (tmp_path / "out").exists()

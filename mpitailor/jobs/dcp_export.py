@@ -56,12 +56,12 @@ from mpitailor.formats.io import (
 from mpitailor.formats.manifest import ExportFields, Manifest
 from mpitailor.jobs.dcp_merge import (
     read_dcp_sources,
-    refuse_inside_sources,
     source_saves,
 )
 from mpitailor.jobs.dcp_recovery import holds_dcp_saves, recover_dcp_chain
 from mpitailor.jobs.export import check_config
 from mpitailor.jobs.merge import check_shard_size
+from mpitailor.jobs.readable import refuse_inside_sources
 from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.planning.dcp_hf import DcpHfPlan, plan_dcp_hf, shares
 from mpitailor.planning.dcp_link import plan_links

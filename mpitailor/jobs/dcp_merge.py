@@ -51,6 +51,7 @@ from mpitailor.formats.io import (
 )
 from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.dcp_links import write_links
+from mpitailor.jobs.readable import refuse_inside_sources
 from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.planning.chain import step_of_name
 from mpitailor.planning.dcp_link import LinkPlan, plan_links
@@ -131,20 +132,6 @@ def plan_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     linked = plan_links(plan) if link else None
     shares = () if link else tuple(tuple(s) for s in _share(plan.files(), comm.size))
     return DcpMergePlan(recipe, plan, saves, linked, shares, time.perf_counter() - t0)
-
-
-def refuse_inside_sources(path: Path, sources, what: str) -> None:
-    """UserError, one line, where a file the run writes (path: --stats) lies in a source it
-    reads (sources: (name, dir) pairs, a recipe's, or every save a recovery's timeline
-    needs): written there, it adds to an input or replaces one of its files (a save's
-    record, and the save no longer reads). Compared where the path's folder really is."""
-    real = Path(os.path.realpath(path.parent)) / path.name
-    for name, src in sources:
-        src = Path(os.path.realpath(src))
-        if real == src or src in real.parents:
-            raise UserError(f"{what} {path}: inside the source {name} ({src}), which this "
-                            f"run reads and never writes (its retention would delete it "
-                            f"with the save); name a path outside the sources")
 
 
 def check_output_free(planned: DcpMergePlan) -> None:

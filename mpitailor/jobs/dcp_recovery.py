@@ -34,7 +34,6 @@ from mpitailor.formats.dcp import (
 )
 from mpitailor.formats.io import FileIdentity
 from mpitailor.formats.manifest import MANIFEST, SAVE_RECORD
-from mpitailor.jobs.dcp_merge import refuse_inside_sources
 from mpitailor.jobs.dcp_save_checks import (
     check_crcs,
     check_layers,
@@ -42,7 +41,12 @@ from mpitailor.jobs.dcp_save_checks import (
     record_less_checked,
     unreadable_now,
 )
-from mpitailor.jobs.readable import refuse_unreadable, still_there, vanished
+from mpitailor.jobs.readable import (
+    refuse_inside_sources,
+    refuse_unreadable,
+    still_there,
+    vanished,
+)
 from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.jobs.tombstones import read_tombstones
 from mpitailor.planning.chain import (
