@@ -157,6 +157,10 @@ def saves_report(save_dir: Path) -> dict:
             for s in find_dcp_saves(save_dir)]
     try:
         _, chain, _ = survey_dcp_saves(Comm(), save_dir, crc=False)
+        # what recover's recipe takes from where: a save whose every layer a newer one
+        # holds again supplies nothing, and every entry outside the layers comes from the
+        # base (made here: what recover refuses in it, inspect says as a refusal)
+        recipe = recovery_recipe(save_dir, chain)
     except MpitailorError as e:
         return {"path": str(save_dir), "kind": "dcp-saves", "saves": rows,
                 "recover": {"refused": str(e).split("\n")[0]}}
@@ -165,9 +169,6 @@ def saves_report(save_dir: Path) -> dict:
         newest = s
         for k in s.meta.held_layers if s.partial else ():
             taken[k] = s.name
-    # what recover's recipe takes from where: a save whose every layer a newer one holds
-    # again supplies nothing, and every entry outside the layers comes from the base
-    recipe = recovery_recipe(save_dir, chain)
     return {"path": str(save_dir), "kind": "dcp-saves", "saves": rows,
             "recover": {"step": newest.step, "full": chain.full.name,
                         "partials": [s.name for s in chain.partials],
