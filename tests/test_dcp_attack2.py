@@ -293,3 +293,64 @@ def test_stats_file_inside_a_zero_save_is_refused_too(ckpt_copy, tmp_path):
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert "--stats" in r.stderr and r.stderr.count("\n") == 1, r.stderr
         assert tree_digest(run) == before and not (tmp_path / "out").exists()
+
+
+def _recovery(run: Path) -> tuple[str | None, bool]:
+    """What recover takes from where (its recipe less comments and paths; None: it
+    refuses), and whether it names layers rolled back past a tombstone."""
+    from mpitailor.cluster.comm import Comm
+    from mpitailor.errors import MpitailorError
+    from mpitailor.jobs.dcp_recovery import recover_dcp_chain
+    from mpitailor.jobs.readlocks import release
+    try:
+        recipe, chain, _ = recover_dcp_chain(Comm(), run, None)
+    except MpitailorError:
+        return None, False
+    finally:
+        release()
+    body = "\n".join(line for line in recipe.text.splitlines() if not line.startswith("#"))
+    return body.replace(str(run), "RUN"), bool(chain.rolled_back)
+
+
+def _damage_later(run: Path, plan: list[tuple[str, str, str]]) -> None:
+    import shutil
+    for kind, save, name in plan:
+        s = run / save
+        if not s.is_dir():
+            continue
+        f = s / name
+        if kind == "rm":
+            shutil.rmtree(s)
+        elif kind == "record":
+            (s / "mpitailor_save.json").unlink(missing_ok=True)
+        elif kind == "trunc" and f.exists():
+            os.truncate(f, 10)
+        elif kind == "flip" and f.exists() and f.stat().st_size > 1234:
+            _flip(f, 1234)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_prune_then_later_damage_is_never_a_silent_rollback(ckpt_copy, tmp_path, seed):
+    """The generator behind the rolled-back layers: prune (keep-last 0 to 2), then damage
+    the saves left at random (a flipped byte, a file cut short, a record lost, a save
+    gone), the same damage to an unpruned copy. Recovery of the pruned dir takes every layer from
+    where the unpruned one does, or names the layers it takes from older copies, or
+    refuses; never older copies unsaid."""
+    import random
+    import shutil
+
+    from mpitailor.cluster.comm import Comm
+    from mpitailor.jobs.prune import prune
+    rng = random.Random(seed)
+    pruned = ckpt_copy(FIXTURE)
+    whole = tmp_path / "whole"
+    shutil.copytree(pruned, whole)
+    prune(Comm(), pruned, rng.choice([0, 0, 1, 2]))
+    plan = [(rng.choice(["flip", "trunc", "record", "rm"]), rng.choice(["step-4", "step-6",
+                                                                       "step-8"]),
+             rng.choice(["__0_0.distcp", "__1_0.distcp"])) for _ in range(rng.randint(1, 2))]
+    plan = [p for p in plan if (pruned / p[1]).is_dir()]  # (the same damage to both)
+    for run in (pruned, whole):
+        _damage_later(run, plan)
+    (got, said), (want, _) = _recovery(pruned), _recovery(whole)
+    assert got == want or got is None or said, (plan, got, want)
