@@ -226,6 +226,8 @@ def recover_dcp_chain(comm: Comm, save_dir: Path, output: Path | None,
         comm.root_step(refuse_inside_sources, output,
                        [(s.name, s.path) for s in (chain.full, *chain.partials)], "-o")
     recipe = comm.root_step(recovery_recipe, save_dir, chain, output, layer_patterns)
+    if comm.rank == 0 and (rolled := rolled_back_words(chain)) is not None:
+        log.warning("recover: %s", rolled)  # (export of the save dir says nothing else)
     comm.root_step(hold_sources, [path for _, path in recipe.sources])
     return recipe, chain, identities
 
