@@ -382,3 +382,17 @@ def test_recover_of_a_save_dir_of_torchtitans_own_saves(tmp_path):
     tensors = [k for k, v in want.items() if isinstance(v, torch.Tensor)]
     assert tensors and sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in tensors)
+
+
+def test_a_tombstone_of_a_save_with_many_layers_reads_back(tmp_path):
+    """Tombstones now name the layers their save held, and were read bounded to 4 KiB: a
+    save of many layer keys (an MoE's experts by layer pattern) left a tombstone recovery
+    took for damaged, and refused the save dir."""
+    from mpitailor.formats.zero import Lineage
+    from mpitailor.jobs.tombstones import read_tombstones, write_tombstone
+    from mpitailor.planning.chain import Pruned
+    layers = frozenset(f"layers.{i}.experts.{j}" for i in range(64) for j in range(64))
+    lineage = Lineage("ab" * 16, "cd" * 16, "cd" * 16)
+    write_tombstone(tmp_path, Pruned("step-4", 4, lineage, layers))
+    found = read_tombstones(tmp_path)
+    assert not found.bad and found.good[0].layers == layers

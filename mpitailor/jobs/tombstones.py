@@ -42,7 +42,7 @@ from mpitailor.publish.staging import write_replacing
 FORMAT = "mpitailor-pruned"
 RECORD = Path("mpitailor-retention") / "pruned.json"  # in the save dir: see above
 RECORD_FORMAT = "mpitailor-pruned-list"
-MAX_TOMBSTONE_BYTES = 4096           # name, step, three ids: a few hundred bytes
+MAX_TOMBSTONE_BYTES = 16 << 20      # name, step, three ids and the save's layer keys
 MAX_LIST_BYTES = 64 << 20            # one 64-hex id per line: a million pruned saves
 
 
