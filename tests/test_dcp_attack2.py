@@ -391,8 +391,12 @@ def test_a_tombstone_of_a_save_with_many_layers_reads_back(tmp_path):
     from mpitailor.formats.zero import Lineage
     from mpitailor.jobs.tombstones import read_tombstones, write_tombstone
     from mpitailor.planning.chain import Pruned
-    layers = frozenset(f"layers.{i}.experts.{j}" for i in range(64) for j in range(64))
+    layers = frozenset(f"layers.{i}.experts.{j}" for i in range(32) for j in range(32))
     lineage = Lineage("ab" * 16, "cd" * 16, "cd" * 16)
     write_tombstone(tmp_path, Pruned("step-4", 4, lineage, layers))
     found = read_tombstones(tmp_path)
     assert not found.bad and found.good[0].layers == layers
+    many = frozenset(f"{k}.w{n}" for k in layers for n in range(8))  # (over 32 KiB: a
+    write_tombstone(tmp_path, Pruned("step-4", 4, lineage, many))  # node-local listing
+    found = read_tombstones(tmp_path)                                # carries less)
+    assert not found.bad and found.good[0].layers is None

@@ -42,7 +42,8 @@ from mpitailor.publish.staging import write_replacing
 FORMAT = "mpitailor-pruned"
 RECORD = Path("mpitailor-retention") / "pruned.json"  # in the save dir: see above
 RECORD_FORMAT = "mpitailor-pruned-list"
-MAX_TOMBSTONE_BYTES = 16 << 20      # name, step, three ids and the save's layer keys
+MAX_TOMBSTONE_BYTES = 64 << 10      # name, step, three ids and the layer keys (below)
+MAX_LAYERS_BYTES = 32 << 10          # a tombstone naming more layers names none
 MAX_LIST_BYTES = 64 << 20            # one 64-hex id per line: a million pruned saves
 
 
@@ -157,7 +158,11 @@ def write_tombstone(save_dir: Path, pruned: Pruned) -> Path:
     record = {"format": FORMAT, "name": pruned.name, "step": pruned.step,
               **pruned.lineage.to_json(),
               **({} if pruned.layers is None else {"layers": sorted(pruned.layers)})}
-    write_replacing(final, json.dumps(record).encode())
+    data = json.dumps(record).encode()
+    if len(data) > MAX_LAYERS_BYTES:  # (read through a node-local job's listings, which
+        # carry small files whole: the layers left out, their rollback then unsaid)
+        data = json.dumps({k: v for k, v in record.items() if k != "layers"}).encode()
+    write_replacing(final, data)
     return final
 
 
