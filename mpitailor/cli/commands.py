@@ -56,11 +56,13 @@ def _run_dcp(comm: Comm, recipe, args: argparse.Namespace, verb: str, checked=No
         plan_dcp_merge,
         run_dcp_merge,
     )
+    from mpitailor.jobs.readable import refuse_inside_sources
     from mpitailor.publish.staging import check_writable_file
     t0 = time.perf_counter()
     stats = Path(os.path.abspath(args.stats)) if args.stats else None  # links unresolved
     if stats is not None:  # written at the end: a bad path must fail before anything is merged
         comm.root_step(check_writable_file, stats, "--stats")
+        comm.root_step(refuse_inside_sources, stats, recipe.sources, "--stats")
     planned = plan_dcp_merge(comm, recipe, args.link, checked)
     if args.dry_run:
         comm.root_step(check_output_free, planned)
@@ -121,6 +123,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
         out = save_dir.parent / f"{save_dir.name}-recovered"
     recipe, chain, place = recover_chain(comm, save_dir, out, patterns, "--layer-pattern",
                                          args.world_size)
+    if args.stats:  # (not in a save the timeline needs either: its full save, say)
+        from mpitailor.jobs.readable import refuse_inside_sources
+        comm.root_step(refuse_inside_sources, Path(os.path.abspath(args.stats)),
+                       [(s.name, s.path) for s in (chain.full, *chain.partials)], "--stats")
     planned = plan_recipe(comm, recipe, place)
     return run_planned(comm, planned, args, lambda: recovered(planned.plan, chain))
 
@@ -140,6 +146,10 @@ def _recover_dcp(comm: Comm, save_dir: Path, out: Path | None, patterns,
     if out is None and args.dry_run:  # a dry run needs no output: plan for a default one
         out = save_dir.parent / f"{save_dir.name}-recovered"
     recipe, chain, checked = recover_dcp_chain(comm, save_dir, out, patterns)
+    if args.stats:  # (not in a save the timeline needs either: its full save, say)
+        from mpitailor.jobs.readable import refuse_inside_sources
+        comm.root_step(refuse_inside_sources, Path(os.path.abspath(args.stats)),
+                       [(s.name, s.path) for s in (chain.full, *chain.partials)], "--stats")
     if args.emit_recipe:
         if comm.rank == 0:
             print(recipe.text, end="", flush=True)
@@ -193,6 +203,8 @@ def run_planned(comm: Comm, planned, args: argparse.Namespace,
     stats = Path(os.path.abspath(args.stats)) if args.stats else None  # links unresolved
     if stats is not None:  # written at the end: a bad path must fail before anything is merged
         comm.root_step(check_writable_file, stats, "--stats")
+        from mpitailor.jobs.readable import refuse_inside_sources
+        comm.root_step(refuse_inside_sources, stats, planned.recipe.sources, "--stats")
     if args.dry_run:
         limits = comm.root_step(plan_limits, plan) if "universal" in opts.export else None
         if comm.rank == 0:

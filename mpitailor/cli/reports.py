@@ -80,20 +80,26 @@ def format_dcp_saves(rep: dict) -> str:
     if "refused" in rec:
         lines.append(f"recover      refuses: {rec['refused']}")
         return "\n".join(lines)
-    after = f" and {', '.join(shown(n) for n in rec['partials'])}" if rec["partials"] else ""
-    lines.append(f"recover      step {rec['step']}: {shown(rec['full'])}{after} (the newest "
-                 f"copy of every layer; CRC-32s not read here)")
+    lines.append(f"recover      step {rec['step']}: {', '.join(map(shown, rec['sources']))} "
+                 f"(the newest copy of every layer; CRC-32s not read here)")
     by_save: dict[str, list[str]] = {}
     for layer, save in rec["layers"].items():
         by_save.setdefault(save, []).append(shown(layer))
     for save, layers in by_save.items():
         lines.append(f"  from {shown(save)}: {', '.join(layers)}")
-    lines.append(f"  from {shown(rec['full'])}: " + ("every other entry" if by_save else
-                                                      "every entry"))
+    if not by_save:
+        lines.append(f"  from {shown(rec['full'])}: every entry")
+    else:  # (the rest of the layers from the full save, if it is a source at all)
+        if rec["full"] in rec["sources"]:
+            lines.append(f"  from {shown(rec['full'])}: every other layer")
+        lines.append(f"  from {shown(rec['base'])} (the base): every entry outside the layers "
+                     f"(the optimizer's param groups, the trainer's own state)")
     for name, why in rec["skipped"].items():
         lines.append(f"  skipped {shown(name)}: {why[:160]}")
     if rec["pruned"]:
         lines.append(f"  stepped across (pruned): {', '.join(shown(n) for n in rec['pruned'])}")
+    if rec.get("rolled_back"):
+        lines.append(f"  {rec['rolled_back']}")
     return "\n".join(lines)
 
 

@@ -54,10 +54,15 @@ from mpitailor.formats.io import (
     write_synced,
 )
 from mpitailor.formats.manifest import ExportFields, Manifest
-from mpitailor.jobs.dcp_merge import read_dcp_sources, source_saves
+from mpitailor.jobs.dcp_merge import (
+    read_dcp_sources,
+    source_saves,
+)
 from mpitailor.jobs.dcp_recovery import holds_dcp_saves, recover_dcp_chain
 from mpitailor.jobs.export import check_config
 from mpitailor.jobs.merge import check_shard_size
+from mpitailor.jobs.readable import refuse_inside_sources
+from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.planning.dcp_hf import DcpHfPlan, plan_dcp_hf, shares
 from mpitailor.planning.dcp_link import plan_links
 from mpitailor.planning.dcp_plan import plan_dcp
@@ -105,7 +110,9 @@ def run_dcp_export(comm: Comm, source: Path, output: Path, fmt: str, dtype: str 
         recipe, _, checked = recover_dcp_chain(comm, source, output)
         meta, plan, paths, sources = comm.root_step(_plan_chain, recipe, checked, dtype, shard)
         saves = tuple(name for name, _ in recipe.sources)
-    else:
+    else:  # held as recover holds its sources: a prune meanwhile keeps an old composite
+        comm.root_step(hold_sources, [source])
+        comm.root_step(refuse_inside_sources, output, [(source.name, source)], "-o")
         meta, plan = comm.root_step(_plan, source, dtype, shard)
         sources = {"src": {"path": str(source), "save_id": meta.save_id, "format": "dcp"}}
     with staged(comm, output, [0]) as staging:

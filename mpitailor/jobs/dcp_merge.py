@@ -51,6 +51,8 @@ from mpitailor.formats.io import (
 )
 from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.dcp_links import write_links
+from mpitailor.jobs.readable import refuse_inside_sources
+from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.planning.chain import step_of_name
 from mpitailor.planning.dcp_link import LinkPlan, plan_links
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
@@ -119,6 +121,10 @@ def plan_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     data files, link mode's readability), and the plan, on every rank. Nothing written:
     `--dry-run` stops here."""
     t0 = time.perf_counter()
+    # its sources held (rank 0) as recover holds them: a prune meanwhile keeps them
+    comm.root_step(hold_sources, [path for _, path in recipe.sources])
+    if recipe.output is not None:
+        comm.root_step(refuse_inside_sources, recipe.output, recipe.sources, "-o")
     plan, saves = comm.root_step(lambda: (
         plan_dcp(recipe, read_dcp_sources(recipe, checked or {})), source_saves(recipe)))
     if link:
@@ -167,6 +173,7 @@ def run_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
     mine: tuple[str, ...] = ()
     with staged(comm, recipe.output, [0]) as staging:
         if linked is not None:
+            comm.step(_check_linked_items, plan, recipe, comm.rank, comm.size, checked)
             files = write_links(comm, recipe, linked, staging.dir, checked)
         else:
             mine = planned.shares[comm.rank]
@@ -203,6 +210,29 @@ def _rank_stats(rank: int, planned: DcpMergePlan, files: dict, mine: tuple[str, 
         out["files_linked"] = len(planned.linked.links)
         out["bytes_linked"] = sum(files[x.name]["bytes"] for x in planned.linked.links)
     return {**out, **snapshot().since(before)}
+
+
+def _check_linked_items(plan: DcpPlan, recipe: Recipe, rank: int, ranks: int,
+                        checked: Checked) -> None:
+    """This rank's share of the bytes entries a linked output uses, checked as a copy
+    checks them (_check_item: through the allow-list): a link carries the source's bytes
+    as they are, and dcp.load unpickles a bytes entry with weights_only=False, so a payload
+    a copy refuses must not reach the output by a link either. (Tensor items it loads with
+    weights_only=True; left unread, as link mode reads no tensor.)"""
+    fds: dict[tuple[str, str], int] = {}
+    passed: set = set()
+    try:
+        for c in [c for c in plan.copies if c.sizes is None][rank::ranks]:
+            key = (c.source, c.item.file)
+            folder = recipe.source_path(c.source)
+            if key not in fds:
+                fds[key] = open_regular(folder / c.item.file, "a DCP data file")
+                if str(folder / c.item.file) in checked:
+                    require_same(fds[key], folder / c.item.file,
+                                 checked[str(folder / c.item.file)])
+            _check_item(plan, c, folder, fds[key], passed)
+    finally:
+        close_all(fds)
 
 
 def _links_readable(recipe: Recipe, plan: DcpPlan) -> None:

@@ -22,6 +22,7 @@ import logging
 import os
 from pathlib import Path
 
+from mpitailor import failpoints
 from mpitailor.cluster.comm import Comm
 from mpitailor.errors import CheckpointError, NothingToRecover, UserError
 from mpitailor.formats.dcp import (
@@ -40,10 +41,22 @@ from mpitailor.jobs.dcp_save_checks import (
     record_less_checked,
     unreadable_now,
 )
-from mpitailor.jobs.readable import refuse_unreadable
+from mpitailor.jobs.readable import (
+    refuse_inside_sources,
+    refuse_unreadable,
+    still_there,
+    vanished,
+)
 from mpitailor.jobs.readlocks import hold_sources
 from mpitailor.jobs.tombstones import read_tombstones
-from mpitailor.planning.chain import Chain, Save, choose, recovery_recipe, step_of_name
+from mpitailor.planning.chain import (
+    Chain,
+    Save,
+    choose,
+    recovery_recipe,
+    rolled_back_words,
+    step_of_name,
+)
 from mpitailor.planning.layers import check_patterns
 from mpitailor.planning.lineage import vet
 from mpitailor.planning.recipe import Recipe
@@ -93,6 +106,7 @@ def find_dcp_saves(save_dir: Path) -> list[Save]:
             continue
         if os.path.lexists(child / MANIFEST) and not os.path.lexists(child / SAVE_RECORD):
             continue  # an earlier merge's output, not a save
+        failpoints.hit("read", name)  # (a test holds the survey here: a prune meanwhile)
         found.append(_read_save(name, child))
     return record_less_checked(sorted(found, key=lambda s: (s.step, s.name)))
 
@@ -133,6 +147,8 @@ def _read_save(name: str, child: Path) -> Save:
         step = record.global_steps if record is not None else step_of_name(name)
         return Save(name, child, DcpSaveMeta(meta, record, step), lineage)
     except (CheckpointError, OSError) as e:
+        if not os.path.lexists(child):  # gone, not unreadable: a prune (or clean) meanwhile
+            raise vanished(child) from None
         return Save(name, child, None, lineage, str(e).split("\n")[0],
                     unreadable=unreadable_now(e, child))
 
@@ -144,6 +160,9 @@ def dcp_chain(comm: Comm, save_dir: Path, until_step: int | None = None
     the identity of every file checked: the merge refuses another file in its place (one
     swapped in since)."""
     saves, chain, identities = survey_dcp_saves(comm, save_dir, until_step)
+    # a save that failed a check because it is gone now (its CRC pass ran into a prune's
+    # removal) is said as such, not as one that cannot be read
+    comm.root_step(still_there, [s for s in saves if s.problem is not None])
     comm.root_step(refuse_unreadable, saves, chain)
     return chain, identities
 
@@ -179,7 +198,7 @@ def _timeline(save_dir: Path, saves: list[Save]) -> Chain:
     for save_id, why in vetted.skipped:
         log.warning("ignoring %s: not a tombstone (%s); no save builds on it",
                     save_dir / PRUNED_DIR / save_id, why)
-    chain = choose(save_dir, saves, None, vetted.pruned)
+    chain = choose(save_dir, saves, None, vetted.pruned, vetted.unused)
     if chain is not None:
         return chain
     reasons = "; ".join(f"{s.name}: {s.problem}" for s in saves if s.problem is not None)
@@ -203,7 +222,12 @@ def recover_dcp_chain(comm: Comm, save_dir: Path, output: Path | None,
     if layer_patterns:
         check_patterns(dict(layer_patterns), where="--layer-pattern")
     chain, identities = dcp_chain(comm, save_dir, until_step)
+    if output is not None:  # (not in a save the timeline needs: its full save, say)
+        comm.root_step(refuse_inside_sources, output,
+                       [(s.name, s.path) for s in (chain.full, *chain.partials)], "-o")
     recipe = comm.root_step(recovery_recipe, save_dir, chain, output, layer_patterns)
+    if comm.rank == 0 and (rolled := rolled_back_words(chain)) is not None:
+        log.warning("recover: %s", rolled)  # (export of the save dir says nothing else)
     comm.root_step(hold_sources, [path for _, path in recipe.sources])
     return recipe, chain, identities
 
@@ -215,4 +239,6 @@ def recovered_dcp(recipe: Recipe, chain: Chain) -> str:
     line = f"recovered step {newest.step} from {', '.join(n for n, _ in recipe.sources)}"
     if chain.skipped:
         line += "; skipped " + ", ".join(f"{name} ({why})" for name, why in chain.skipped)
+    if (rolled := rolled_back_words(chain)) is not None:
+        line += f"; {rolled}"
     return line

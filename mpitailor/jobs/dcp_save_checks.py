@@ -15,7 +15,7 @@ from pathlib import Path
 from mpitailor.cluster.comm import Comm
 from mpitailor.display import shown
 from mpitailor.errors import CheckpointError, UserError
-from mpitailor.formats.dcp import METADATA, DcpSaveMeta, split_key
+from mpitailor.formats.dcp import METADATA, DcpSaveMeta, split_keys
 from mpitailor.formats.io import FileIdentity, crc32_range, open_regular
 from mpitailor.formats.manifest import SAVE_RECORD
 from mpitailor.jobs.readable import cannot_read, odd_entry
@@ -77,7 +77,8 @@ def record_less_checked(saves: list[Save]) -> list[Save]:
     another full save holds is not one (a partial save whose record was lost), and taken as
     full it would be recovered from with those layers missing. Skipped, said."""
     full = [s for s in saves if s.meta is not None and not s.partial]
-    params = [{k.param for f in s.meta.metadata.tensors if (k := split_key(f)).role == "model"}
+    params = [{k.param for k in split_keys(s.meta.metadata.tensors).values()
+               if k.role == "model"}
               for s in full]
     union = set().union(*params) if params else set()
     out = []

@@ -32,7 +32,7 @@ from mpitailor.jobs.merge import MergeOptions, plan_recipe, run_merge
 from mpitailor.jobs.prune import RESUME_DIR
 from mpitailor.jobs.readlocks import hold_sources, release
 from mpitailor.jobs.recovery import find_saves, plan_recovery
-from mpitailor.planning.chain import Chain, recovery_recipe
+from mpitailor.planning.chain import Chain, recovery_recipe, rolled_back_words
 from mpitailor.planning.recipe import recipe_from
 from mpitailor.publish.leftovers import DISCARD, discard, path_of
 
@@ -116,7 +116,8 @@ def _recover_dcp(comm: Comm, save_dir: Path, until_step: int | None,
             run_dcp_merge(comm, comm.root_step(recovery_recipe, save_dir, chain, out),
                           link=output_root is None, checked=checked)
     return ResumePoint(out, f"resuming from {out} (step {base.step}), recovered"
-                            f"{' before' if reused else ''} from {_origin(chain)}{tidied}")
+                            f"{' before' if reused else ''} from {_origin(chain)}{tidied}",
+                       logging.WARNING if chain.rolled_back else logging.INFO)
 
 
 @contextmanager
@@ -167,8 +168,10 @@ def _written_once(comm: Comm, out: Path, base, world: int, recipe_of, place=None
 def _origin(chain: Chain) -> str:
     if not chain.partials:
         return f"the full save {chain.full.name} alone (no partial save follows it)"
+    rolled = rolled_back_words(chain)
     return (f"the full save {chain.full.name} and the partial saves "
-            f"{', '.join(p.name for p in chain.partials)} (newest copy of every layer)")
+            f"{', '.join(p.name for p in chain.partials)} (newest copy of every layer"
+            f"{f'; {rolled}' if rolled else ''})")
 
 
 def _is_recovery_of(out: Path, base, world: int) -> bool:

@@ -149,6 +149,7 @@ def saves_report(save_dir: Path) -> dict:
     from mpitailor.cluster.comm import Comm
     from mpitailor.errors import MpitailorError
     from mpitailor.jobs.dcp_recovery import find_dcp_saves, survey_dcp_saves
+    from mpitailor.planning.chain import recovery_recipe, rolled_back_words
     rows = [{"name": s.name, "step": s.step,
              "kind": "-" if s.meta is None else "partial" if s.partial else "full",
              "layers": sort_keys(s.meta.held_layers) if s.partial else None,
@@ -156,6 +157,10 @@ def saves_report(save_dir: Path) -> dict:
             for s in find_dcp_saves(save_dir)]
     try:
         _, chain, _ = survey_dcp_saves(Comm(), save_dir, crc=False)
+        # what recover's recipe takes from where: a save whose every layer a newer one
+        # holds again supplies nothing, and every entry outside the layers comes from the
+        # base (made here: what recover refuses in it, inspect says as a refusal)
+        recipe = recovery_recipe(save_dir, chain)
     except MpitailorError as e:
         return {"path": str(save_dir), "kind": "dcp-saves", "saves": rows,
                 "recover": {"refused": str(e).split("\n")[0]}}
@@ -167,5 +172,7 @@ def saves_report(save_dir: Path) -> dict:
     return {"path": str(save_dir), "kind": "dcp-saves", "saves": rows,
             "recover": {"step": newest.step, "full": chain.full.name,
                         "partials": [s.name for s in chain.partials],
+                        "sources": [n for n, _ in recipe.sources], "base": recipe.base,
                         "layers": {k: taken[k] for k in sort_keys(taken)},
-                        "skipped": dict(chain.skipped), "pruned": list(chain.pruned)}}
+                        "skipped": dict(chain.skipped), "pruned": list(chain.pruned),
+                        "rolled_back": rolled_back_words(chain)}}

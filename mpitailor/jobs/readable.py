@@ -29,7 +29,7 @@ from pathlib import Path
 
 from mpitailor.cluster.comm import Comm
 from mpitailor.cluster.nodes import Placement
-from mpitailor.errors import MpitailorError
+from mpitailor.errors import MpitailorError, UserError
 from mpitailor.planning.chain import Chain, Save, follow
 from mpitailor.planning.lineage import CannotReadNow
 
@@ -145,3 +145,17 @@ def still_there(saves: list[Save]) -> None:
 def vanished(path: Path) -> MpitailorError:
     return MpitailorError(f"{path}: removed while it was read (a prune, a save or `clean` "
                           f"running now?); run again")
+
+
+def refuse_inside_sources(path: Path, sources, what: str) -> None:
+    """UserError, one line, where a file the run writes (path: --stats) lies in a source it
+    reads (sources: (name, dir) pairs, a recipe's, or every save a recovery's timeline
+    needs): written there, it adds to an input or replaces one of its files (a save's
+    record, and the save no longer reads). Compared where the path's folder really is."""
+    real = Path(os.path.realpath(path.parent)) / path.name
+    for name, src in sources:
+        src = Path(os.path.realpath(src))
+        if real == src or src in real.parents:
+            raise UserError(f"{what} {path}: inside the source {name} ({src}), which this "
+                            f"run reads and never writes (its retention would delete it "
+                            f"with the save); name a path outside the sources")

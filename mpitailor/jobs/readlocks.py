@@ -27,14 +27,19 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def hold_sources(saves: Iterable[Path]) -> None:
-    """Hold each save shared (letting go of those an earlier call held), and see that each
-    is still the dir it was. MpitailorError, one line, when one is being removed or is
-    gone: nothing is then held."""
-    release()
+    """Hold each save shared (letting go of those an earlier call held and this one does not
+    name: one it names again stays held, with no moment unheld), and see that each is still
+    the dir it was. MpitailorError, one line, when one is being removed or is gone: nothing
+    is then held."""
+    saves = list(saves)
+    for save in [s for s in _held if s not in saves]:
+        os.close(_held.pop(save))
     if not _registered:
         atexit.register(release)
         _registered.append(True)
     for save in saves:
+        if save in _held:
+            continue
         try:
             fd = os.open(save, _DIR)
         except FileNotFoundError:

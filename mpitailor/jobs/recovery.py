@@ -188,7 +188,7 @@ def _timeline_to_recover(save_dir: Path, saves: list[Save], view=LOCAL,
         raise CannotReadNow(f"{shown(named.path)}: cannot be read now ({named.problem}); "
                             f"{shown(save_dir / LATEST)} names it as the save to resume from: "
                             f"fix its permissions (or the disk) and run again")
-    chain = choose(save_dir, saves, tag, vetted.pruned)
+    chain = choose(save_dir, saves, tag, vetted.pruned, vetted.unused)
     if chain is None:
         raise _nothing(save_dir, saves, {s.name: s.problem for s in saves
                                          if s.problem is not None}, view)

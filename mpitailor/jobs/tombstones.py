@@ -42,7 +42,8 @@ from mpitailor.publish.staging import write_replacing
 FORMAT = "mpitailor-pruned"
 RECORD = Path("mpitailor-retention") / "pruned.json"  # in the save dir: see above
 RECORD_FORMAT = "mpitailor-pruned-list"
-MAX_TOMBSTONE_BYTES = 4096           # name, step, three ids: a few hundred bytes
+MAX_TOMBSTONE_BYTES = 64 << 10      # name, step, three ids and the layer keys (below)
+MAX_LAYERS_BYTES = 32 << 10          # a tombstone naming more layers names none
 MAX_LIST_BYTES = 64 << 20            # one 64-hex id per line: a million pruned saves
 
 
@@ -99,7 +100,12 @@ def _read_one(path: Path, view) -> Pruned:
     step = raw["step"]
     if isinstance(step, bool) or not isinstance(step, int):
         raise ValueError(f"step {step!r} is not a number")
-    return Pruned(str(raw["name"]), step, lineage)
+    layers = raw.get("layers")  # (absent from the tombstones of before it was kept)
+    if layers is not None and not (isinstance(layers, list) and
+                                   all(isinstance(k, str) for k in layers)):
+        raise ValueError("its layers are not a list of names")
+    return Pruned(str(raw["name"]), step, lineage,
+                  None if layers is None else frozenset(layers))
 
 
 def _line(e: BaseException) -> str:
@@ -150,8 +156,13 @@ def write_tombstone(save_dir: Path, pruned: Pruned) -> Path:
     folder = _folder(save_dir / PRUNED_DIR)
     final = folder / pruned.lineage.save_id
     record = {"format": FORMAT, "name": pruned.name, "step": pruned.step,
-              **pruned.lineage.to_json()}
-    write_replacing(final, json.dumps(record).encode())
+              **pruned.lineage.to_json(),
+              **({} if pruned.layers is None else {"layers": sorted(pruned.layers)})}
+    data = json.dumps(record).encode()
+    if len(data) > MAX_LAYERS_BYTES:  # (read through a node-local job's listings, which
+        # carry small files whole: the layers left out, their rollback then unsaid)
+        data = json.dumps({k: v for k, v in record.items() if k != "layers"}).encode()
+    write_replacing(final, data)
     return final
 
 

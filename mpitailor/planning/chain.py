@@ -56,6 +56,7 @@ class Pruned:
     name: str
     step: int
     lineage: Lineage
+    layers: frozenset[str] | None = None  # the layers it held (None: a tombstone of before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +67,19 @@ class Chain:
     partials: tuple[Save, ...]
     skipped: tuple[tuple[str, str], ...]   # (save name, why)
     pruned: tuple[str, ...] = ()           # saves of the timeline deleted by prune
+    # (layer, pruned save): layers whose newest copy went with a pruned save, and that no
+    # usable save after it holds again (the one prune relied on damaged or gone since):
+    # recovery takes them from an older copy, and says so
+    rolled_back: tuple[tuple[str, str], ...] = ()
 
 
 def choose(save_dir: Path, saves: list[Save], latest_tag: str | None,
-           pruned: tuple[Pruned, ...] = ()) -> Chain | None:
+           pruned: tuple[Pruned, ...] = (), orphans: tuple[Pruned, ...] = ()) -> Chain | None:
     """The timeline to recover: a usable full save and the partial saves built on it (None:
     no usable full save). latest_tag: what the save dir's `latest` names, if anything;
-    pruned: the tombstones of deleted saves (`follow` steps across them)."""
+    pruned: the tombstones of deleted saves (`follow` steps across them); orphans: good
+    tombstones no save builds on now (the saves after them damaged or gone), whose layers
+    the timeline may roll back all the same (Chain.rolled_back)."""
     by_name = {s.name: s for s in saves}
     fulls = [s for s in saves if s.problem is None and not s.partial]
     skipped: dict[str, str] = {s.name: s.problem for s in saves if s.problem is not None}
@@ -104,7 +111,49 @@ def choose(save_dir: Path, saves: list[Save], latest_tag: str | None,
             skipped[s.name] = s.problem
     return Chain(start, partials, tuple(sorted(skipped.items(),
                                                key=lambda kv: (by_name[kv[0]].step, kv[0]))),
-                 tuple(s.name for s in walk if isinstance(s, Pruned)))
+                 tuple(s.name for s in walk if isinstance(s, Pruned)),
+                 _rolled_back(_with_orphans(start, walk, tuple(
+                     p for p in orphans if p.lineage.save_id not in {
+                         s.lineage.save_id for s in saves if s.lineage is not None}))))
+
+
+def _with_orphans(start: Save, walk: list, orphans: tuple[Pruned, ...]) -> list:
+    """The walk with the orphan tombstones of start's chain after it, in step order: the
+    layers they held are rolled back unless a usable save newer than them holds them."""
+    if start.lineage is None or not orphans:
+        return walk
+    mine = [p for p in orphans if p.lineage.chain == start.lineage.chain and
+            p.step > start.step and p not in walk]
+    return sorted([*walk, *mine], key=lambda n: (n.step, n.name)) if mine else walk
+
+
+def _rolled_back(walk: list[Save | Pruned]) -> tuple[tuple[str, str], ...]:
+    """(layer, pruned save) for each layer a pruned save of the walk held that nothing after
+    it holds again: no usable save, no pruned one (checked in its turn)."""
+    out = []
+    for i, node in enumerate(walk):
+        if not isinstance(node, Pruned) or not node.layers:
+            continue
+        later: set[str] = set()
+        for n in walk[i + 1:]:
+            if isinstance(n, Pruned):
+                later |= n.layers or set()
+            elif n.problem is None and n.partial:
+                later |= n.meta.held_layers
+        out += [(k, node.name) for k in sort_keys(node.layers - later)]
+    return tuple(out)
+
+
+def rolled_back_words(chain: Chain) -> str | None:
+    """chain.rolled_back in words (None: nothing rolled back)."""
+    if not chain.rolled_back:
+        return None
+    by: dict[str, list[str]] = {}
+    for layer, name in chain.rolled_back:
+        by.setdefault(name, []).append(layer)
+    return "; ".join(f"{', '.join(ls)} from older copies: their newest went with {name}, "
+                     f"pruned because a newer save held them, which is not usable now"
+                     for name, ls in by.items())
 
 
 def follow(start: Save, saves: list[Save],
@@ -167,6 +216,8 @@ def recovery_recipe(save_dir: Path, chain: Chain, output: Path | None = None,
     lines += [f"skipped {n}: {why}" for n, why in chain.skipped]
     if chain.pruned:
         lines.append(f"stepped across, deleted by mpitailor prune: {', '.join(chain.pruned)}")
+    if (rolled := rolled_back_words(chain)) is not None:
+        lines.append(rolled)
     header = "".join(f"# {_comment(line)}\n" for line in lines)
     return recipe_from(recipe, origin=f"recover {save_dir}", header=header,
                        world_size=world_size)

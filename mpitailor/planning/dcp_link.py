@@ -11,9 +11,9 @@ link's references, and the composite keeps its blocks alive. Pure: no I/O.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from mpitailor.formats.dcp import DcpMetadata, Item
+from mpitailor.formats.dcp import DcpMetadata
 from mpitailor.planning.dcp_plan import DcpPlan
 
 
@@ -45,8 +45,9 @@ def plan_links(plan: DcpPlan) -> LinkPlan:
         if key not in links:
             links[key] = Link(c.source, c.item.file, link_name(index[c.source], c.item.file))
         i = c.item
-        items[(c.fqn, c.offsets)] = Item(i.fqn, i.offsets, links[key].name, i.offset, i.length,
-                                         i.transforms)
+        # (replace, not a new Item: its safetensors mark kept, which export's link-mode
+        # plan of a save dir reads chunks by)
+        items[(c.fqn, c.offsets)] = replace(i, file=links[key].name)
     out = plan.output
     return LinkPlan(tuple(sorted(links.values(), key=lambda link: link.name)),
                     DcpMetadata(out.tensors, out.bytes_entries, items, out.version, out.save_id,

@@ -267,7 +267,8 @@ def _mark(verdicts: list[Verdict], saves: list[Save], pruned: tuple[Pruned, ...]
     marks: dict[str, Pruned] = {p.lineage.save_id: p for p in pruned}
     for s in saves:
         if s.name in gone and s.lineage is not None:
-            marks[s.lineage.save_id] = Pruned(s.name, s.step, s.lineage)
+            marks[s.lineage.save_id] = Pruned(s.name, s.step, s.lineage, frozenset(
+                s.meta.held_layers) if s.partial else None)
     needed: set[str] = set()
     for s in staying:  # marks between a remaining save and a remaining ancestor are needed
         pid, between = s.lineage.parent, []

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpitailor.errors import CheckpointError
-from mpitailor.formats.dcp.keys import split_key
+from mpitailor.formats.dcp.keys import split_keys
 from mpitailor.formats.dcp.metadata import DcpMetadata
 from mpitailor.formats.io import MAX_MANIFEST_BYTES, loads, read_small, shown
 from mpitailor.formats.manifest import (
@@ -137,6 +137,8 @@ class DcpSaveMeta:
         return () if self.record is None else tuple(self.record.layer_patterns.items())
 
     def layer_keys(self, classify: Callable[[str], str]) -> set[str]:
-        """The layer keys of the parameters the save holds."""
-        return {classify(k.param) for f in self.metadata.tensors
-                if (k := split_key(f)).role == "model"}
+        """The layer keys of the parameters the save holds (its keys split as its layout
+        says: torchtitan's parameters lie at the top level, get_state_dict's under
+        `model.`)."""
+        return {classify(k.param) for k in split_keys(self.metadata.tensors).values()
+                if k.role == "model"}
