@@ -148,3 +148,9 @@ def _saved(failed: list, spec: TrainSpec, step: int, call, *args, **kwargs) -> b
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run(TrainSpec.from_json(Path(sys.argv[1]).read_text()), sys.argv[2])
+    # The work is done and the process group left: exit at once. Interpreter teardown with
+    # gloo's threads still alive can abort() ("terminate called without an active
+    # exception", exit -6) on one rank now and then (worker.py's shutdown says the same).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
