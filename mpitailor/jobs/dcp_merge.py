@@ -223,14 +223,8 @@ def _check_linked_items(plan: DcpPlan, recipe: Recipe, rank: int, ranks: int,
     passed: set = set()
     try:
         for c in [c for c in plan.copies if c.sizes is None][rank::ranks]:
-            key = (c.source, c.item.file)
             folder = recipe.source_path(c.source)
-            if key not in fds:
-                fds[key] = open_regular(folder / c.item.file, "a DCP data file")
-                if str(folder / c.item.file) in checked:
-                    require_same(fds[key], folder / c.item.file,
-                                 checked[str(folder / c.item.file)])
-            _check_item(plan, c, folder, fds[key], passed)
+            _check_item(plan, c, folder, _source_fd(fds, c, folder, checked), passed)
     finally:
         close_all(fds)
 
@@ -274,6 +268,18 @@ def _write_files(plan: DcpPlan, recipe: Recipe, root: Path, names: list[str],
     return records
 
 
+def _source_fd(fds: dict, c: Copy, folder: Path, checked: Checked) -> int:
+    """The source data file of copy c, opened once (fds: by source and file), only as the
+    very file a recovery checked where it checked it."""
+    key = (c.source, c.item.file)
+    if key not in fds:
+        path = folder / c.item.file
+        fds[key] = open_regular(path, "a DCP data file")
+        if str(path) in checked:
+            require_same(fds[key], path, checked[str(path)])
+    return fds[key]
+
+
 def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
                 fds: dict, checked: Checked) -> dict:
     """One output data file: each item checked, the file's CRC-32 continued over its bytes
@@ -285,25 +291,20 @@ def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
     copier, crc, passed = Copier(), 0, set()
     try:
         for c in copies:  # (in offset order: the output's items one after the other)
-            key = (c.source, c.item.file)
             folder = recipe.source_path(c.source)
-            if key not in fds:
-                fds[key] = open_regular(folder / c.item.file, "a DCP data file")
-                if str(folder / c.item.file) in checked:
-                    require_same(fds[key], folder / c.item.file,
-                                 checked[str(folder / c.item.file)])
-            located = _check_item(plan, c, folder, fds[key], passed)
+            fd = _source_fd(fds, c, folder, checked)
+            located = _check_item(plan, c, folder, fd, passed)
             if c.item.safetensors:
-                crc = _write_zip_item(c, plan.output.tensors[c.fqn].dtype, located, fds[key],
+                crc = _write_zip_item(c, plan.output.tensors[c.fqn].dtype, located, fd,
                                       out[path.name], copier, crc)
                 continue
-            crc, got = crc32_range(fds[key], c.item.offset, c.item.length, crc)
+            crc, got = crc32_range(fd, c.item.offset, c.item.length, crc)
             if got < c.item.length:
                 raise CheckpointError(
                     f"{folder / c.item.file}: ends before the item of {c.fqn!r:.80} its "
                     f"metadata places at byte {c.item.offset} ({c.item.length} bytes); the "
                     f"file is truncated")
-            copy_unchanged(fds[key], c.item.offset, c.item.length, out[path.name],
+            copy_unchanged(fd, c.item.offset, c.item.length, out[path.name],
                            c.offset, copier, str(folder / c.item.file))
         copier.drain()
         fsync_close(out)
