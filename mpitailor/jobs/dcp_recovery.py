@@ -179,12 +179,15 @@ def survey_dcp_saves(comm: Comm, save_dir: Path, until_step: int | None = None,
     if until_step is not None:
         saves = [s for s in saves if s.step <= until_step]
     identities: dict[str, FileIdentity] = {}
-    while True:
+    done: set[str] = set()  # saves whose files passed: not read again when a damaged one
+    while True:             # is skipped and the timeline chosen again
         chain = comm.root_step(_timeline, save_dir, saves)
         if not crc:
             break
-        names = {chain.full.name, *(s.name for s in chain.partials)}
-        saves, identities = check_crcs(comm, saves, names)
+        names = {chain.full.name, *(s.name for s in chain.partials)} - done
+        saves, passed = check_crcs(comm, saves, names)
+        identities.update(passed)
+        done |= names
         if all(s.problem is None for s in saves if s.name in names):
             break
     return saves, chain, identities
