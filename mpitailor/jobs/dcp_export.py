@@ -54,11 +54,8 @@ from mpitailor.formats.io import (
     write_synced,
 )
 from mpitailor.formats.manifest import ExportFields, Manifest
-from mpitailor.jobs.dcp_merge import (
-    read_dcp_sources,
-    source_saves,
-)
 from mpitailor.jobs.dcp_recovery import holds_dcp_saves, recover_dcp_chain
+from mpitailor.jobs.dcp_sources import read_dcp_sources, source_saves
 from mpitailor.jobs.export import check_config
 from mpitailor.jobs.merge import check_shard_size
 from mpitailor.jobs.readable import refuse_inside_sources

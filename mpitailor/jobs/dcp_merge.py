@@ -26,16 +26,10 @@ from mpitailor.formats.dcp import (
     METADATA,
     DcpMetadata,
     Located,
-    check_bytes_item,
-    check_data_files,
-    locate,
     metadata_bytes,
-    read_dcp_save_record,
-    read_metadata,
     zip_item,
 )
 from mpitailor.formats.io import (
-    FileIdentity,
     FileRecord,
     close_all,
     crc32_combine,
@@ -43,34 +37,24 @@ from mpitailor.formats.io import (
     create_sized,
     created,
     fsync_close,
-    open_regular,
     pwrite_all,
     read_small,
-    read_upto,
-    require_same,
 )
 from mpitailor.formats.manifest import Manifest
 from mpitailor.jobs.dcp_links import write_links
+from mpitailor.jobs.dcp_sources import (
+    Checked,
+    check_item,
+    read_dcp_sources,
+    source_fd,
+    source_saves,
+)
 from mpitailor.jobs.readable import refuse_inside_sources
 from mpitailor.jobs.readlocks import hold_sources
-from mpitailor.planning.chain import step_of_name
 from mpitailor.planning.dcp_link import LinkPlan, plan_links
 from mpitailor.planning.dcp_plan import Copy, DcpPlan, plan_dcp
 from mpitailor.planning.recipe import Recipe
 from mpitailor.publish.staging import check_output_name, commit_on_leaders, staged
-
-Checked = dict[str, FileIdentity]  # a source file's path -> what it was when checked
-
-
-def _still(path: Path, checked: Checked) -> None:
-    """CheckpointError if the file at path is not what was checked (where it was)."""
-    if str(path) not in checked:
-        return
-    fd = open_regular(path, "a DCP .metadata file")
-    try:
-        require_same(fd, path, checked[str(path)])
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,22 +81,6 @@ class DcpMergePlan:
     linked: LinkPlan | None
     shares: tuple[tuple[str, ...], ...]
     seconds: float = 0.0   # planning took (read, check, plan)
-
-
-def read_dcp_sources(recipe: Recipe, checked: Checked | None = None) -> dict:
-    """Every source's metadata, its data files checked to hold what it places in them;
-    checked: the identities of files a recovery checked (jobs/dcp_save_checks.py): a
-    `.metadata` that is another file now is refused (looked at before and after it is
-    read)."""
-    checked = checked or {}
-    metas = {}
-    for name, path in recipe.sources:
-        _still(path / METADATA, checked)
-        metas[name] = read_metadata(path)
-        _still(path / METADATA, checked)
-    for name, path in recipe.sources:
-        check_data_files(path, metas[name])
-    return metas
 
 
 def plan_dcp_merge(comm: Comm, recipe: Recipe, link: bool = False,
@@ -224,7 +192,7 @@ def _check_linked_items(plan: DcpPlan, recipe: Recipe, rank: int, ranks: int,
     try:
         for c in [c for c in plan.copies if c.sizes is None][rank::ranks]:
             folder = recipe.source_path(c.source)
-            _check_item(plan, c, folder, _source_fd(fds, c, folder, checked), passed)
+            check_item(plan, c, folder, source_fd(fds, c, folder, checked), passed)
     finally:
         close_all(fds)
 
@@ -268,18 +236,6 @@ def _write_files(plan: DcpPlan, recipe: Recipe, root: Path, names: list[str],
     return records
 
 
-def _source_fd(fds: dict, c: Copy, folder: Path, checked: Checked) -> int:
-    """The source data file of copy c, opened once (fds: by source and file), only as the
-    very file a recovery checked where it checked it."""
-    key = (c.source, c.item.file)
-    if key not in fds:
-        path = folder / c.item.file
-        fds[key] = open_regular(path, "a DCP data file")
-        if str(path) in checked:
-            require_same(fds[key], path, checked[str(path)])
-    return fds[key]
-
-
 def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
                 fds: dict, checked: Checked) -> dict:
     """One output data file: each item checked, the file's CRC-32 continued over its bytes
@@ -292,8 +248,8 @@ def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
     try:
         for c in copies:  # (in offset order: the output's items one after the other)
             folder = recipe.source_path(c.source)
-            fd = _source_fd(fds, c, folder, checked)
-            located = _check_item(plan, c, folder, fd, passed)
+            fd = source_fd(fds, c, folder, checked)
+            located = check_item(plan, c, folder, fd, passed)
             if c.item.safetensors:
                 crc = _write_zip_item(c, plan.output.tensors[c.fqn].dtype, located, fd,
                                       out[path.name], copier, crc)
@@ -314,9 +270,6 @@ def _write_file(path: Path, copies: list[Copy], plan: DcpPlan, recipe: Recipe,
     return {"bytes": size, "crc32": f"{crc:08x}"}
 
 
-SMALL_ITEM = 1 << 16  # a bytes entry's item up to this size is checked once per content
-
-
 def _write_zip_item(c: Copy, dtype: str, located: Located, fd: int, out: int,
                     copier: Copier, crc: int) -> int:
     """A chunk of a source's safetensors blob written at c.offset as the torch.save item
@@ -333,24 +286,6 @@ def _write_zip_item(c: Copy, dtype: str, located: Located, fd: int, out: int,
     copy_unchanged(fd, located.offset, located.nbytes, out, c.offset + z.data_offset,
                    copier, str(located.file))
     return crc32_combine(crc, z.crc(data_crc), z.length)
-
-
-def _check_item(plan: DcpPlan, c: Copy, folder: Path, fd: int, passed: set
-                ) -> Located | None:
-    """What is copied is what the metadata says: a tensor chunk's item a torch.save of a
-    contiguous tensor of its dtype and shape, a bytes entry's item a torch.save the torch
-    reader's allow-list reads (no payload carried into the output). passed: the bytes of
-    small bytes items already read (a run's per-parameter hyper-parameters: thousands of
-    items, a few contents)."""
-    if c.sizes is None:
-        blob = read_upto(fd, c.item.length, c.item.offset) \
-            if c.item.length <= SMALL_ITEM and not c.item.transforms else None
-        if blob is None or blob not in passed:
-            check_bytes_item(folder, fd, c.item)
-            if blob is not None and len(blob) == c.item.length:
-                passed.add(blob)
-        return None
-    return locate(folder, fd, c.item, plan.output.tensors[c.fqn], c.sizes)
 
 
 def _write_metadata(output: DcpMetadata, root: Path) -> dict:
@@ -378,19 +313,6 @@ def _copy_side_files(base: Path, root: Path) -> dict:
                 rec.update(data)
                 f.write(data)
             out[name] = rec.record()
-    return out
-
-
-def source_saves(recipe: Recipe) -> dict[str, dict]:
-    """Each source as the manifest names it: mpitailor's save id and step from its save
-    record (formats/dcp/save_record.py), for a plain DCP checkpoint none and the step of its
-    name (`step-N`). Retention (jobs/prune.py) tells the newest composite by them."""
-    out = {}
-    for name, path in recipe.sources:
-        record = read_dcp_save_record(path)
-        out[name] = {"save_id": None, "global_steps": step_of_name(path.name)} \
-            if record is None else {"save_id": record.lineage.save_id,
-                                    "global_steps": record.global_steps}
     return out
 
 
